@@ -1,0 +1,78 @@
+"""Settings for the service: the one place that reads the environment (prefix LORAPLEX_)."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+
+from pydantic import Field, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+DEFAULT_SECRET = "dev-insecure-secret-change-me"
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="LORAPLEX_", env_file=None, frozen=True, extra="ignore")
+
+    environment: str = "development"  # development | test | production
+    secret_key: str = DEFAULT_SECRET  # keys the API-key hash and signs console sessions
+    data_dir: Path = Path(".loraplex")
+    database_url: str | None = None  # default: sqlite file under data_dir
+    redis_url: str | None = None  # when set: Redis quotas, Celery broker, engine registry
+    adapter_store_dir: Path | None = None  # default: data_dir / "adapters"
+
+    # engine (embedded)
+    model: str = "smollm2-135m"
+    served_model_name: str | None = None
+    dtype: str = "float32"
+    kv_cache_memory: int = 512 * 1024 * 1024
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_loras: int = 8
+    max_cpu_loras: int = 64
+    max_lora_rank: int = 64
+
+    # uploads
+    max_upload_bytes: int = 512 * 1024 * 1024
+    max_adapter_members: int = 64
+
+    # default quotas for new tenants (per plan overrides live in the database)
+    default_requests_per_minute: int = 600
+    default_tokens_per_minute: int = 200_000
+    default_max_concurrent: int = 32
+    default_monthly_token_budget: int = 100_000_000
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    celery_task_always_eager: bool | None = None  # None: eager unless redis_url is set
+    engine_queue: str = Field(default="engine", description="Celery queue the engine process consumes")
+
+    @model_validator(mode="after")
+    def _refuse_insecure_defaults(self) -> Settings:
+        if self.environment not in {"development", "test"} and self.secret_key == DEFAULT_SECRET:
+            raise ValueError(
+                "LORAPLEX_SECRET_KEY must be set to a random secret outside development "
+                "(for example: python -c 'import secrets; print(secrets.token_urlsafe(32))')"
+            )
+        if self.environment not in {"development", "test"} and len(self.secret_key) < 16:
+            raise ValueError("LORAPLEX_SECRET_KEY must be at least 16 characters")
+        return self
+
+    @property
+    def resolved_database_url(self) -> str:
+        return self.database_url or f"sqlite:///{(self.data_dir / 'loraplex.db').resolve()}"
+
+    @property
+    def resolved_adapter_store_dir(self) -> Path:
+        return self.adapter_store_dir or (self.data_dir / "adapters")
+
+    @property
+    def tasks_eager(self) -> bool:
+        if self.celery_task_always_eager is not None:
+            return self.celery_task_always_eager
+        return self.redis_url is None
+
+
+@lru_cache
+def get_settings() -> Settings:
+    return Settings()

@@ -1,0 +1,25 @@
+"""Errors the engine raises for bad requests. The control plane maps them to HTTP 400/404/503."""
+
+
+class EngineError(Exception):
+    """Base class for engine errors."""
+
+
+class InvalidRequestError(EngineError, ValueError):
+    """The request itself is malformed (empty prompt, too long, bad sampling parameters)."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+class ModelLoadError(EngineError):
+    """A model directory, GGUF file or Hub id could not be loaded."""
+
+
+class AdapterLoadError(EngineError):
+    """An adapter could not be loaded into the engine (missing, corrupt, incompatible)."""
+
+
+class EngineOverloadedError(EngineError):
+    """The engine cannot accept more work right now (queue full or shutting down)."""

@@ -1,0 +1,84 @@
+"""Sampling parameters, validated on construction so a bad request fails before it reaches a step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from loraplex.engine.errors import InvalidRequestError
+
+_GREEDY_EPS = 1e-5
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1 or 0: disabled
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16  # None: up to the context length
+    min_tokens: int = 0
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logprobs: int | None = None  # number of top alternatives to return per token (0: chosen token only)
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+    _stop_list: list[str] = field(init=False, repr=False, default_factory=list)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self._stop_list = [s for s in (self.stop or []) if s]
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        self._validate()
+
+    @property
+    def stop_strings(self) -> list[str]:
+        return self._stop_list
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < _GREEDY_EPS
+
+    def _validate(self) -> None:
+        def bad(msg: str, param: str) -> InvalidRequestError:
+            return InvalidRequestError(msg, param=param)
+
+        if not isinstance(self.n, int) or self.n < 1:
+            raise bad(f"n must be at least 1, got {self.n}", "n")
+        if self.n > 128:
+            raise bad(f"n must be at most 128, got {self.n}", "n")
+        if self.temperature < 0:
+            raise bad(f"temperature must be non-negative, got {self.temperature}", "temperature")
+        if not (0.0 < self.top_p <= 1.0):
+            raise bad(f"top_p must be in (0, 1], got {self.top_p}", "top_p")
+        if self.top_k is None:
+            self.top_k = -1
+        if self.top_k < -1:
+            raise bad(f"top_k must be -1 (disabled) or at least 1, got {self.top_k}", "top_k")
+        if not (0.0 <= self.min_p <= 1.0):
+            raise bad(f"min_p must be in [0, 1], got {self.min_p}", "min_p")
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+            raise bad(f"max_tokens must be at least 1, got {self.max_tokens}", "max_tokens")
+        if self.min_tokens < 0 or (self.max_tokens is not None and self.min_tokens > self.max_tokens):
+            raise bad(f"min_tokens must be in [0, max_tokens], got {self.min_tokens}", "min_tokens")
+        if not (-2.0 <= self.presence_penalty <= 2.0):
+            raise bad(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}", "presence_penalty")
+        if not (-2.0 <= self.frequency_penalty <= 2.0):
+            raise bad(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}", "frequency_penalty")
+        if not (0.0 < self.repetition_penalty <= 2.0):
+            raise bad(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}", "repetition_penalty")
+        if self.logprobs is not None and not (0 <= self.logprobs <= 20):
+            raise bad(f"logprobs must be in [0, 20], got {self.logprobs}", "logprobs")
+        if self.prompt_logprobs is not None and not (0 <= self.prompt_logprobs <= 20):
+            raise bad(f"prompt_logprobs must be in [0, 20], got {self.prompt_logprobs}", "prompt_logprobs")
+        if len(self._stop_list) > 16:
+            raise bad("at most 16 stop strings are allowed", "stop")
+        if any(t < 0 for t in self.stop_token_ids):
+            raise bad("stop_token_ids must be non-negative", "stop_token_ids")

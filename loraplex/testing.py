@@ -1,0 +1,132 @@
+"""Tiny randomly initialised models and tokenizers, made locally, for tests and quick demos.
+
+No model hub is needed: the tokenizer is a byte-level BPE trained on a few sentences, and the weights are
+drawn from a seeded generator and saved as a Hugging Face directory (config, safetensors, tokenizer,
+chat template, generation config).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+_CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Many tenants fine-tune one base model with LoRA adapters and serve them together.",
+    "A paged KV cache keeps fixed-size blocks of keys and values for every sequence.",
+    "Continuous batching lets requests join and leave the batch at every step.",
+    "Hello world! Numbers 0 1 2 3 4 5 6 7 8 9 and punctuation: , . ; ? ( ) [ ] { } - + = / * & % $ # @ !",
+    "Grüße aus München, 東京, مرحبا, emoji 🙂 and more unicode text.",
+]
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+
+def make_tokenizer(out_dir: str | Path, vocab_size: int = 384):
+    """Train a byte-level BPE tokenizer and save it as a fast HF tokenizer with a chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_CORPUS * 4, trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token=None,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        unk_token=None,
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(str(out_dir))
+    return fast
+
+
+def make_tiny_model(
+    out_dir: str | Path,
+    arch: str = "llama",
+    *,
+    hidden_size: int = 64,
+    intermediate_size: int = 128,
+    num_hidden_layers: int = 2,
+    num_attention_heads: int = 4,
+    num_key_value_heads: int = 2,
+    max_position_embeddings: int = 512,
+    tie_word_embeddings: bool | None = None,
+    seed: int = 0,
+    vocab_size: int = 384,
+) -> Path:
+    """Create a tiny random model directory. arch: "llama", "qwen2", "mistral" or "tied" (llama, tied
+    embeddings like SmolLM2). Returns the directory."""
+    import torch
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = make_tokenizer(out, vocab_size=vocab_size)
+    eos_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    common = dict(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_hidden_layers,
+        num_attention_heads=num_attention_heads,
+        num_key_value_heads=num_key_value_heads,
+        max_position_embeddings=max_position_embeddings,
+        eos_token_id=eos_id,
+        bos_token_id=None,
+        pad_token_id=tokenizer.pad_token_id,
+        rms_norm_eps=1e-6,
+    )
+    if arch in ("llama", "tied"):
+        from transformers import LlamaConfig
+
+        config = LlamaConfig(
+            **common,
+            rope_theta=10000.0,
+            tie_word_embeddings=(arch == "tied") if tie_word_embeddings is None else tie_word_embeddings,
+        )
+    elif arch == "qwen2":
+        from transformers import Qwen2Config
+
+        config = Qwen2Config(
+            **common, rope_theta=1000000.0, tie_word_embeddings=bool(tie_word_embeddings)
+        )
+    elif arch == "mistral":
+        from transformers import MistralConfig
+
+        config = MistralConfig(
+            **common, rope_theta=10000.0, sliding_window=None, tie_word_embeddings=bool(tie_word_embeddings)
+        )
+    else:
+        raise ValueError(f"unknown tiny arch {arch!r}")
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    # Random init with std 0.02 makes near-uniform logits and ties in greedy decoding; a larger spread
+    # gives decisive argmaxes so token-for-token comparisons are meaningful.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            elif p.dim() == 1:  # biases
+                p.normal_(0.0, 0.1)
+            else:
+                p.normal_(0.0, 0.15)
+    model.save_pretrained(str(out), safe_serialization=True)
+    GenerationConfig(eos_token_id=eos_id, pad_token_id=tokenizer.pad_token_id).save_pretrained(str(out))
+    (out / "loraplex_tiny.json").write_text(json.dumps({"arch": arch, "seed": seed}))
+    return out
