@@ -1,0 +1,1 @@
+"""Usage rollups, prices, monthly statements and reports: money in integer micro-units, never floats."""
