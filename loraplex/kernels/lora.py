@@ -1,0 +1,209 @@
+"""Batched multi-LoRA: per-step token grouping, per-projection slot weights, shrink and expand.
+
+Every token of a step may use a different adapter slot (or none, slot -1). `LoraBatch` sorts the tokens
+by slot once per step; every LoRA-aware projection of every layer reuses it.
+
+`LoraSlotWeights` holds one projection's weights for all device slots. A projection may be fused from
+several PEFT modules (qkv, gate_up): each is a *slice* with its own output columns and its own A/B.
+Per slot, the A rows of the slices are packed back to back (rank_offsets), so one matmul shrinks every
+slice at once and an adapter of rank 8 costs rank 8, not the largest rank a slot could hold. B keeps a
+row per output feature; a slice's columns beyond its rank are never read.
+
+The torch path (CPU, and the oracle for the Triton kernels) loops over the adapters present in the step,
+never over tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class LoraBatch:
+    """Token-to-adapter mapping for one step, built once and shared by every layer."""
+
+    num_tokens: int
+    sorted_token_ids: torch.Tensor  # [num_lora_tokens] int64: tokens that use an adapter, grouped by slot
+    slot_ids: list[int]  # active slots, in the order of their groups
+    starts: list[int]  # start of each group in sorted_token_ids
+    counts: list[int]  # number of tokens in each group
+    contiguous: bool  # sorted_token_ids == arange(num_lora_tokens): no gather/scatter needed
+    # the same group description as device tensors, for the Triton kernels
+    slot_ids_t: torch.Tensor
+    starts_t: torch.Tensor
+    counts_t: torch.Tensor
+
+    @property
+    def num_lora_tokens(self) -> int:
+        return int(self.sorted_token_ids.numel())
+
+    @property
+    def max_count(self) -> int:
+        return max(self.counts, default=0)
+
+    @property
+    def empty(self) -> bool:
+        return not self.slot_ids
+
+    @classmethod
+    def build(cls, token_slots: list[int] | torch.Tensor, device: torch.device | str = "cpu") -> LoraBatch:
+        """token_slots: the adapter slot of every token in the step, -1 for the base model."""
+        slots = torch.as_tensor(token_slots, dtype=torch.int64, device="cpu").reshape(-1)
+        num_tokens = int(slots.numel())
+        lora_tokens = torch.nonzero(slots >= 0).reshape(-1)
+        order = torch.argsort(slots[lora_tokens], stable=True)
+        sorted_ids = lora_tokens[order]
+        slot_ids, counts = torch.unique_consecutive(slots[sorted_ids], return_counts=True)
+        starts = torch.cumsum(counts, 0) - counts
+        n = int(sorted_ids.numel())
+        contiguous = bool(n == 0 or torch.equal(sorted_ids, torch.arange(n)))
+        dev = torch.device(device)
+        return cls(
+            num_tokens=num_tokens,
+            sorted_token_ids=sorted_ids.to(dev),
+            slot_ids=slot_ids.tolist(),
+            starts=starts.tolist(),
+            counts=counts.tolist(),
+            contiguous=contiguous,
+            slot_ids_t=slot_ids.to(dev, torch.int32),
+            starts_t=starts.to(dev, torch.int32),
+            counts_t=counts.to(dev, torch.int32),
+        )
+
+
+class LoraSlotWeights:
+    """One projection's LoRA weights for every device slot, allocated once.
+
+    a: [num_slots, num_slices * max_rank, in_features]   A rows of all slices, packed per slot
+    b: [num_slots, sum(out_slices), max_rank]            B, row n belongs to the slice that owns column n
+    """
+
+    def __init__(
+        self,
+        num_slots: int,
+        in_features: int,
+        out_slices: tuple[int, ...],
+        max_rank: int,
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        if num_slots <= 0 or max_rank <= 0 or not out_slices:
+            raise ValueError("LoraSlotWeights needs at least one slot, one slice and rank >= 1")
+        self.num_slots = num_slots
+        self.in_features = in_features
+        self.out_slices = tuple(out_slices)
+        self.out_offsets = tuple(sum(out_slices[:i]) for i in range(len(out_slices)))
+        self.out_features = sum(out_slices)
+        self.max_rank = max_rank
+        num_slices = len(out_slices)
+        self.a = torch.zeros(num_slots, num_slices * max_rank, in_features, dtype=dtype, device=device)
+        self.b = torch.zeros(num_slots, self.out_features, max_rank, dtype=dtype, device=device)
+        # host copies drive the torch path's loop; device copies drive the Triton kernels
+        self.ranks: list[list[int]] = [[0] * num_slices for _ in range(num_slots)]
+        self.rank_offsets: list[list[int]] = [[0] * num_slices for _ in range(num_slots)]
+        self.ranks_t = torch.zeros(num_slots, num_slices, dtype=torch.int32, device=device)
+        self.rank_offsets_t = torch.zeros(num_slots, num_slices, dtype=torch.int32, device=device)
+        self.rank_totals_t = torch.zeros(num_slots, dtype=torch.int32, device=device)
+        self.out_sizes_t = torch.tensor(self.out_slices, dtype=torch.int32, device=device)
+        self.out_offsets_t = torch.tensor(self.out_offsets, dtype=torch.int32, device=device)
+
+    @property
+    def num_slices(self) -> int:
+        return len(self.out_slices)
+
+    def set_slot(self, slot: int, weights: list[tuple[torch.Tensor, torch.Tensor] | None]) -> None:
+        """weights: per slice, (A [r, in], B [out_slice, r]) with the scaling folded into B, or None when
+        the adapter does not target that slice."""
+        if len(weights) != self.num_slices:
+            raise ValueError(f"expected {self.num_slices} slices, got {len(weights)}")
+        offset = 0
+        ranks, offsets = [], []
+        for i, pair in enumerate(weights):
+            if pair is None:
+                ranks.append(0)
+                offsets.append(offset)
+                continue
+            a, b = pair
+            r = a.shape[0]
+            if a.shape != (r, self.in_features) or b.shape != (self.out_slices[i], r):
+                raise ValueError(
+                    f"slice {i}: A {tuple(a.shape)} / B {tuple(b.shape)} do not fit "
+                    f"in={self.in_features}, out={self.out_slices[i]}"
+                )
+            if r > self.max_rank:
+                raise ValueError(f"rank {r} exceeds the slot capacity max_rank={self.max_rank}")
+            self.a[slot, offset : offset + r].copy_(a, non_blocking=True)
+            o = self.out_offsets[i]
+            self.b[slot, o : o + self.out_slices[i], :r].copy_(b, non_blocking=True)
+            ranks.append(r)
+            offsets.append(offset)
+            offset += r
+        self.ranks[slot] = ranks
+        self.rank_offsets[slot] = offsets
+        self.ranks_t[slot] = torch.tensor(ranks, dtype=torch.int32)
+        self.rank_offsets_t[slot] = torch.tensor(offsets, dtype=torch.int32)
+        self.rank_totals_t[slot] = offset
+
+    def clear_slot(self, slot: int) -> None:
+        # Stale A/B values are harmless once the ranks say zero: nothing reads past a slice's rank.
+        zeros = [0] * self.num_slices
+        self.ranks[slot] = list(zeros)
+        self.rank_offsets[slot] = list(zeros)
+        self.ranks_t[slot] = 0
+        self.rank_offsets_t[slot] = 0
+        self.rank_totals_t[slot] = 0
+
+    def rank_total(self, slot: int) -> int:
+        return sum(self.ranks[slot])
+
+
+def lora_shrink_torch(x: torch.Tensor, w: LoraSlotWeights, batch: LoraBatch) -> torch.Tensor:
+    """x [num_tokens, in] -> [num_lora_tokens, num_slices * max_rank] in sorted order; per group only the
+    first rank_total(slot) columns are meaningful."""
+    out = x.new_empty(batch.num_lora_tokens, w.a.shape[1])
+    xs = x[: batch.num_lora_tokens] if batch.contiguous else x.index_select(0, batch.sorted_token_ids)
+    for slot, start, count in zip(batch.slot_ids, batch.starts, batch.counts, strict=True):
+        rt = w.rank_total(slot)
+        if rt == 0:
+            continue
+        torch.mm(xs[start : start + count], w.a[slot, :rt].t(), out=out[start : start + count, :rt])
+    return out
+
+
+def lora_expand_torch(y: torch.Tensor, shrunk: torch.Tensor, w: LoraSlotWeights, batch: LoraBatch) -> None:
+    """y [num_tokens, out] += per-slice shrunk @ B^T for every token's adapter."""
+    if batch.contiguous:
+        ys = y[: batch.num_lora_tokens]
+        delta = None
+    else:
+        delta = y.new_zeros(batch.num_lora_tokens, w.out_features)
+        ys = delta
+    for slot, start, count in zip(batch.slot_ids, batch.starts, batch.counts, strict=True):
+        rows = slice(start, start + count)
+        for r, roff, o, size in zip(w.ranks[slot], w.rank_offsets[slot], w.out_offsets, w.out_slices, strict=True):
+            if r == 0:
+                continue
+            ys[rows, o : o + size].addmm_(shrunk[rows, roff : roff + r], w.b[slot, o : o + size, :r].t())
+    if delta is not None:
+        y.index_add_(0, batch.sorted_token_ids, delta)
+
+
+def add_lora_torch(y: torch.Tensor, x: torch.Tensor, w: LoraSlotWeights, batch: LoraBatch) -> None:
+    if batch.empty:
+        return
+    lora_expand_torch(y, lora_shrink_torch(x, w, batch), w, batch)
+
+
+def add_lora(y: torch.Tensor, x: torch.Tensor, w: LoraSlotWeights, batch: LoraBatch) -> None:
+    """y += LoRA delta of each token's adapter. Triton on CUDA, torch elsewhere."""
+    if batch.empty:
+        return
+    if y.is_cuda:
+        from loraplex.kernels.lora_triton import add_lora_triton
+
+        add_lora_triton(y, x, w, batch)
+    else:
+        add_lora_torch(y, x, w, batch)

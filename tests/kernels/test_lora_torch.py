@@ -1,0 +1,76 @@
+"""The torch multi-LoRA path (the CPU path and the Triton oracle) against a per-token definition."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from lora_kernel_cases import oracle, random_problem
+
+from loraplex.kernels.lora import LoraBatch, LoraSlotWeights, add_lora, add_lora_torch
+
+QKV = (96, 32, 32)
+
+
+@pytest.mark.parametrize(
+    "token_slots",
+    [
+        [0, 0, 0, 0],  # one adapter only, already grouped
+        [2, -1, 0, 2, -1, 1, 0, 0, 1, -1],  # mixed with base rows
+        [-1, -1, 3],  # lora tokens not at the front
+        [3, 2, 1, 0],  # every row a different adapter
+    ],
+)
+def test_matches_per_token_definition(token_slots):
+    gen = torch.Generator().manual_seed(len(token_slots))
+    slot_ranks = {0: [4, 4, 4], 1: [1, 0, 1], 2: [64, 64, 0], 3: [16, 8, 2]}
+    w, per_slot, x, y, batch = random_problem(
+        gen, num_tokens=len(token_slots), in_features=80, out_slices=QKV, slot_ranks=slot_ranks,
+        token_slots=token_slots, num_slots=4,
+    )
+    expected = oracle(x, y, per_slot, token_slots, QKV)
+    add_lora_torch(y, x, w, batch)
+    torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_no_lora_rows_and_empty_batch_leave_y_untouched():
+    w = LoraSlotWeights(2, 8, (8,), 4)
+    w.a.normal_()
+    w.b.normal_()
+    for slots in ([-1, -1, -1], []):
+        x = torch.randn(len(slots), 8)
+        y = torch.randn(len(slots), 8)
+        before = y.clone()
+        add_lora(y, x, w, LoraBatch.build(slots))
+        assert torch.equal(y, before)
+
+
+def test_batch_groups_tokens_by_slot():
+    batch = LoraBatch.build([5, -1, 2, 5, 2, -1, 0])
+    assert batch.slot_ids == [0, 2, 5]
+    assert batch.counts == [1, 2, 2]
+    assert batch.starts == [0, 1, 3]
+    assert batch.sorted_token_ids.tolist() == [6, 2, 4, 0, 3]
+    assert not batch.contiguous
+    assert LoraBatch.build([1, 1, 4, -1]).contiguous
+
+
+def test_cleared_slot_contributes_nothing():
+    gen = torch.Generator().manual_seed(0)
+    w, _, x, y, batch = random_problem(
+        gen, num_tokens=3, in_features=16, out_slices=(16,), slot_ranks={1: [8]}, token_slots=[1, 1, 1],
+        num_slots=2,
+    )
+    w.clear_slot(1)
+    before = y.clone()
+    add_lora_torch(y, x, w, batch)
+    assert torch.equal(y, before)
+
+
+def test_set_slot_refuses_wrong_shapes_and_ranks():
+    w = LoraSlotWeights(1, 8, (8, 4), 4)
+    with pytest.raises(ValueError, match="slices"):
+        w.set_slot(0, [None])
+    with pytest.raises(ValueError, match="do not fit"):
+        w.set_slot(0, [(torch.zeros(2, 8), torch.zeros(4, 2)), None])
+    with pytest.raises(ValueError, match="max_rank"):
+        w.set_slot(0, [(torch.zeros(8, 8), torch.zeros(8, 8)), None])
