@@ -23,6 +23,7 @@ class Settings(BaseSettings):
 
     # engine (embedded)
     model: str = "smollm2-135m"
+    model_cache: Path | None = None  # converted/downloaded models; default ~/.cache/loraplex/models
     served_model_name: str | None = None
     dtype: str = "float32"
     kv_cache_memory: int = 512 * 1024 * 1024
