@@ -130,3 +130,49 @@ def make_tiny_model(
     GenerationConfig(eos_token_id=eos_id, pad_token_id=tokenizer.pad_token_id).save_pretrained(str(out))
     (out / "loraplex_tiny.json").write_text(json.dumps({"arch": arch, "seed": seed}))
     return out
+
+
+def make_peft_adapter(
+    base_model_dir: str | Path,
+    out_dir: str | Path,
+    *,
+    r: int = 8,
+    target_modules: tuple[str, ...] | list[str] | str = ("q_proj", "v_proj"),
+    use_rslora: bool = False,
+    lora_alpha: float | None = None,
+    seed: int = 0,
+    init_scale: float = 0.1,
+    **lora_config_kwargs,
+) -> Path:
+    """Train-free PEFT LoRA adapter for a model made by make_tiny_model (or any HF causal LM directory).
+
+    Uses real peft (LoraConfig + get_peft_model + save_pretrained with safetensors). PEFT initialises B to
+    zero, which would make the adapter a no-op; B is redrawn from N(0, init_scale) so the adapter changes
+    the model's outputs. lora_alpha defaults to 2 * r. Extra keyword arguments go to LoraConfig
+    (rank_pattern, alpha_pattern, layers_to_transform, ...). Returns the adapter directory.
+    """
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    out = Path(out_dir)
+    model = AutoModelForCausalLM.from_pretrained(str(base_model_dir), dtype=torch.float32)
+    config = LoraConfig(
+        r=r,
+        lora_alpha=2 * r if lora_alpha is None else lora_alpha,
+        target_modules=target_modules if isinstance(target_modules, str) else list(target_modules),
+        use_rslora=use_rslora,
+        lora_dropout=0.0,
+        bias="none",
+        task_type="CAUSAL_LM",
+        **lora_config_kwargs,
+    )
+    torch.manual_seed(seed)
+    peft_model = get_peft_model(model, config)
+    generator = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=generator) * init_scale)
+    peft_model.save_pretrained(str(out), safe_serialization=True)
+    return out

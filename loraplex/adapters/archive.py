@@ -1,0 +1,208 @@
+"""Unpack an uploaded .zip or .tar(.gz) without trusting it.
+
+Every member is checked before anything is written: a relative path that stays inside the destination,
+a regular file or folder (no links, devices or FIFOs), a bounded count. Data is streamed and counted as
+it is written, so a member that lies about its size (a zip bomb) is stopped at the limit, not after.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+import tarfile
+import zipfile
+from pathlib import Path, PurePosixPath
+
+from .errors import AdapterValidationError, ErrorCode
+from .limits import AdapterLimits
+
+_CHUNK = 1024 * 1024
+
+
+def archive_kind(path: Path) -> str | None:
+    """"zip", "tar" or None, from the file's first bytes (an upload's name is not evidence)."""
+    with open(path, "rb") as f:
+        head = f.read(512)
+    if head[:4] in (b"PK\x03\x04", b"PK\x05\x06"):
+        return "zip"
+    if head[:2] == b"\x1f\x8b" or head[:3] == b"BZh" or head[:6] == b"\xfd7zXZ\x00":
+        return "tar"
+    if len(head) >= 262 and head[257:262] == b"ustar":
+        return "tar"
+    return None
+
+
+def safe_extract(archive: str | Path, dest: str | Path, limits: AdapterLimits = AdapterLimits()) -> Path:
+    """Extract `archive` (zip, tar, tar.gz/bz2/xz) into the existing, empty folder `dest`; returns `dest`.
+    Raises AdapterValidationError on the first unsafe or oversized member."""
+    archive, dest = Path(archive), Path(dest)
+    size = archive.stat().st_size
+    if size > limits.max_archive_bytes:
+        raise AdapterValidationError(
+            f"archive {archive.name} is {size} bytes, over the limit of {limits.max_archive_bytes}",
+            ErrorCode.ARCHIVE_TOO_LARGE)
+    kind = archive_kind(archive)
+    budget = _Budget(limits)
+    if kind == "zip":
+        _extract_zip(archive, dest, budget)
+    elif kind == "tar":
+        _extract_tar(archive, dest, budget)
+    else:
+        raise AdapterValidationError(f"{archive.name} is not a zip or tar archive", ErrorCode.UNSUPPORTED_FORMAT)
+    return dest
+
+
+class _Budget:
+    def __init__(self, limits: AdapterLimits):
+        self.limits = limits
+        self.members = 0
+        self.total = 0
+        self.declared_total = 0
+
+    def add_member(self, name: str) -> None:
+        self.members += 1
+        if self.members > self.limits.max_members:
+            raise AdapterValidationError(
+                f"archive has more than {self.limits.max_members} members (at {name!r})",
+                ErrorCode.ARCHIVE_TOO_MANY_MEMBERS)
+
+    def check_declared(self, name: str, declared: int) -> None:
+        if declared > self.limits.max_member_bytes:
+            raise AdapterValidationError(
+                f"archive member {name!r} is {declared} bytes, over the per-file limit of "
+                f"{self.limits.max_member_bytes}", ErrorCode.ARCHIVE_MEMBER_TOO_LARGE)
+        self.declared_total += declared
+        if self.declared_total > self.limits.max_total_bytes:
+            raise _total_error(name, self.limits)
+
+    def copy(self, name: str, src, target: Path) -> None:
+        written = 0
+        fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
+        with os.fdopen(fd, "wb") as out:
+            while chunk := src.read(_CHUNK):
+                written += len(chunk)
+                self.total += len(chunk)
+                if written > self.limits.max_member_bytes:
+                    raise AdapterValidationError(
+                        f"archive member {name!r} inflates past the per-file limit of "
+                        f"{self.limits.max_member_bytes} bytes", ErrorCode.ARCHIVE_MEMBER_TOO_LARGE)
+                if self.total > self.limits.max_total_bytes:
+                    raise _total_error(name, self.limits)
+                out.write(chunk)
+
+
+def _total_error(name: str, limits: AdapterLimits) -> AdapterValidationError:
+    return AdapterValidationError(
+        f"archive inflates past the limit of {limits.max_total_bytes} bytes in total (at {name!r})",
+        ErrorCode.ARCHIVE_TOO_LARGE)
+
+
+def _safe_target(dest: Path, name: str) -> Path:
+    """The path a member named `name` may be written to, or a refusal."""
+    if not name or "\x00" in name:
+        raise AdapterValidationError(f"archive member has an invalid name {name!r}", ErrorCode.ARCHIVE_UNSAFE_PATH)
+    posix = name.replace("\\", "/")
+    parts = PurePosixPath(posix).parts
+    if posix.startswith("/") or (parts and (":" in parts[0])):
+        raise AdapterValidationError(f"archive member {name!r} has an absolute path", ErrorCode.ARCHIVE_UNSAFE_PATH)
+    if ".." in parts:
+        raise AdapterValidationError(f"archive member {name!r} escapes the archive with '..'",
+                                     ErrorCode.ARCHIVE_UNSAFE_PATH)
+    parts = tuple(p for p in parts if p not in ("", "."))
+    if not parts:
+        raise AdapterValidationError(f"archive member has an invalid name {name!r}", ErrorCode.ARCHIVE_UNSAFE_PATH)
+    target = dest.joinpath(*parts)
+    root = dest.resolve()
+    # Parents were made by us from checked names, so resolve() cannot follow a link we did not create;
+    # the check stays as a second line of defence.
+    if not target.parent.resolve().is_relative_to(root):
+        raise AdapterValidationError(f"archive member {name!r} lands outside the destination",
+                                     ErrorCode.ARCHIVE_UNSAFE_PATH)
+    return target
+
+
+def _make_dirs(dest: Path, target: Path) -> None:
+    rel = target.relative_to(dest)
+    current = dest
+    for part in rel.parts:
+        current = current / part
+        if current.is_symlink():
+            raise AdapterValidationError(f"archive path {rel} runs through a link", ErrorCode.ARCHIVE_LINK)
+        current.mkdir(exist_ok=True)
+
+
+def _extract_zip(archive: Path, dest: Path, budget: _Budget) -> None:
+    try:
+        zf = zipfile.ZipFile(archive)
+    except (zipfile.BadZipFile, OSError) as exc:
+        raise AdapterValidationError(f"{archive.name} is not a readable zip: {exc}", ErrorCode.ARCHIVE_CORRUPT) from exc
+    with zf:
+        infos = zf.infolist()
+        for info in infos:  # check every member before writing any
+            budget.add_member(info.filename)
+            mode = info.external_attr >> 16
+            if stat.S_ISLNK(mode):
+                raise AdapterValidationError(f"archive member {info.filename!r} is a symbolic link",
+                                             ErrorCode.ARCHIVE_LINK)
+            if mode and not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+                raise AdapterValidationError(f"archive member {info.filename!r} is not a regular file",
+                                             ErrorCode.ARCHIVE_SPECIAL_FILE)
+            _safe_target(dest, info.filename)
+            budget.check_declared(info.filename, info.file_size)
+        for info in infos:
+            target = _safe_target(dest, info.filename)
+            if info.is_dir():
+                _make_dirs(dest, target)
+                continue
+            _make_dirs(dest, target.parent)
+            try:
+                with zf.open(info) as src:
+                    budget.copy(info.filename, src, target)
+            except (zipfile.BadZipFile, EOFError, OSError, NotImplementedError, RuntimeError) as exc:
+                if isinstance(exc, FileExistsError):
+                    raise AdapterValidationError(f"archive member {info.filename!r} appears twice",
+                                                 ErrorCode.ARCHIVE_UNSAFE_PATH) from exc
+                raise AdapterValidationError(f"cannot read archive member {info.filename!r}: {exc}",
+                                             ErrorCode.ARCHIVE_CORRUPT) from exc
+
+
+def _extract_tar(archive: Path, dest: Path, budget: _Budget) -> None:
+    # Streaming mode ("r|*") reads each header and its data once, in order; no random access, no index
+    # of all members held in memory before the count limit applies.
+    try:
+        tf = tarfile.open(archive, mode="r|*")
+    except (tarfile.TarError, OSError, EOFError) as exc:
+        raise AdapterValidationError(f"{archive.name} is not a readable tar: {exc}", ErrorCode.ARCHIVE_CORRUPT) from exc
+    try:
+        with tf:
+            for member in tf:
+                _extract_tar_member(tf, member, dest, budget)
+    except (tarfile.TarError, OSError, EOFError, ValueError) as exc:
+        if isinstance(exc, AdapterValidationError):
+            raise
+        if isinstance(exc, FileExistsError):
+            raise AdapterValidationError(f"archive member appears twice: {exc.filename}",
+                                         ErrorCode.ARCHIVE_UNSAFE_PATH) from exc
+        raise AdapterValidationError(f"cannot read {archive.name}: {exc}", ErrorCode.ARCHIVE_CORRUPT) from exc
+
+
+def _extract_tar_member(tf: tarfile.TarFile, member: tarfile.TarInfo, dest: Path, budget: _Budget) -> None:
+    name = member.name
+    budget.add_member(name)
+    if member.issym() or member.islnk():
+        raise AdapterValidationError(f"archive member {name!r} is a link to {member.linkname!r}",
+                                     ErrorCode.ARCHIVE_LINK)
+    if member.ischr() or member.isblk() or member.isfifo() or member.issparse() or not (
+            member.isreg() or member.isdir()):
+        raise AdapterValidationError(f"archive member {name!r} is not a regular file (device, FIFO or special)",
+                                     ErrorCode.ARCHIVE_SPECIAL_FILE)
+    target = _safe_target(dest, name)
+    if member.isdir():
+        _make_dirs(dest, target)
+        return
+    budget.check_declared(name, member.size)
+    _make_dirs(dest, target.parent)
+    src = tf.extractfile(member)
+    if src is None:
+        raise AdapterValidationError(f"archive member {name!r} has no data", ErrorCode.ARCHIVE_CORRUPT)
+    budget.copy(name, src, target)

@@ -1,0 +1,157 @@
+"""Canonical adapter weights: per (layer, projection) A [r, in] and B [out, r] in fp32, with the LoRA scaling
+already folded into B, so y = x @ W.T + (x @ A.T) @ B.T. The content hash names an immutable version."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+
+import torch
+
+from .errors import AdapterValidationError, ErrorCode
+from .spec import MODULES, BaseModelSpec
+
+FORMAT = "loraplex-canonical"
+FORMAT_VERSION = "1"
+_MODULE_ORDER = {m: i for i, m in enumerate(MODULES)}
+
+
+@dataclass(frozen=True, eq=False)
+class LoraWeights:
+    a: torch.Tensor  # [r, in_features], fp32, contiguous
+    b: torch.Tensor  # [out_features, r], fp32, contiguous, scaling folded in
+
+    @property
+    def rank(self) -> int:
+        return self.a.shape[0]
+
+    def delta(self) -> torch.Tensor:
+        """The dense weight update [out, in] this pair adds to the base projection."""
+        return self.b @ self.a
+
+
+@dataclass(frozen=True, eq=False)
+class CanonicalAdapter:
+    """An adapter in loraplex's own form. `weights` is keyed by (layer, module), module one of MODULES.
+    Tensors are shared, never copied on access: treat them as read-only."""
+
+    weights: Mapping[tuple[int, str], LoraWeights]
+    content_hash: str
+    architecture: str
+    num_layers: int
+    base_model_name_or_path: str | None = None
+    _by_layer: Mapping[int, Mapping[str, LoraWeights]] = field(default=None, repr=False, compare=False)
+
+    @classmethod
+    def build(cls, weights: Mapping[tuple[int, str], LoraWeights], *, architecture: str, num_layers: int,
+              base_model_name_or_path: str | None = None) -> CanonicalAdapter:
+        ordered = dict(sorted(weights.items(), key=lambda kv: (kv[0][0], _MODULE_ORDER[kv[0][1]])))
+        return cls(weights=MappingProxyType(ordered), content_hash=content_hash(ordered),
+                   architecture=architecture, num_layers=num_layers,
+                   base_model_name_or_path=base_model_name_or_path)
+
+    def __post_init__(self) -> None:
+        by_layer: dict[int, dict[str, LoraWeights]] = {}
+        for (layer, module), w in self.weights.items():
+            by_layer.setdefault(layer, {})[module] = w
+        object.__setattr__(self, "_by_layer", MappingProxyType(
+            {k: MappingProxyType(v) for k, v in by_layer.items()}))
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, CanonicalAdapter) and other.content_hash == self.content_hash
+
+    def __hash__(self) -> int:
+        return hash(self.content_hash)
+
+    def layer(self, index: int) -> Mapping[str, LoraWeights]:
+        """module -> weights for one layer (empty when the adapter leaves that layer alone)."""
+        return self._by_layer.get(index, MappingProxyType({}))
+
+    @property
+    def rank(self) -> int:
+        """The largest rank over all modules (rank_pattern may give modules different ranks)."""
+        return max(w.rank for w in self.weights.values())
+
+    @property
+    def target_modules(self) -> tuple[str, ...]:
+        present = {m for _, m in self.weights}
+        return tuple(m for m in MODULES if m in present)
+
+    @property
+    def layers(self) -> tuple[int, ...]:
+        return tuple(sorted(self._by_layer))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(w.a.nbytes + w.b.nbytes for w in self.weights.values())
+
+    def check_compatible(self, spec: BaseModelSpec) -> None:
+        """Refuse weights whose shapes do not fit `spec` (an entry made for another base model)."""
+        for (layer, module), w in self.weights.items():
+            shape = spec.modules.get(module)
+            if layer >= spec.num_layers or shape is None:
+                raise AdapterValidationError(
+                    f"adapter {self.content_hash[:12]} has weights for layer {layer} {module}, which "
+                    f"{spec.architecture} with {spec.num_layers} layers does not have", ErrorCode.BASE_MODEL_MISMATCH)
+            if w.a.shape[1] != shape.in_features or w.b.shape[0] != shape.out_features:
+                raise AdapterValidationError(
+                    f"adapter {self.content_hash[:12]} layer {layer} {module}: A {tuple(w.a.shape)}, "
+                    f"B {tuple(w.b.shape)} do not fit in={shape.in_features}, out={shape.out_features}",
+                    ErrorCode.BASE_MODEL_MISMATCH)
+
+    def to_tensors(self) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+        """Flat tensors and string metadata, as the store writes them to one safetensors file."""
+        tensors = {}
+        for (layer, module), w in self.weights.items():
+            tensors[f"layers.{layer}.{module}.lora_a"] = w.a
+            tensors[f"layers.{layer}.{module}.lora_b"] = w.b
+        meta = {"format": FORMAT, "format_version": FORMAT_VERSION, "content_hash": self.content_hash,
+                "architecture": self.architecture, "num_layers": str(self.num_layers)}
+        if self.base_model_name_or_path:
+            meta["base_model_name_or_path"] = self.base_model_name_or_path
+        return tensors, meta
+
+    @classmethod
+    def from_tensors(cls, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, str], *,
+                     verify: bool = False) -> CanonicalAdapter:
+        """Inverse of `to_tensors`. With verify, recompute the hash and refuse a mismatch (bit rot, tampering)."""
+        if meta.get("format") != FORMAT or meta.get("format_version") != FORMAT_VERSION:
+            raise AdapterValidationError(f"not a {FORMAT} v{FORMAT_VERSION} entry (metadata {dict(meta)!r})",
+                                         ErrorCode.STORE_CORRUPT)
+        pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+        for key, tensor in tensors.items():
+            parts = key.split(".")
+            if len(parts) != 4 or parts[0] != "layers" or parts[2] not in _MODULE_ORDER \
+                    or parts[3] not in ("lora_a", "lora_b") or not parts[1].isdigit():
+                raise AdapterValidationError(f"unexpected tensor {key!r} in a canonical entry", ErrorCode.STORE_CORRUPT)
+            pairs.setdefault((int(parts[1]), parts[2]), {})[parts[3]] = tensor
+        weights = {}
+        for k, pair in pairs.items():
+            if set(pair) != {"lora_a", "lora_b"}:
+                raise AdapterValidationError(f"canonical entry lacks A or B for {k}", ErrorCode.STORE_CORRUPT)
+            weights[k] = LoraWeights(pair["lora_a"], pair["lora_b"])
+        ordered = dict(sorted(weights.items(), key=lambda kv: (kv[0][0], _MODULE_ORDER[kv[0][1]])))
+        stored = meta.get("content_hash", "")
+        if verify and content_hash(ordered) != stored:
+            raise AdapterValidationError(f"canonical entry {stored[:12]} does not match its content hash",
+                                         ErrorCode.STORE_CORRUPT)
+        return cls(weights=MappingProxyType(ordered), content_hash=stored, architecture=meta.get("architecture", ""),
+                   num_layers=int(meta.get("num_layers", "0")),
+                   base_model_name_or_path=meta.get("base_model_name_or_path"))
+
+
+def content_hash(weights: Mapping[tuple[int, str], LoraWeights]) -> str:
+    """sha256 over a fixed serialization: a format line, then per (layer, module) in canonical order a line
+    with the name and shapes followed by A's and B's fp32 little-endian bytes. Nothing about the container
+    the adapter arrived in (folder, zip, tar) or its file order enters the hash."""
+    h = hashlib.sha256(f"{FORMAT} v{FORMAT_VERSION}\n".encode())
+    for (layer, module), w in sorted(weights.items(), key=lambda kv: (kv[0][0], _MODULE_ORDER[kv[0][1]])):
+        a, b = w.a, w.b
+        if a.dtype != torch.float32 or b.dtype != torch.float32:
+            raise TypeError("canonical weights are fp32")
+        h.update(f"{layer}.{module} a={list(a.shape)} b={list(b.shape)}\n".encode())
+        h.update(a.contiguous().numpy().data)
+        h.update(b.contiguous().numpy().data)
+    return h.hexdigest()

@@ -1,0 +1,127 @@
+"""load_adapter: find, check and convert a PEFT adapter given as a folder, a file pair, an archive, or a
+canonical store entry."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+
+from safetensors import safe_open
+
+from .archive import archive_kind, safe_extract
+from .canonical import FORMAT, CanonicalAdapter
+from .convert import to_canonical
+from .errors import AdapterValidationError, ErrorCode
+from .limits import AdapterLimits
+from .peft_config import parse_lora_config
+from .safetensors_file import read_header, read_tensors
+from .spec import BaseModelSpec
+from .store import read_entry
+
+CONFIG_NAME = "adapter_config.json"
+WEIGHTS_NAME = "adapter_model.safetensors"
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
+
+
+def load_adapter(path: str | Path, spec: BaseModelSpec, limits: AdapterLimits | None = None) -> CanonicalAdapter:
+    """Validate the adapter at `path` against `spec` and return its canonical weights.
+
+    `path` may be: a folder holding adapter_config.json + adapter_model.safetensors (directly or in one
+    sub-folder); either of those two files; a .zip / .tar / .tar.gz / .tgz of such a folder; or a canonical
+    entry written by an AdapterStore. Raises AdapterValidationError naming the first problem found.
+    """
+    limits = limits or AdapterLimits()
+    path = Path(path)
+    if path.is_symlink() and path.is_dir():
+        raise AdapterValidationError(f"{path} is a symbolic link to a folder", ErrorCode.ARCHIVE_LINK)
+    if not path.exists():
+        raise AdapterValidationError(f"adapter {path} does not exist", ErrorCode.NOT_FOUND)
+    if path.is_dir():
+        return _load_dir(path, spec, limits)
+    _refuse_pickle(path)
+    if path.name == CONFIG_NAME:
+        return _load_pair(path, path.with_name(WEIGHTS_NAME), spec, limits)
+    if path.suffix == ".safetensors":
+        entry = _load_canonical_entry(path, spec, limits)
+        if entry is not None:
+            return entry
+        return _load_pair(path.with_name(CONFIG_NAME), path, spec, limits)
+    if archive_kind(path) is None:
+        raise AdapterValidationError(
+            f"{path.name} is not an adapter folder, a .zip or .tar.gz archive, or a safetensors file",
+            ErrorCode.UNSUPPORTED_FORMAT)
+    with tempfile.TemporaryDirectory(prefix="loraplex-adapter-") as tmp:
+        safe_extract(path, tmp, limits)
+        return _load_dir(Path(tmp), spec, limits)
+
+
+def _refuse_pickle(path: Path) -> None:
+    if path.name.lower().endswith(PICKLE_SUFFIXES):
+        raise AdapterValidationError(
+            f"{path.name} is a pickle file ({path.suffix}); pickles can run code when loaded and are never "
+            f"opened. Save the adapter with safetensors (save_pretrained(..., safe_serialization=True))",
+            ErrorCode.PICKLE_FILE)
+
+
+def _load_dir(root: Path, spec: BaseModelSpec, limits: AdapterLimits) -> CanonicalAdapter:
+    configs = []
+    members = 0
+    for dirpath, dirnames, filenames in os.walk(root):
+        here = Path(dirpath)
+        for name in dirnames + filenames:
+            members += 1
+            if members > limits.max_members:
+                raise AdapterValidationError(f"adapter folder has more than {limits.max_members} entries",
+                                             ErrorCode.ARCHIVE_TOO_MANY_MEMBERS)
+            entry = here / name
+            rel = entry.relative_to(root)
+            if entry.is_symlink():
+                raise AdapterValidationError(f"{rel} is a symbolic link; adapter folders may not contain links",
+                                             ErrorCode.ARCHIVE_LINK)
+            if name in filenames:
+                if not entry.is_file():
+                    raise AdapterValidationError(f"{rel} is not a regular file", ErrorCode.ARCHIVE_SPECIAL_FILE)
+                _refuse_pickle(entry)
+                if name == CONFIG_NAME:
+                    configs.append(entry)
+    # PEFT writes the two files at the top; archives often wrap them in one folder named after the adapter.
+    configs = [c for c in configs if len(c.relative_to(root).parts) <= 2]
+    if not configs:
+        raise AdapterValidationError(f"no {CONFIG_NAME} at the top of the adapter or in one sub-folder",
+                                     ErrorCode.MISSING_CONFIG)
+    if len(configs) > 1:
+        where = ", ".join(sorted(str(c.relative_to(root)) for c in configs))
+        raise AdapterValidationError(f"more than one {CONFIG_NAME} ({where}); upload one adapter at a time",
+                                     ErrorCode.AMBIGUOUS_ADAPTER)
+    return _load_pair(configs[0], configs[0].with_name(WEIGHTS_NAME), spec, limits)
+
+
+def _load_pair(config_path: Path, weights_path: Path, spec: BaseModelSpec, limits: AdapterLimits) -> CanonicalAdapter:
+    if not config_path.is_file():
+        raise AdapterValidationError(f"missing {CONFIG_NAME} next to {weights_path.name}", ErrorCode.MISSING_CONFIG)
+    if not weights_path.is_file():
+        raise AdapterValidationError(f"missing {WEIGHTS_NAME} next to {CONFIG_NAME}", ErrorCode.MISSING_WEIGHTS)
+    size = config_path.stat().st_size
+    if size > limits.max_config_bytes:
+        raise AdapterValidationError(f"{CONFIG_NAME} is {size} bytes, over the limit of {limits.max_config_bytes}",
+                                     ErrorCode.CONFIG_INVALID)
+    try:
+        config = json.loads(config_path.read_bytes().decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise AdapterValidationError(f"{CONFIG_NAME} is not valid JSON: {exc}", ErrorCode.CONFIG_INVALID) from exc
+    settings = parse_lora_config(config, spec, limits)
+    tensors = read_tensors(weights_path, limits)
+    return to_canonical(tensors, settings, spec)
+
+
+def _load_canonical_entry(path: Path, spec: BaseModelSpec, limits: AdapterLimits) -> CanonicalAdapter | None:
+    read_header(path, limits)  # refuses a hostile header before the library parses it
+    with safe_open(str(path), framework="pt") as f:
+        meta = f.metadata() or {}
+    if meta.get("format") != FORMAT:
+        return None
+    adapter = read_entry(path, verify=True)
+    adapter.check_compatible(spec)
+    return adapter

@@ -1,0 +1,226 @@
+"""adapter_config.json: what we accept from PEFT's LoraConfig, and the (layer, module) pairs it targets.
+
+Target matching, layers_to_transform and rank/alpha patterns follow PEFT's own rules
+(`check_target_module_exists`, `get_pattern_key`) so we resolve exactly the modules PEFT would wrap.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from .errors import AdapterValidationError, ErrorCode
+from .limits import AdapterLimits
+from .spec import BaseModelSpec
+
+_EMBEDDING_NAMES = ("embed_tokens", "lm_head", "wte", "embed_out")
+_ALL_LINEAR = "all-linear"
+# Options that change what the adapter computes and that canonical A/B weights cannot express.
+_UNSUPPORTED_OPTIONS = {
+    "layer_replication": "layer replication",
+    "trainable_token_indices": "trainable token embeddings",
+    "target_parameters": "LoRA on raw parameters (target_parameters)",
+    "alora_invocation_tokens": "activated LoRA (alora_invocation_tokens)",
+    "use_qalora": "QALoRA",
+    "arrow_config": "Arrow routing",
+}
+
+
+@dataclass(frozen=True)
+class LoraSettings:
+    """The parts of a LoraConfig that decide the adapter's effective weights."""
+
+    r: int
+    lora_alpha: float
+    use_rslora: bool
+    rank_pattern: Mapping[str, int]
+    alpha_pattern: Mapping[str, float]
+    targets: frozenset[tuple[int, str]]  # (layer, PEFT module name)
+    base_model_name_or_path: str | None
+
+    def rank_for(self, module_path: str) -> int:
+        return self.rank_pattern.get(_pattern_key(self.rank_pattern, module_path), self.r)
+
+    def scale_for(self, module_path: str) -> float:
+        alpha = self.alpha_pattern.get(_pattern_key(self.alpha_pattern, module_path), self.lora_alpha)
+        r = self.rank_for(module_path)
+        return alpha / math.sqrt(r) if self.use_rslora else alpha / r
+
+
+def _pattern_key(patterns: Mapping[str, object], module_path: str) -> str | None:
+    for key in patterns:
+        if re.match(rf"(.*\.)?({key})$", module_path):
+            return key
+    return None
+
+
+def parse_lora_config(config: object, spec: BaseModelSpec, limits: AdapterLimits) -> LoraSettings:
+    if not isinstance(config, dict):
+        raise _invalid("adapter_config.json must be a JSON object")
+    peft_type = config.get("peft_type")
+    if peft_type != "LORA":
+        raise AdapterValidationError(
+            f"adapter_config.json: peft_type is {peft_type!r}; only LoRA adapters (peft_type 'LORA') are supported",
+            ErrorCode.PEFT_TYPE)
+    task_type = config.get("task_type")
+    if task_type not in (None, "CAUSAL_LM"):
+        raise AdapterValidationError(
+            f"adapter_config.json: task_type is {task_type!r}; the base model is a causal LM (task_type "
+            f"'CAUSAL_LM')", ErrorCode.TASK_TYPE)
+    _refuse_unsupported(config)
+    r = _rank(config.get("r", 8), "r", limits)
+    alpha = _alpha(config.get("lora_alpha", 8), "lora_alpha")
+    rank_pattern = _pattern(config.get("rank_pattern"), "rank_pattern",
+                            lambda v, where: _rank(v, where, limits))
+    alpha_pattern = _pattern(config.get("alpha_pattern"), "alpha_pattern", _alpha)
+    use_rslora = config.get("use_rslora", False)
+    if not isinstance(use_rslora, bool):
+        raise _invalid(f"use_rslora must be true or false, got {use_rslora!r}")
+    base = config.get("base_model_name_or_path")
+    return LoraSettings(
+        r=r, lora_alpha=alpha, use_rslora=use_rslora, rank_pattern=rank_pattern, alpha_pattern=alpha_pattern,
+        targets=_resolve_targets(config, spec), base_model_name_or_path=base if isinstance(base, str) else None,
+    )
+
+
+def _refuse_unsupported(config: dict) -> None:
+    if config.get("use_dora"):
+        raise AdapterValidationError(
+            "adapter_config.json: use_dora is true; DoRA adapters are not supported yet (retrain with "
+            "use_dora=False)", ErrorCode.DORA_UNSUPPORTED)
+    if config.get("modules_to_save"):
+        raise AdapterValidationError(
+            f"adapter_config.json: modules_to_save={config['modules_to_save']!r}; adapters that save full copies "
+            f"of base modules are not supported (only LoRA A/B weights are served)",
+            ErrorCode.MODULES_TO_SAVE_UNSUPPORTED)
+    bias = config.get("bias", "none")
+    if bias != "none":
+        raise AdapterValidationError(
+            f"adapter_config.json: bias is {bias!r}; only bias 'none' is supported (trained biases would change "
+            f"the shared base model)", ErrorCode.BIAS_UNSUPPORTED)
+    if config.get("lora_bias"):
+        raise AdapterValidationError("adapter_config.json: lora_bias is true; a bias on lora_B is not supported",
+                                     ErrorCode.BIAS_UNSUPPORTED)
+    for key, what in _UNSUPPORTED_OPTIONS.items():
+        if config.get(key):
+            raise AdapterValidationError(f"adapter_config.json: {key}={config[key]!r}; {what} is not supported",
+                                         ErrorCode.OPTION_UNSUPPORTED)
+
+
+def _rank(value: object, where: str, limits: AdapterLimits) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise AdapterValidationError(f"adapter_config.json: {where} must be a positive integer, got {value!r}",
+                                     ErrorCode.INVALID_RANK)
+    if value > limits.max_rank:
+        raise AdapterValidationError(
+            f"adapter_config.json: {where} is {value}, over the rank limit of {limits.max_rank}",
+            ErrorCode.RANK_TOO_LARGE)
+    return value
+
+
+def _alpha(value: object, where: str) -> float:
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value <= 0:
+        raise AdapterValidationError(f"adapter_config.json: {where} must be a positive finite number, got {value!r}",
+                                     ErrorCode.INVALID_ALPHA)
+    return float(value)
+
+
+def _pattern(value: object, name: str, check) -> dict:
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise _invalid(f"{name} must be an object mapping module patterns to values, got {value!r}")
+    out = {}
+    for key, item in value.items():
+        try:
+            re.compile(key)
+        except re.error as exc:
+            raise _invalid(f"{name} key {key!r} is not a valid pattern: {exc}") from exc
+        out[key] = check(item, f"{name}[{key!r}]")
+    return out
+
+
+def _resolve_targets(config: dict, spec: BaseModelSpec) -> frozenset[tuple[int, str]]:
+    target = config.get("target_modules")
+    layers = _layers_to_transform(config, spec)
+    exclude = config.get("exclude_modules")
+    paths = {(i, m): spec.module_path(i, m) for i in range(spec.num_layers) for m in spec.peft_modules}
+    if target == _ALL_LINEAR or target == [_ALL_LINEAR]:
+        matched = set(paths)
+    elif isinstance(target, str):
+        try:
+            pattern = re.compile(target)
+        except re.error as exc:
+            raise _invalid(f"target_modules pattern {target!r} is invalid: {exc}") from exc
+        if pattern.fullmatch("model.embed_tokens") or pattern.fullmatch("lm_head"):
+            raise _embedding(target)
+        matched = {k for k, p in paths.items() if pattern.fullmatch(p)}
+        if not matched:
+            raise _unknown(target, spec)
+        layers = None  # as in PEFT: layers_to_transform only narrows a list of target names
+    elif isinstance(target, list) and target and all(isinstance(t, str) for t in target):
+        matched = set()
+        for name in target:
+            hits = {k for k, p in paths.items() if p == name or p.endswith(f".{name}")}
+            if not hits:
+                if name.rsplit(".", 1)[-1] in _EMBEDDING_NAMES:
+                    raise _embedding(name)
+                raise _unknown(name, spec)
+            matched |= hits
+    else:
+        raise _invalid(f"target_modules must be a non-empty list of module names or a pattern, got {target!r}")
+    if exclude:
+        matched = {k for k in matched if not _excluded(exclude, paths[k])}
+    if layers is not None:
+        matched = {k for k in matched if k[0] in layers}
+    if not matched:
+        raise _invalid("the adapter targets no module of the base model (after exclude_modules and "
+                       "layers_to_transform)")
+    return frozenset(matched)
+
+
+def _excluded(exclude: object, path: str) -> bool:
+    if isinstance(exclude, str):
+        return re.fullmatch(exclude, path) is not None
+    if isinstance(exclude, list):
+        return any(path == e or path.endswith(f".{e}") for e in exclude)
+    raise _invalid(f"exclude_modules must be a list of names or a pattern, got {exclude!r}")
+
+
+def _layers_to_transform(config: dict, spec: BaseModelSpec) -> set[int] | None:
+    layers = config.get("layers_to_transform")
+    if layers is None or layers == []:
+        return None
+    values = [layers] if isinstance(layers, int) and not isinstance(layers, bool) else layers
+    if not isinstance(values, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+        raise _invalid(f"layers_to_transform must be an integer or a list of integers, got {layers!r}")
+    for v in values:
+        if not 0 <= v < spec.num_layers:
+            raise AdapterValidationError(
+                f"adapter_config.json: layers_to_transform names layer {v}, but the base model has layers "
+                f"0..{spec.num_layers - 1}", ErrorCode.LAYER_OUT_OF_RANGE)
+    pattern = config.get("layers_pattern")
+    container = spec.layer_prefix.rsplit(".", 1)[-1]
+    if pattern not in (None, "", [], container, [container]):
+        raise AdapterValidationError(
+            f"adapter_config.json: layers_pattern {pattern!r} does not name the base model's layers ({container!r})",
+            ErrorCode.OPTION_UNSUPPORTED)
+    return set(values)
+
+
+def _invalid(why: str) -> AdapterValidationError:
+    return AdapterValidationError(f"adapter_config.json: {why}", ErrorCode.CONFIG_INVALID)
+
+
+def _embedding(name: str) -> AdapterValidationError:
+    return AdapterValidationError(
+        f"adapter_config.json: target module {name!r} is an embedding or the LM head; LoRA on embeddings and "
+        f"lm_head is not supported", ErrorCode.EMBEDDING_LORA_UNSUPPORTED)
+
+
+def _unknown(name: str, spec: BaseModelSpec) -> AdapterValidationError:
+    return AdapterValidationError(
+        f"adapter_config.json: target module {name!r} is not a projection of {spec.architecture}; known modules: "
+        f"{', '.join(spec.peft_modules)}", ErrorCode.UNKNOWN_TARGET_MODULE)

@@ -1,0 +1,105 @@
+"""Read a safetensors file after checking its header ourselves, so a hostile file is refused with a message
+that names the problem instead of a parser's panic, and a huge header is never parsed at all."""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from pathlib import Path
+
+import torch
+
+from .errors import AdapterValidationError, ErrorCode
+from .limits import AdapterLimits
+
+ALLOWED_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+_KNOWN_DTYPE_SIZES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1,
+                      "U64": 8, "U32": 4, "U16": 2, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
+
+
+def read_header(path: Path, limits: AdapterLimits) -> tuple[dict, int]:
+    """The parsed, checked header (tensor name -> {dtype, shape, data_offsets}) and the data start offset."""
+    name = path.name
+    file_size = path.stat().st_size
+    if file_size > limits.max_member_bytes:
+        raise AdapterValidationError(f"{name} is {file_size} bytes, over the limit of {limits.max_member_bytes}",
+                                     ErrorCode.ARCHIVE_MEMBER_TOO_LARGE)
+    with open(path, "rb") as f:
+        prefix = f.read(8)
+        if len(prefix) < 8:
+            raise _corrupt(name, "file is shorter than the 8-byte header length")
+        (header_len,) = struct.unpack("<Q", prefix)
+        if header_len > limits.max_header_bytes:
+            raise AdapterValidationError(
+                f"{name}: safetensors header is {header_len} bytes, over the limit of {limits.max_header_bytes}",
+                ErrorCode.HEADER_TOO_LARGE)
+        if header_len > file_size - 8:
+            raise _corrupt(name, f"header length {header_len} runs past the end of the file ({file_size} bytes)")
+        raw = f.read(header_len)
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise _corrupt(name, f"header is not valid JSON ({exc})") from exc
+    if not isinstance(header, dict):
+        raise _corrupt(name, "header is not a JSON object")
+    metadata = header.pop("__metadata__", None)
+    if metadata is not None and not (
+            isinstance(metadata, dict) and all(isinstance(v, str) for v in metadata.values())):
+        raise _corrupt(name, "__metadata__ must map strings to strings")
+    data_len = file_size - 8 - header_len
+    spans = []
+    for key, info in header.items():
+        _check_entry(name, key, info, data_len)
+        spans.append((*info["data_offsets"], key))
+    spans.sort()
+    end = 0
+    for start, stop, key in spans:
+        if start < end:
+            raise _corrupt(name, f"tensor {key!r} overlaps the tensor before it")
+        end = stop
+    return header, 8 + header_len
+
+
+def _check_entry(name: str, key: str, info, data_len: int) -> None:
+    if not isinstance(info, dict) or not {"dtype", "shape", "data_offsets"} <= info.keys():
+        raise _corrupt(name, f"tensor {key!r} lacks dtype, shape or data_offsets")
+    dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
+    if dtype not in ALLOWED_DTYPES:
+        raise AdapterValidationError(
+            f"{name}: tensor {key!r} has dtype {dtype}; allowed dtypes are {', '.join(ALLOWED_DTYPES)}",
+            ErrorCode.DTYPE_UNSUPPORTED)
+    if not (isinstance(shape, list) and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
+                                            for d in shape)):
+        raise _corrupt(name, f"tensor {key!r} has an invalid shape {shape!r}")
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) for o in offsets)
+            and 0 <= offsets[0] <= offsets[1] <= data_len):
+        raise _corrupt(name, f"tensor {key!r} has data offsets {offsets!r} outside the data ({data_len} bytes)")
+    expected = math.prod(shape) * _KNOWN_DTYPE_SIZES[dtype]
+    if offsets[1] - offsets[0] != expected:
+        raise _corrupt(name, f"tensor {key!r} of shape {shape} {dtype} needs {expected} bytes, "
+                             f"its offsets span {offsets[1] - offsets[0]}")
+
+
+def read_tensors(path: Path, limits: AdapterLimits) -> dict[str, torch.Tensor]:
+    """All tensors of a checked safetensors file, in their stored dtype, as independent CPU tensors."""
+    header, data_start = read_header(path, limits)
+    with open(path, "rb") as f:
+        f.seek(data_start)
+        data = bytearray(f.read())
+    tensors = {}
+    for key, info in header.items():
+        start, stop = info["data_offsets"]
+        dtype = ALLOWED_DTYPES[info["dtype"]]
+        if start == stop:
+            tensors[key] = torch.empty(info["shape"], dtype=dtype)
+            continue
+        # Copy the bytes first: a hostile file may place a tensor at an offset that is not aligned for its
+        # dtype. safetensors stores little-endian, as is every machine we serve on.
+        raw = torch.frombuffer(data, dtype=torch.uint8, offset=start, count=stop - start).clone()
+        tensors[key] = raw.view(dtype).reshape(info["shape"])
+    return tensors
+
+
+def _corrupt(name: str, why: str) -> AdapterValidationError:
+    return AdapterValidationError(f"{name}: corrupt safetensors file: {why}", ErrorCode.SAFETENSORS_CORRUPT)

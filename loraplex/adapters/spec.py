@@ -1,0 +1,146 @@
+"""What an adapter must fit: the base model's layers, projection shapes and PEFT module names."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from types import MappingProxyType
+
+from .errors import AdapterValidationError, ErrorCode
+
+# The seven projections LoRA may target, in the order canonical weights are serialized.
+MODULES: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+_PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
+           "qkv_proj": "self_attn", "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp",
+           "gate_up_proj": "mlp"}
+
+_SEPARATE = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+_FUSED = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+
+# architecture -> the PEFT module names its decoder layers expose
+ARCHITECTURES: Mapping[str, tuple[str, ...]] = MappingProxyType({
+    "LlamaForCausalLM": _SEPARATE,
+    "MistralForCausalLM": _SEPARATE,
+    "Qwen2ForCausalLM": _SEPARATE,
+    "Qwen3ForCausalLM": _SEPARATE,
+    "GemmaForCausalLM": _SEPARATE,
+    "Gemma2ForCausalLM": _SEPARATE,
+    "Phi3ForCausalLM": _FUSED,
+})
+_MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                "qwen3": "Qwen3ForCausalLM", "gemma": "GemmaForCausalLM", "gemma2": "Gemma2ForCausalLM",
+                "phi3": "Phi3ForCausalLM"}
+
+
+@dataclass(frozen=True)
+class ModuleShape:
+    in_features: int
+    out_features: int
+
+
+@dataclass(frozen=True)
+class ModuleSlice:
+    """Rows [start, stop) of a (possibly fused) PEFT module's output that belong to `module`."""
+
+    module: str
+    start: int
+    stop: int
+
+
+@dataclass(frozen=True)
+class BaseModelSpec:
+    """The shape of a base model as far as LoRA is concerned.
+
+    modules: logical projection name (q_proj ... down_proj) -> in/out features (GQA included).
+    peft_modules: PEFT module name used by this architecture -> the logical projections it feeds, as
+    slices of its output (one slice for a plain projection; q/k/v or gate/up for fused ones).
+    """
+
+    architecture: str
+    num_layers: int
+    hidden_size: int
+    modules: Mapping[str, ModuleShape]
+    peft_modules: Mapping[str, tuple[ModuleSlice, ...]]
+    layer_prefix: str = "model.layers"
+
+    def parent(self, peft_module: str) -> str:
+        return _PARENT[peft_module]
+
+    def module_path(self, layer: int, peft_module: str) -> str:
+        """The module's name inside the HF model, as PEFT sees it: model.layers.3.self_attn.q_proj."""
+        return f"{self.layer_prefix}.{layer}.{_PARENT[peft_module]}.{peft_module}"
+
+    def peft_shape(self, peft_module: str) -> ModuleShape:
+        slices = self.peft_modules[peft_module]
+        return ModuleShape(self.modules[slices[0].module].in_features, slices[-1].stop)
+
+    @property
+    def fingerprint(self) -> str:
+        """Stable text naming the shapes an adapter must match; stored with canonical weights."""
+        dims = ",".join(f"{m}={s.in_features}x{s.out_features}" for m, s in self.modules.items())
+        return f"{self.architecture};layers={self.num_layers};{dims}"
+
+    @classmethod
+    def from_model_dir(cls, model_dir: str | Path) -> BaseModelSpec:
+        path = Path(model_dir) / "config.json"
+        try:
+            config = json.loads(path.read_text())
+        except (OSError, ValueError) as exc:
+            raise AdapterValidationError(f"cannot read base model config {path}: {exc}",
+                                         ErrorCode.BASE_MODEL_MISMATCH) from exc
+        return cls.from_config(config)
+
+    @classmethod
+    def from_config(cls, config) -> BaseModelSpec:
+        """From a HF config: a dict (config.json) or a transformers `PretrainedConfig`."""
+        cfg = config if isinstance(config, Mapping) else config.to_dict()
+        architecture = _architecture(cfg)
+        try:
+            hidden = int(cfg["hidden_size"])
+            heads = int(cfg["num_attention_heads"])
+            kv_heads = int(cfg.get("num_key_value_heads") or heads)
+            head_dim = int(cfg.get("head_dim") or hidden // heads)
+            intermediate = int(cfg["intermediate_size"])
+            num_layers = int(cfg["num_hidden_layers"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise AdapterValidationError(f"base model config lacks a usable {exc}",
+                                         ErrorCode.BASE_MODEL_MISMATCH) from exc
+        q_out, kv_out = heads * head_dim, kv_heads * head_dim
+        modules = {
+            "q_proj": ModuleShape(hidden, q_out),
+            "k_proj": ModuleShape(hidden, kv_out),
+            "v_proj": ModuleShape(hidden, kv_out),
+            "o_proj": ModuleShape(q_out, hidden),
+            "gate_proj": ModuleShape(hidden, intermediate),
+            "up_proj": ModuleShape(hidden, intermediate),
+            "down_proj": ModuleShape(intermediate, hidden),
+        }
+        peft_modules: dict[str, tuple[ModuleSlice, ...]] = {}
+        for name in ARCHITECTURES[architecture]:
+            if name == "qkv_proj":
+                peft_modules[name] = (ModuleSlice("q_proj", 0, q_out), ModuleSlice("k_proj", q_out, q_out + kv_out),
+                                      ModuleSlice("v_proj", q_out + kv_out, q_out + 2 * kv_out))
+            elif name == "gate_up_proj":
+                # Phi-3 splits the fused output with chunk(2): gate first, then up.
+                peft_modules[name] = (ModuleSlice("gate_proj", 0, intermediate),
+                                      ModuleSlice("up_proj", intermediate, 2 * intermediate))
+            else:
+                peft_modules[name] = (ModuleSlice(name, 0, modules[name].out_features),)
+        return cls(architecture=architecture, num_layers=num_layers, hidden_size=hidden,
+                   modules=MappingProxyType(modules), peft_modules=MappingProxyType(peft_modules))
+
+
+def _architecture(cfg: Mapping) -> str:
+    for arch in cfg.get("architectures") or ():
+        if arch in ARCHITECTURES:
+            return arch
+    by_type = _MODEL_TYPES.get(cfg.get("model_type", ""))
+    if by_type:
+        return by_type
+    named = cfg.get("architectures") or cfg.get("model_type")
+    raise AdapterValidationError(
+        f"base model architecture {named!r} is not supported for LoRA; supported: {', '.join(ARCHITECTURES)}",
+        ErrorCode.ARCHITECTURE_UNSUPPORTED,
+    )

@@ -1,0 +1,107 @@
+"""Where canonical adapter versions live, named by content hash. Entries are immutable: putting the same
+weights twice is a no-op, and a reader never sees a half-written entry."""
+
+from __future__ import annotations
+
+import os
+import re
+import tempfile
+from pathlib import Path
+from typing import Protocol, runtime_checkable
+
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from .canonical import CanonicalAdapter
+from .errors import AdapterValidationError, ErrorCode
+
+_HASH = re.compile(r"^[0-9a-f]{64}$")
+SUFFIX = ".safetensors"
+
+
+@runtime_checkable
+class AdapterStore(Protocol):
+    """What the engine and control plane need from adapter storage; a local folder implements it, and an
+    S3-compatible bucket can (keys `<hash>.safetensors`, upload to a temporary key then copy)."""
+
+    def put(self, adapter: CanonicalAdapter) -> str:
+        """Store the version if absent; return where it lives (a path or URL)."""
+        ...
+
+    def get(self, content_hash: str, *, verify: bool = False) -> CanonicalAdapter: ...
+
+    def exists(self, content_hash: str) -> bool: ...
+
+    def delete(self, content_hash: str) -> bool:
+        """True when something was deleted."""
+        ...
+
+    def list(self) -> list[str]:
+        """Content hashes of all stored versions, sorted."""
+        ...
+
+
+class LocalAdapterStore:
+    """A folder of `<content_hash>.safetensors` files (fp32, contiguous: loading is one read per tensor)."""
+
+    def __init__(self, root: str | Path):
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+
+    def path(self, content_hash: str) -> Path:
+        if not _HASH.match(content_hash or ""):
+            raise ValueError(f"not a content hash: {content_hash!r} (expected 64 lowercase hex digits)")
+        return self.root / f"{content_hash}{SUFFIX}"
+
+    def put(self, adapter: CanonicalAdapter) -> str:
+        target = self.path(adapter.content_hash)
+        if target.exists():
+            return str(target)
+        tensors, meta = adapter.to_tensors()
+        fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=SUFFIX, dir=self.root)
+        os.close(fd)
+        try:
+            save_file(tensors, tmp, metadata=meta)
+            with open(tmp, "rb+") as f:
+                os.fsync(f.fileno())
+            # Same folder, so the rename is atomic: readers see no entry or the whole entry.
+            os.replace(tmp, target)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+        return str(target)
+
+    def get(self, content_hash: str, *, verify: bool = False) -> CanonicalAdapter:
+        target = self.path(content_hash)
+        if not target.exists():
+            raise KeyError(f"adapter version {content_hash} is not in the store at {self.root}")
+        adapter = read_entry(target, verify=verify)
+        if adapter.content_hash != content_hash:
+            raise AdapterValidationError(f"store entry {target.name} names version {adapter.content_hash}",
+                                         ErrorCode.STORE_CORRUPT)
+        return adapter
+
+    def exists(self, content_hash: str) -> bool:
+        return self.path(content_hash).exists()
+
+    def delete(self, content_hash: str) -> bool:
+        try:
+            self.path(content_hash).unlink()
+        except FileNotFoundError:
+            return False
+        return True
+
+    def list(self) -> list[str]:
+        return sorted(p.name[: -len(SUFFIX)] for p in self.root.glob(f"*{SUFFIX}") if _HASH.match(p.stem))
+
+
+def read_entry(path: str | Path, *, verify: bool = False) -> CanonicalAdapter:
+    """A canonical entry file as written by LocalAdapterStore.put."""
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+        tensors = load_file(str(path))
+    except Exception as exc:  # the library raises its own error types for every kind of damage
+        raise AdapterValidationError(f"cannot read canonical entry {Path(path).name}: {exc}",
+                                     ErrorCode.STORE_CORRUPT) from exc
+    return CanonicalAdapter.from_tensors(tensors, meta, verify=verify)

@@ -1,0 +1,54 @@
+"""Canonical weights reproduce the delta PEFT itself applies, module by module."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from loraplex.adapters import MODULES, BaseModelSpec, load_adapter
+from loraplex.testing import make_peft_adapter
+
+
+def _peft_deltas(base_dir, adapter_dir) -> dict[tuple[int, str], torch.Tensor]:
+    from peft import PeftModel
+    from peft.tuners.lora import LoraLayer
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.float32)
+    peft_model = PeftModel.from_pretrained(model, str(adapter_dir))
+    deltas = {}
+    for name, module in peft_model.named_modules():
+        if isinstance(module, LoraLayer) and "default" in module.lora_A:
+            parts = name.split(".")
+            layer = int(parts[parts.index("layers") + 1])
+            deltas[(layer, parts[-1])] = module.get_delta_weight("default").detach()
+    return deltas
+
+
+CASES = [
+    pytest.param("tiny_llama_dir", dict(r=8, target_modules=MODULES), id="llama-r8-all"),
+    pytest.param("tiny_llama_dir", dict(r=16, target_modules=("q_proj", "v_proj"), use_rslora=True,
+                                        lora_alpha=8), id="llama-r16-qv-rslora"),
+    pytest.param("tiny_qwen2_dir", dict(r=4, target_modules=("k_proj", "o_proj", "down_proj")), id="qwen2-r4"),
+    pytest.param("tiny_qwen2_dir", dict(r=32, target_modules=MODULES, use_rslora=True),
+                 id="qwen2-r32-all-rslora"),
+    pytest.param("tiny_llama_dir", dict(r=8, target_modules=("q_proj", "gate_proj"), layers_to_transform=[1],
+                                        rank_pattern={"gate_proj": 4}, alpha_pattern={r"layers\.1\.self_attn\.q_proj": 3}),
+                 id="llama-patterns-layer1"),
+]
+
+
+@pytest.mark.parametrize(("base_fixture", "kwargs"), CASES)
+def test_canonical_delta_equals_peft_delta(base_fixture, kwargs, request, tmp_path):
+    base_dir = request.getfixturevalue(base_fixture)
+    adapter_dir = make_peft_adapter(base_dir, tmp_path / "lora", seed=3, **kwargs)
+    adapter = load_adapter(adapter_dir, BaseModelSpec.from_model_dir(base_dir))
+    expected = _peft_deltas(base_dir, adapter_dir)
+    assert set(adapter.weights) == set(expected)
+    for key, delta in expected.items():
+        w = adapter.weights[key]
+        assert w.a.dtype == w.b.dtype == torch.float32
+        assert w.a.is_contiguous() and w.b.is_contiguous()
+        assert delta.abs().max() > 1e-3  # the adapter really changes this module
+        torch.testing.assert_close(w.delta(), delta, rtol=1e-5, atol=1e-6)
+    assert set(adapter.target_modules) <= set(MODULES)
