@@ -1,0 +1,350 @@
+"""The adapter cache: device slots (`max_loras`) over a host-memory LRU (`max_cpu_loras`).
+
+Levels:
+- store/disk -> host: parsing, validation and conversion run in a background thread (`request_load`,
+  `prefetch`), so the step loop never waits on a disk read.
+- host -> device slot: a copy into weights preallocated once for every projection (`try_acquire`).
+
+Requests hold a reference on their adapter's slot while they run; an adapter with references, or pinned,
+is never evicted. The least recently used idle adapter gives up its slot when a new one needs it.
+
+Scheduler interface (all on the step thread):
+    ready(lora)        host-loaded or resident; otherwise starts a background load and says False.
+                       Raises the load's error once, so the request can fail with its message.
+    try_acquire(lora)  a slot for one more running request, or None when every slot is held.
+    release(key)       the request stopped running (finished, aborted or preempted).
+    slot_of(key)       for the runner's token-to-slot mapping.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+from loraplex.engine.lora_layers import LoraProjection, LoraStep
+from loraplex.engine.lora_request import LoRARequest
+from loraplex.kernels.lora import LoraBatch, LoraSlotWeights
+
+# (layer index, PEFT module name) -> (A [r, in], B [out, r]) with the scaling folded into B
+ModuleWeights = Mapping[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
+LoadFn = Callable[[LoRARequest], ModuleWeights]
+
+
+@dataclass
+class HostAdapter:
+    key: str
+    name: str
+    rank: int
+    slices: dict[tuple[int, str], list[tuple[torch.Tensor, torch.Tensor] | None]]
+    nbytes: int
+
+
+def to_host_adapter(
+    lora: LoRARequest, weights: ModuleWeights, projections: Sequence[LoraProjection], max_rank: int, pin: bool
+) -> HostAdapter:
+    """Regroup per-module weights into the model's (possibly fused) projections."""
+    by_name = {(p.layer_idx, name) for p in projections for name in p.module_names}
+    unknown = sorted(k for k in weights if k not in by_name)
+    if unknown:
+        raise ValueError(f"adapter {lora.name!r} targets modules the model does not have: {unknown[:4]}")
+    slices: dict[tuple[int, str], list[tuple[torch.Tensor, torch.Tensor] | None]] = {}
+    rank = nbytes = 0
+    for p in projections:
+        per_slice: list[tuple[torch.Tensor, torch.Tensor] | None] = []
+        for name, out in zip(p.module_names, p.output_sizes, strict=True):
+            pair = weights.get((p.layer_idx, name))
+            if pair is None:
+                per_slice.append(None)
+                continue
+            a, b = pair
+            r = a.shape[0]
+            if a.shape != (r, p.in_features) or b.shape != (out, r):
+                raise ValueError(
+                    f"adapter {lora.name!r} layer {p.layer_idx} {name}: A {tuple(a.shape)} / B {tuple(b.shape)} "
+                    f"do not match the model ({p.in_features} -> {out})"
+                )
+            if r > max_rank:
+                raise ValueError(f"adapter {lora.name!r} has rank {r}, above max_lora_rank={max_rank}")
+            a, b = a.contiguous(), b.contiguous()
+            if pin:
+                a, b = a.pin_memory(), b.pin_memory()
+            per_slice.append((a, b))
+            rank = max(rank, r)
+            nbytes += a.numel() * a.element_size() + b.numel() * b.element_size()
+        if any(s is not None for s in per_slice):
+            slices[p.key] = per_slice
+    if not slices:
+        raise ValueError(f"adapter {lora.name!r} has no weights for any projection of the model")
+    return HostAdapter(lora.key, lora.name, rank, slices, nbytes)
+
+
+class LoraManager:
+    def __init__(
+        self,
+        projections: Sequence[LoraProjection],
+        load_fn: LoadFn,
+        *,
+        max_loras: int,
+        max_cpu_loras: int,
+        max_rank: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        if max_loras < 1:
+            raise ValueError("max_loras must be at least 1")
+        if max_cpu_loras < max_loras:
+            raise ValueError("max_cpu_loras must be at least max_loras")
+        self.projections = list(projections)
+        self.load_fn = load_fn
+        self.max_loras = max_loras
+        self.max_cpu_loras = max_cpu_loras
+        self.max_rank = max_rank
+        self.dtype = dtype
+        self.device = torch.device(device)
+        # Allocated once: loading an adapter is a copy into these, never an allocation.
+        self.weights: dict[tuple[int, str], LoraSlotWeights] = {
+            p.key: LoraSlotWeights(max_loras, p.in_features, p.output_sizes, max_rank, dtype=dtype, device=device)
+            for p in self.projections
+        }
+        self._lock = threading.RLock()
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lora-load")
+        self._host: OrderedDict[str, HostAdapter] = OrderedDict()  # LRU, oldest first
+        self._loading: dict[str, Future] = {}
+        self._errors: dict[str, BaseException] = {}
+        self._slot_of: OrderedDict[str, int] = OrderedDict()  # resident adapters, least recently used first
+        self._slot_key: list[str | None] = [None] * max_loras
+        self._refs: dict[str, int] = {}
+        self._pinned: set[str] = set()
+        self._requests: dict[str, LoRARequest] = {}
+        self.loads_total = self.evictions_total = self.hits_total = self.misses_total = 0
+
+    # ---- loading (background) -------------------------------------------------------------------------
+
+    def request_load(self, lora: LoRARequest) -> Future:
+        """Start loading into host memory unless it is there or on its way. Never blocks on the load."""
+        with self._lock:
+            self._requests[lora.key] = lora
+            fut = self._loading.get(lora.key)
+            if fut is not None:
+                return fut
+            fut = Future()
+            if lora.key in self._host or lora.key in self._slot_of:
+                fut.set_result(None)
+                return fut
+            self._errors.pop(lora.key, None)
+            fut = self._pool.submit(self._load, lora)
+            self._loading[lora.key] = fut
+            return fut
+
+    def _load(self, lora: LoRARequest) -> None:
+        try:
+            weights = self.load_fn(lora)
+            host = to_host_adapter(
+                lora, weights, self.projections, self.max_rank, pin=self.device.type == "cuda"
+            )
+        except BaseException as exc:
+            with self._lock:
+                self._errors[lora.key] = exc
+                self._loading.pop(lora.key, None)
+            raise
+        with self._lock:
+            self._host[lora.key] = host
+            self._host.move_to_end(lora.key)
+            self._loading.pop(lora.key, None)
+            self.loads_total += 1
+            self._trim_host()
+
+    def _trim_host(self) -> None:
+        # Host copies of resident adapters may go: a later eviction then reloads from the store.
+        while len(self._host) > self.max_cpu_loras:
+            victim = next(
+                (k for k in self._host if k not in self._pinned and k not in self._refs), next(iter(self._host))
+            )
+            del self._host[victim]
+
+    def put_host(self, lora: LoRARequest, weights: ModuleWeights) -> None:
+        """Hand over weights already read (a path just validated), sparing a second read."""
+        host = to_host_adapter(lora, weights, self.projections, self.max_rank, pin=self.device.type == "cuda")
+        with self._lock:
+            self._requests[lora.key] = lora
+            if lora.key not in self._host:
+                self.loads_total += 1
+            self._host[lora.key] = host
+            self._host.move_to_end(lora.key)
+            self._trim_host()
+
+    def prefetch(self, lora: LoRARequest, *, pin: bool = False) -> Future:
+        """Load ahead of traffic: into host memory in the background, then into a free device slot."""
+        with self._lock:
+            if pin:
+                self._pinned.add(lora.key)
+        fut = self.request_load(lora)
+        result: Future = Future()
+
+        def _activate(done: Future) -> None:
+            if done.exception() is not None:
+                result.set_exception(done.exception())
+                return
+            with self._lock:
+                if lora.key not in self._slot_of:
+                    # Only a free slot: evicting from this thread could race the scheduler's choices.
+                    free = self._free_slot()
+                    if free is not None and lora.key in self._host:
+                        self._activate(lora.key, free)
+            result.set_result(self._slot_of.get(lora.key))
+
+        fut.add_done_callback(_activate)
+        return result
+
+    # ---- scheduler interface (step thread) ----------------------------------------------------------
+
+    def ready(self, lora: LoRARequest) -> bool:
+        with self._lock:
+            if lora.key in self._slot_of or lora.key in self._host:
+                return True
+            error = self._errors.pop(lora.key, None)
+            if error is not None:
+                raise error
+        self.request_load(lora)
+        return False
+
+    def is_resident(self, key: str) -> bool:
+        return key in self._slot_of
+
+    def slot_of(self, key: str) -> int:
+        return self._slot_of[key]
+
+    def try_acquire(self, lora: LoRARequest) -> int | None:
+        """A device slot holding `lora` for one more running request; None when no slot can be had now.
+        The adapter must be `ready`."""
+        with self._lock:
+            key = lora.key
+            slot = self._slot_of.get(key)
+            if slot is not None:
+                self.hits_total += 1
+            else:
+                if key not in self._host:
+                    # Dropped from the host LRU since `ready` (or never loaded): fetch it again.
+                    self.request_load(lora)
+                    return None
+                slot = self._free_slot()
+                if slot is None:
+                    slot = self._evict_one()
+                if slot is None:
+                    return None
+                self.misses_total += 1
+                self._activate(key, slot)
+            self._slot_of.move_to_end(key)
+            self._refs[key] = self._refs.get(key, 0) + 1
+            return slot
+
+    def release(self, key: str) -> None:
+        with self._lock:
+            n = self._refs.get(key, 0)
+            if n <= 0:
+                raise RuntimeError(f"release of adapter {key[:12]} without a matching acquire")
+            if n == 1:
+                del self._refs[key]
+            else:
+                self._refs[key] = n - 1
+
+    def refcount(self, key: str) -> int:
+        return self._refs.get(key, 0)
+
+    def pin(self, key: str) -> None:
+        with self._lock:
+            self._pinned.add(key)
+
+    def unpin(self, key: str) -> None:
+        with self._lock:
+            self._pinned.discard(key)
+
+    def remove(self, key: str) -> bool:
+        """Drop the adapter from every level if no request uses it. Returns False while it is in use."""
+        with self._lock:
+            if self._refs.get(key):
+                return False
+            self._pinned.discard(key)
+            self._host.pop(key, None)
+            slot = self._slot_of.pop(key, None)
+            if slot is not None:
+                self._clear(slot)
+            return True
+
+    def build_step(self, token_slots: Sequence[int] | torch.Tensor) -> LoraStep | None:
+        """The forward context's LoRA state for a step; None when no token uses an adapter."""
+        batch = LoraBatch.build(token_slots, device=self.device)
+        if batch.empty:
+            return None
+        return LoraStep(batch, self.weights)
+
+    # ---- blocking convenience (benchmarks, offline use) ---------------------------------------------
+
+    def load_now(self, lora: LoRARequest) -> int:
+        """Load and place into a slot on the calling thread; returns the slot (not referenced)."""
+        try:
+            self.request_load(lora).result()
+        finally:
+            with self._lock:
+                self._errors.pop(lora.key, None)
+        with self._lock:
+            slot = self.try_acquire(lora)
+            if slot is None:
+                raise RuntimeError("every LoRA slot is in use")
+            self.release(lora.key)
+            return slot
+
+    # ---- internals ----------------------------------------------------------------------------------
+
+    def _free_slot(self) -> int | None:
+        for slot, key in enumerate(self._slot_key):
+            if key is None:
+                return slot
+        return None
+
+    def _evict_one(self) -> int | None:
+        for key, slot in self._slot_of.items():
+            if not self._refs.get(key) and key not in self._pinned:
+                del self._slot_of[key]
+                self._clear(slot)
+                self.evictions_total += 1
+                return slot
+        return None
+
+    def _activate(self, key: str, slot: int) -> None:
+        host = self._host[key]
+        for pkey, w in self.weights.items():
+            pairs = host.slices.get(pkey)
+            if pairs is None:
+                w.clear_slot(slot)
+            else:
+                w.set_slot(slot, pairs)
+        self._slot_key[slot] = key
+        self._slot_of[key] = slot
+        self._host.move_to_end(key)
+
+    def _clear(self, slot: int) -> None:
+        for w in self.weights.values():
+            w.clear_slot(slot)
+        self._slot_key[slot] = None
+
+    def stats(self) -> dict:
+        with self._lock:
+            return {
+                "lora_slots_total": self.max_loras,
+                "lora_slots_used": len(self._slot_of),
+                "lora_resident": list(self._slot_of),
+                "lora_host_cached": list(self._host),
+                "lora_loads_total": self.loads_total,
+                "lora_evictions_total": self.evictions_total,
+                "lora_hits_total": self.hits_total,
+                "lora_misses_total": self.misses_total,
+            }
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)

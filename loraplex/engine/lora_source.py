@@ -1,0 +1,56 @@
+"""Where the engine's adapters come from: user paths become `LoRARequest`s named by content hash, and the
+adapter cache loads weights from the store (canonical, fast) or the original PEFT files."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from loraplex.adapters import (
+    AdapterLimits,
+    AdapterStore,
+    AdapterValidationError,
+    BaseModelSpec,
+    CanonicalAdapter,
+    ErrorCode,
+    load_adapter,
+)
+from loraplex.engine.lora_request import LoRARequest
+
+
+def module_weights(adapter: CanonicalAdapter) -> dict:
+    return {key: (w.a, w.b) for key, w in adapter.weights.items()}
+
+
+class AdapterSource:
+    def __init__(self, spec: BaseModelSpec, store: AdapterStore | None = None, limits: AdapterLimits | None = None):
+        self.spec = spec
+        self.store = store
+        self.limits = limits or AdapterLimits()
+
+    def resolve(self, adapter: str | Path | LoRARequest) -> tuple[LoRARequest, CanonicalAdapter | None]:
+        """A LoRARequest for a PEFT folder/archive (validated and hashed now; the weights come back too so
+        the caller need not read them twice) or the request itself."""
+        if isinstance(adapter, LoRARequest):
+            return adapter, None
+        path = Path(adapter)
+        canonical = load_adapter(path, self.spec, self.limits)
+        where = str(path)
+        if self.store is not None:
+            where = self.store.put(canonical)
+        name = path.name[: -len(".tar.gz")] if path.name.endswith(".tar.gz") else path.stem or path.name
+        return LoRARequest(name=name, content_hash=canonical.content_hash, path=where), canonical
+
+    def load(self, lora: LoRARequest) -> dict:
+        """The adapter cache's load function: per (layer, module) (A, B). Refuses a path whose content no
+        longer matches the version the request names."""
+        if self.store is not None and self.store.exists(lora.content_hash):
+            canonical = self.store.get(lora.content_hash)
+        else:
+            canonical = load_adapter(lora.path, self.spec, self.limits)
+        if canonical.content_hash != lora.content_hash:
+            raise AdapterValidationError(
+                f"adapter {lora.name!r} at {lora.path} changed: it now hashes to {canonical.content_hash[:12]}, "
+                f"not {lora.content_hash[:12]}",
+                ErrorCode.STORE_CORRUPT,
+            )
+        return module_weights(canonical)

@@ -1,0 +1,166 @@
+"""The adapter cache: slots, host LRU, references, pinning, background loads."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from loraplex.engine.lora_layers import LoraProjection
+from loraplex.engine.lora_manager import LoraManager
+from loraplex.engine.lora_request import LoRARequest
+
+PROJECTIONS = [
+    LoraProjection(layer, names, 16, sizes)
+    for layer in range(2)
+    for names, sizes in ((("q_proj", "k_proj", "v_proj"), (16, 8, 8)), (("o_proj",), (16,)))
+]
+
+
+def _weights(seed: int, rank: int, modules=("q_proj", "v_proj", "o_proj")):
+    gen = torch.Generator().manual_seed(seed)
+    out = {"q_proj": 16, "k_proj": 8, "v_proj": 8, "o_proj": 16}
+    return {
+        (layer, m): (torch.randn(rank, 16, generator=gen), torch.randn(out[m], rank, generator=gen))
+        for layer in range(2)
+        for m in modules
+    }
+
+
+class FakeStore:
+    def __init__(self):
+        self.adapters: dict[str, dict] = {}
+        self.calls: list[str] = []
+        self.gate = threading.Event()
+        self.gate.set()
+
+    def add(self, name: str, rank: int, **kw) -> LoRARequest:
+        self.adapters[name] = _weights(len(self.adapters), rank, **kw)
+        return LoRARequest(name=name, content_hash=name, path=name)
+
+    def load(self, lora: LoRARequest):
+        self.gate.wait(5)
+        self.calls.append(lora.key)
+        if lora.key not in self.adapters:
+            raise FileNotFoundError(f"no adapter {lora.key}")
+        return self.adapters[lora.key]
+
+
+def _manager(store, max_loras=2, max_cpu_loras=4):
+    return LoraManager(PROJECTIONS, store.load, max_loras=max_loras, max_cpu_loras=max_cpu_loras, max_rank=8)
+
+
+def _ready(manager, lora):
+    if not manager.ready(lora):
+        manager.request_load(lora).result(5)
+    assert manager.ready(lora)
+
+
+def test_slot_holds_the_adapter_and_step_applies_it():
+    store = FakeStore()
+    m = _manager(store)
+    a, b = store.add("a", 4), store.add("b", 8, modules=("k_proj",))
+    for lora in (a, b):
+        _ready(m, lora)
+    sa, sb = m.try_acquire(a), m.try_acquire(b)
+    assert {sa, sb} == {0, 1}
+    x = torch.randn(3, 16)
+    y = torch.zeros(3, 32)
+    step = m.build_step([sa, -1, sb])
+    step.apply(1, ("q_proj", "k_proj", "v_proj"), x, y, (16, 8, 8))
+    wa, wb = store.adapters["a"], store.adapters["b"]
+    expected = torch.zeros(3, 32)
+    expected[0, :16] = x[0] @ wa[(1, "q_proj")][0].t() @ wa[(1, "q_proj")][1].t()
+    expected[0, 24:] = x[0] @ wa[(1, "v_proj")][0].t() @ wa[(1, "v_proj")][1].t()
+    expected[2, 16:24] = x[2] @ wb[(1, "k_proj")][0].t() @ wb[(1, "k_proj")][1].t()
+    torch.testing.assert_close(y, expected)
+    assert m.build_step([-1, -1]) is None
+
+
+def test_lru_eviction_spares_adapters_in_use_and_pinned():
+    store = FakeStore()
+    m = _manager(store, max_loras=2)
+    a, b, c, d = (store.add(n, 4) for n in "abcd")
+    for lora in (a, b, c, d):
+        _ready(m, lora)
+    slot_a = m.try_acquire(a)
+    m.try_acquire(b)
+    assert m.try_acquire(c) is None  # both slots referenced by running requests
+    m.release("a")
+    assert m.try_acquire(c) == slot_a  # a was idle: evicted
+    assert not m.is_resident("a") and m.is_resident("b")
+    m.release("b")
+    m.release("c")
+    m.pin("b")
+    m.try_acquire(d)  # c is the only idle, unpinned one
+    assert m.is_resident("b") and not m.is_resident("c")
+    assert m.evictions_total == 2
+    with pytest.raises(RuntimeError, match="without a matching acquire"):
+        m.release("c")
+
+
+def test_least_recently_used_goes_first():
+    store = FakeStore()
+    m = _manager(store, max_loras=2)
+    a, b, c = (store.add(n, 2) for n in "abc")
+    for lora in (a, b, c):
+        _ready(m, lora)
+    for lora in (a, b, a):
+        m.try_acquire(lora)
+        m.release(lora.key)
+    m.try_acquire(c)
+    assert m.is_resident("a") and not m.is_resident("b")
+
+
+def test_load_runs_in_the_background_and_errors_reach_the_scheduler():
+    store = FakeStore()
+    m = _manager(store)
+    a = store.add("a", 4)
+    store.gate.clear()
+    assert m.ready(a) is False  # returns at once while the load waits
+    assert m.ready(a) is False
+    store.gate.set()
+    m.request_load(a).result(5)
+    assert m.ready(a) and store.calls == ["a"]
+    missing = LoRARequest(name="zz", content_hash="zz", path="zz")
+    assert m.ready(missing) is False
+    with pytest.raises(FileNotFoundError):
+        m.request_load(missing).result(5)
+    with pytest.raises(FileNotFoundError, match="no adapter zz"):
+        m.ready(missing)
+
+
+def test_prefetch_fills_a_free_slot_and_reload_after_host_eviction():
+    store = FakeStore()
+    m = _manager(store, max_loras=1, max_cpu_loras=1)
+    a, b = store.add("a", 4), store.add("b", 4)
+    assert m.prefetch(a).result(5) == 0
+    assert m.is_resident("a")
+    # b fills the one host entry; a keeps its slot but loses its host copy
+    m.request_load(b).result(5)
+    assert m.try_acquire(b) == 0  # a idle: evicted
+    m.release("b")
+    assert m.try_acquire(a) is None  # not in host memory anymore: reload starts, no slot yet
+    m.request_load(a).result(5)
+    assert m.try_acquire(a) == 0
+    assert store.calls == ["a", "b", "a"]
+
+
+def test_remove_refuses_while_in_use_and_validates_shapes():
+    store = FakeStore()
+    m = _manager(store)
+    a = store.add("a", 4)
+    _ready(m, a)
+    m.try_acquire(a)
+    assert m.remove("a") is False
+    m.release("a")
+    assert m.remove("a") is True and not m.is_resident("a") and not m.ready(a)
+    bad = LoRARequest(name="bad", content_hash="bad", path="bad")
+    store.adapters["bad"] = {(0, "q_proj"): (torch.zeros(4, 12), torch.zeros(16, 4))}
+    with pytest.raises(ValueError, match="do not match the model"):
+        m.request_load(bad).result(5)
+    big = LoRARequest(name="big", content_hash="big", path="big")
+    store.adapters["big"] = {(0, "o_proj"): (torch.zeros(16, 16), torch.zeros(16, 16))}
+    with pytest.raises(ValueError, match="max_lora_rank"):
+        m.request_load(big).result(5)
