@@ -1,0 +1,90 @@
+"""CSV and JSON renderings of report rows and statements; amounts as exact decimal strings, never floats."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+from collections.abc import Iterable
+
+from loraplex.platform.billing.money import format_micros
+from loraplex.platform.billing.statements import StatementView
+
+AMOUNT_FIELDS = ("amount", "total_amount", "unit_price")
+
+
+def rows_to_csv(rows: Iterable[dict]) -> str:
+    rows = list(rows)
+    buf = io.StringIO()
+    if not rows:
+        return ""
+    writer = csv.DictWriter(buf, fieldnames=list(rows[0]), lineterminator="\n")
+    writer.writeheader()
+    for row in rows:
+        writer.writerow({k: _cell(k, v) for k, v in row.items()})
+    return buf.getvalue()
+
+
+def _cell(key: str, value):
+    if key in AMOUNT_FIELDS and isinstance(value, int):
+        return format_micros(value)
+    return "" if value is None else value
+
+
+def with_decimal_amounts(row: dict) -> dict:
+    """JSON keeps the integer micro-units and adds the decimal string next to each amount."""
+    out = dict(row)
+    for key in AMOUNT_FIELDS:
+        if isinstance(row.get(key), int):
+            out[f"{key}_decimal"] = format_micros(row[key])
+    return out
+
+
+def statement_dict(view: StatementView) -> dict:
+    return {
+        "tenant_id": view.tenant_id,
+        "tenant": view.tenant,
+        "period": view.period,
+        "status": view.status,
+        "currency": view.currency,
+        "requests": view.requests,
+        "prompt_tokens": view.prompt_tokens,
+        "completion_tokens": view.completion_tokens,
+        "total_amount": view.total_amount,
+        "total_amount_decimal": format_micros(view.total_amount),
+        "generated_at": view.generated_at.isoformat() if view.generated_at else None,
+        "rounding": "each line: round half up to the micro-unit of tokens x unit_price / 1e6; total = sum of lines",
+        "lines": [
+            {
+                "adapter": line.adapter or None,
+                "component": line.component,
+                "tokens": line.tokens,
+                "unit_price": line.unit_price,
+                "unit_price_decimal": format_micros(line.unit_price),
+                "amount": line.amount,
+                "amount_decimal": format_micros(line.amount),
+            }
+            for line in view.lines
+        ],
+    }
+
+
+def statement_csv(view: StatementView) -> str:
+    rows = [
+        {
+            "tenant": view.tenant, "period": view.period, "status": view.status, "currency": view.currency,
+            "adapter": line.adapter or "base model", "component": line.component, "tokens": line.tokens,
+            "unit_price": line.unit_price, "amount": line.amount,
+        }
+        for line in view.lines
+    ]
+    rows.append({
+        "tenant": view.tenant, "period": view.period, "status": view.status, "currency": view.currency,
+        "adapter": "", "component": "total", "tokens": view.prompt_tokens + view.completion_tokens,
+        "unit_price": None, "amount": view.total_amount,
+    })
+    return rows_to_csv(rows)
+
+
+def to_json(data) -> str:
+    return json.dumps(data, indent=2, sort_keys=False)

@@ -1,0 +1,60 @@
+"""UTC days and calendar months as half-open datetime ranges."""
+
+from __future__ import annotations
+
+import re
+from datetime import UTC, date, datetime, time, timedelta
+
+_PERIOD = re.compile(r"^(\d{4})-(\d{2})$")
+MAX_REPORT_DAYS = 731
+
+
+def day_start(day: date) -> datetime:
+    return datetime.combine(day, time.min, tzinfo=UTC)
+
+
+def day_range(day: date) -> tuple[datetime, datetime]:
+    return day_start(day), day_start(day + timedelta(days=1))
+
+
+def parse_period(period: str) -> tuple[int, int]:
+    match = _PERIOD.match(period or "")
+    if not match or not 1 <= int(match.group(2)) <= 12:
+        raise ValueError(f"period must look like 2026-01, got {period!r}")
+    return int(match.group(1)), int(match.group(2))
+
+
+def period_bounds(period: str) -> tuple[date, date]:
+    """First day of the month and first day of the next month."""
+    year, month = parse_period(period)
+    first = date(year, month, 1)
+    nxt = date(year + (month == 12), 1 if month == 12 else month + 1, 1)
+    return first, nxt
+
+
+def period_of(day: date) -> str:
+    return f"{day.year:04d}-{day.month:02d}"
+
+
+def previous_period(today: date) -> str:
+    return period_of(today.replace(day=1) - timedelta(days=1))
+
+
+def today_utc() -> date:
+    return datetime.now(UTC).date()
+
+
+def resolve_range(start: date | None, end: date | None, *, today: date | None = None) -> tuple[date, date]:
+    """Inclusive [start, end]; defaults to the month to date. Refuses reversed or overlong ranges."""
+    today = today or today_utc()
+    end = end or today
+    start = start or end.replace(day=1)
+    if start > end:
+        raise ValueError(f"start {start} is after end {end}")
+    if (end - start).days + 1 > MAX_REPORT_DAYS:
+        raise ValueError(f"a report covers at most {MAX_REPORT_DAYS} days")
+    return start, end
+
+
+def days_in(start: date, end: date) -> list[date]:
+    return [start + timedelta(days=i) for i in range((end - start).days + 1)]

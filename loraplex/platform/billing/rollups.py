@@ -1,0 +1,46 @@
+"""Daily rollups: re-running a day deletes and rebuilds that day's rows in one transaction."""
+
+from __future__ import annotations
+
+from datetime import date
+
+from sqlalchemy import delete, select
+from sqlalchemy.orm import Session
+
+from loraplex.platform.billing.aggregate import aggregate_records
+from loraplex.platform.billing.models import RollupRun, UsageRollup
+from loraplex.platform.billing.periods import day_range
+from loraplex.platform.models import utcnow
+
+
+def rollup_day(session: Session, day: date) -> int:
+    """Rebuild the rollup rows of `day` (UTC) from its usage records; returns the number of rows.
+
+    The caller commits; the delete and the inserts land together, so a reader never sees half a day.
+    """
+    start, end = day_range(day)
+    totals = aggregate_records(session, start, end)
+    session.execute(delete(UsageRollup).where(UsageRollup.day == day))
+    session.add_all(
+        UsageRollup(
+            day=day, tenant_id=t.tenant_id, api_key_id=t.api_key_id, adapter_name=t.adapter_name,
+            adapter_version=t.adapter_version, requests=t.requests, failed_requests=t.failed_requests,
+            prompt_tokens=t.prompt_tokens, completion_tokens=t.completion_tokens,
+            latency_ms_total=t.latency_ms_total,
+        )
+        for t in totals
+    )
+    run = session.get(RollupRun, day)
+    records = sum(t.requests for t in totals)
+    if run is None:
+        session.add(RollupRun(day=day, records=records, rolled_at=utcnow()))
+    else:
+        run.records = records
+        run.rolled_at = utcnow()
+    session.flush()
+    return len(totals)
+
+
+def rolled_up_days(session: Session, start: date, end: date) -> set[date]:
+    rows = session.scalars(select(RollupRun.day).where(RollupRun.day >= start, RollupRun.day <= end))
+    return set(rows)

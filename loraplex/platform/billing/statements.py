@@ -1,0 +1,123 @@
+"""Monthly statements: the tenant's usage records of a UTC month, priced, one rounding per line.
+
+A statement of a month still open (or not yet finalized) is computed live and never stored; finalizing a
+closed month stores it with its lines and unit prices, and it never changes afterwards.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from loraplex.platform.billing.aggregate import adapter_label, aggregate_records
+from loraplex.platform.billing.lines import Line, UsageGroup, build_lines, total_amount
+from loraplex.platform.billing.models import Statement, StatementLine
+from loraplex.platform.billing.periods import day_start, period_bounds
+from loraplex.platform.billing.prices import price_for_tenant
+from loraplex.platform.models import Tenant, utcnow
+
+# usage records are flushed in batches; a month is final only once late writes can no longer arrive
+FINALIZE_GRACE = timedelta(hours=1)
+
+
+@dataclass
+class StatementView:
+    tenant_id: int
+    tenant: str
+    period: str
+    status: str  # draft | final
+    currency: str
+    requests: int
+    prompt_tokens: int
+    completion_tokens: int
+    total_amount: int
+    lines: list[Line] = field(default_factory=list)
+    generated_at: datetime | None = None
+
+
+def compute_statement(session: Session, tenant: Tenant, period: str) -> StatementView:
+    first, nxt = period_bounds(period)
+    totals = aggregate_records(session, day_start(first), day_start(nxt), tenant_ids=[tenant.id], by_key=False)
+    price = price_for_tenant(session, tenant)
+    groups = [
+        UsageGroup(adapter_label(t.adapter_name, t.adapter_version), t.requests, t.prompt_tokens, t.completion_tokens)
+        for t in totals
+    ]
+    lines = build_lines(groups, price)
+    return StatementView(
+        tenant_id=tenant.id, tenant=tenant.name, period=period, status="draft", currency=price.currency,
+        requests=sum(t.requests for t in totals), prompt_tokens=sum(t.prompt_tokens for t in totals),
+        completion_tokens=sum(t.completion_tokens for t in totals), total_amount=total_amount(lines),
+        lines=lines, generated_at=utcnow(),
+    )
+
+
+def _view(row: Statement, tenant_name: str) -> StatementView:
+    return StatementView(
+        tenant_id=row.tenant_id, tenant=tenant_name, period=row.period, status=row.status, currency=row.currency,
+        requests=row.requests, prompt_tokens=row.prompt_tokens, completion_tokens=row.completion_tokens,
+        total_amount=row.total_amount,
+        lines=[Line(x.adapter, x.component, x.tokens, x.unit_price, x.amount) for x in row.lines],
+        generated_at=row.generated_at,
+    )
+
+
+def is_closed(period: str, now: datetime | None = None) -> bool:
+    _, nxt = period_bounds(period)
+    return (now or datetime.now(UTC)) >= day_start(nxt) + FINALIZE_GRACE
+
+
+def get_statement(session: Session, tenant: Tenant, period: str) -> StatementView:
+    """The final statement when there is one, else a live draft."""
+    row = session.scalars(
+        select(Statement).where(Statement.tenant_id == tenant.id, Statement.period == period)
+    ).first()
+    return _view(row, tenant.name) if row is not None else compute_statement(session, tenant, period)
+
+
+def finalize_statement(session: Session, tenant: Tenant, period: str, *, now: datetime | None = None) -> StatementView:
+    """Store the statement of a closed month; idempotent (an existing final statement is returned as is)."""
+    if not is_closed(period, now):
+        raise ValueError(f"period {period} is not closed yet; statements are final only after the month ends")
+    existing = session.scalars(
+        select(Statement).where(Statement.tenant_id == tenant.id, Statement.period == period)
+    ).first()
+    if existing is not None:
+        return _view(existing, tenant.name)
+    view = compute_statement(session, tenant, period)
+    row = Statement(
+        tenant_id=tenant.id, period=period, status="final", currency=view.currency, requests=view.requests,
+        prompt_tokens=view.prompt_tokens, completion_tokens=view.completion_tokens,
+        total_amount=view.total_amount, generated_at=view.generated_at,
+        lines=[
+            StatementLine(position=i, adapter=x.adapter, component=x.component, tokens=x.tokens,
+                          unit_price=x.unit_price, amount=x.amount)
+            for i, x in enumerate(view.lines)
+        ],
+    )
+    session.add(row)
+    session.flush()
+    view.status = "final"
+    return view
+
+
+def finalize_period(session: Session, period: str, *, now: datetime | None = None) -> int:
+    """Finalize `period` for every tenant; returns how many statements exist for it afterwards."""
+    tenants = list(session.scalars(select(Tenant).order_by(Tenant.id)))
+    for tenant in tenants:
+        finalize_statement(session, tenant, period, now=now)
+    return len(tenants)
+
+
+def list_statements(
+    session: Session, *, tenant_ids: list[int] | None = None, period: str | None = None
+) -> list[Statement]:
+    stmt = select(Statement).order_by(Statement.period.desc(), Statement.tenant_id)
+    if tenant_ids is not None:
+        stmt = stmt.where(Statement.tenant_id.in_(tenant_ids))
+    if period is not None:
+        stmt = stmt.where(Statement.period == period)
+    return list(session.scalars(stmt))

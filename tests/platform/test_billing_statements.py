@@ -1,0 +1,205 @@
+"""Statements and rollups against a real database: exact sums, idempotent rollups, tenant isolation."""
+
+from __future__ import annotations
+
+import random
+import uuid
+from datetime import UTC, date, datetime, timedelta
+
+import pytest
+from sqlalchemy import select
+
+from loraplex.platform.billing.aggregate import adapter_label
+from loraplex.platform.billing.lines import BASE_MODEL
+from loraplex.platform.billing.models import Statement, UsageRollup
+from loraplex.platform.billing.money import line_amount
+from loraplex.platform.billing.prices import set_plan_price, set_tenant_override
+from loraplex.platform.billing.pricing import Price, PriceOverride
+from loraplex.platform.billing.reports import usage_report
+from loraplex.platform.billing.rollups import rollup_day
+from loraplex.platform.billing.statements import (
+    compute_statement,
+    finalize_period,
+    finalize_statement,
+    get_statement,
+    list_statements,
+)
+from loraplex.platform.db import Base, import_all_models, make_engine, make_session_factory
+from loraplex.platform.models import Plan, Tenant, UsageRecord
+
+NOV = datetime(2026, 11, 1, tzinfo=UTC)
+
+
+@pytest.fixture
+def session(tmp_path):
+    import_all_models()
+    engine = make_engine(f"sqlite:///{tmp_path / 'billing.db'}")
+    Base.metadata.create_all(engine)
+    with make_session_factory(engine)() as s:
+        yield s
+    engine.dispose()
+
+
+def _tenant(session, name, plan=None) -> Tenant:
+    t = Tenant(name=name, plan=plan)
+    session.add(t)
+    session.flush()
+    return t
+
+
+def _record(session, tenant, *, at, prompt, completion, adapter=None, version=None, key=1, status="ok"):
+    session.add(UsageRecord(
+        request_id=uuid.uuid4().hex, tenant_id=tenant.id, api_key_id=key, model=adapter or "base",
+        adapter_name=adapter, adapter_version=version, endpoint="chat", prompt_tokens=prompt,
+        completion_tokens=completion, ttft_ms=5, latency_ms=20, status=status, created_at=at,
+    ))
+
+
+def _random_usage(session, rng, tenants, n, month_start=NOV, days=30):
+    adapters = [(None, None), ("sql", "a" * 64), ("sql", "b" * 64), ("chat", "c" * 64)]
+    for _ in range(n):
+        tenant = rng.choice(tenants)
+        name, version = rng.choice(adapters)
+        at = month_start + timedelta(seconds=rng.randrange(days * 86400))
+        _record(session, tenant, at=at, prompt=rng.randrange(0, 4000), completion=rng.randrange(0, 1000),
+                adapter=name, version=version, key=rng.choice([1, 2, None]), status=rng.choice(["ok", "ok", "error"]))
+    session.flush()
+
+
+def _plan(session, name="pro") -> Plan:
+    plan = Plan(name=name, requests_per_minute=10, tokens_per_minute=10, max_concurrent=1, monthly_token_budget=10)
+    session.add(plan)
+    session.flush()
+    return plan
+
+
+def test_statements_equal_the_sum_of_their_usage_records_for_random_usage(session):
+    rng = random.Random(20261129)
+    plan = _plan(session)
+    set_plan_price(session, plan.id, Price(prompt=150_001, completion=600_007, adapter_surcharge=33_333))
+    set_plan_price(session, None, Price(prompt=1_000_003, completion=2_000_011, adapter_surcharge=7))
+    tenants = [_tenant(session, "acme", plan), _tenant(session, "globex"), _tenant(session, "initech", plan)]
+    set_tenant_override(session, tenants[2].id, PriceOverride(completion=999_999))
+    _random_usage(session, rng, tenants, 600)
+    # noise just outside the month must not leak in
+    _record(session, tenants[0], at=NOV - timedelta(microseconds=1), prompt=10**6, completion=10**6)
+    _record(session, tenants[0], at=datetime(2026, 12, 1, tzinfo=UTC), prompt=10**6, completion=10**6)
+    session.flush()
+
+    for tenant in tenants:
+        view = compute_statement(session, tenant, "2026-11")
+        records = session.scalars(select(UsageRecord).where(
+            UsageRecord.tenant_id == tenant.id, UsageRecord.created_at >= NOV,
+            UsageRecord.created_at < datetime(2026, 12, 1, tzinfo=UTC),
+        )).all()
+        assert view.requests == len(records)
+        assert view.prompt_tokens == sum(r.prompt_tokens for r in records)
+        assert view.completion_tokens == sum(r.completion_tokens for r in records)
+        # every line recomputes from the records behind it, and the total is the sum of the lines
+        by_adapter: dict[str, list[int]] = {}
+        for r in records:
+            label = adapter_label(r.adapter_name or "", r.adapter_version or "")
+            acc = by_adapter.setdefault(label, [0, 0])
+            acc[0] += r.prompt_tokens
+            acc[1] += r.completion_tokens
+        expected_total = 0
+        for line in view.lines:
+            prompt, completion = by_adapter[line.adapter]
+            tokens = {"prompt": prompt, "completion": completion, "adapter_surcharge": prompt + completion}[line.component]
+            assert line.tokens == tokens
+            assert line.amount == line_amount(tokens, line.unit_price)
+            expected_total += line.amount
+        assert view.total_amount == expected_total
+        assert not any(line.component == "adapter_surcharge" for line in view.lines if line.adapter == BASE_MODEL)
+    initech = compute_statement(session, tenants[2], "2026-11")
+    assert {line.unit_price for line in initech.lines if line.component == "completion"} == {999_999}
+    globex = compute_statement(session, tenants[1], "2026-11")
+    assert {line.unit_price for line in globex.lines if line.component == "prompt"} == {1_000_003}
+
+
+def test_finalized_statements_are_stored_once_and_do_not_change(session):
+    rng = random.Random(7)
+    set_plan_price(session, None, Price(prompt=500_000, completion=1_500_000, adapter_surcharge=100_000))
+    tenants = [_tenant(session, "a"), _tenant(session, "b")]
+    _random_usage(session, rng, tenants, 80)
+    with pytest.raises(ValueError, match="not closed"):
+        finalize_statement(session, tenants[0], "2026-11", now=datetime(2026, 11, 30, 23, tzinfo=UTC))
+    after = datetime(2026, 12, 2, tzinfo=UTC)
+    assert finalize_period(session, "2026-11", now=after) == 2
+    first = get_statement(session, tenants[0], "2026-11")
+    assert first.status == "final"
+    assert first.total_amount == compute_statement(session, tenants[0], "2026-11").total_amount
+    set_plan_price(session, None, Price(prompt=9_000_000, completion=9_000_000, adapter_surcharge=9_000_000))
+    finalize_period(session, "2026-11", now=after)  # re-running is harmless
+    again = get_statement(session, tenants[0], "2026-11")
+    assert again.total_amount == first.total_amount
+    assert [(x.tokens, x.amount) for x in again.lines] == [(x.tokens, x.amount) for x in first.lines]
+    assert len(session.scalars(select(Statement)).all()) == 2
+
+
+def test_rollups_are_idempotent_and_match_records(session):
+    rng = random.Random(3)
+    tenants = [_tenant(session, "a"), _tenant(session, "b")]
+    _random_usage(session, rng, tenants, 300, days=3)
+    day = date(2026, 11, 2)
+
+    def snapshot():
+        rows = session.scalars(select(UsageRollup).where(UsageRollup.day == day)).all()
+        return sorted((r.tenant_id, r.api_key_id, r.adapter_name, r.adapter_version, r.requests,
+                       r.failed_requests, r.prompt_tokens, r.completion_tokens, r.latency_ms_total) for r in rows)
+
+    rollup_day(session, day)
+    first = snapshot()
+    rollup_day(session, day)
+    rollup_day(session, day)
+    assert snapshot() == first
+    records = session.scalars(select(UsageRecord).where(
+        UsageRecord.created_at >= datetime(2026, 11, 2, tzinfo=UTC),
+        UsageRecord.created_at < datetime(2026, 11, 3, tzinfo=UTC))).all()
+    assert sum(r[4] for r in first) == len(records)
+    assert sum(r[6] for r in first) == sum(r.prompt_tokens for r in records)
+    assert sum(r[5] for r in first) == sum(r.status == "error" for r in records)
+    # a late record is picked up by the next run, replacing rather than adding rows
+    _record(session, tenants[0], at=datetime(2026, 11, 2, 12, tzinfo=UTC), prompt=5, completion=5)
+    session.flush()
+    rollup_day(session, day)
+    assert sum(r[4] for r in snapshot()) == len(records) + 1
+
+
+def test_reports_agree_whether_days_are_rolled_up_or_live(session):
+    rng = random.Random(11)
+    set_plan_price(session, None, Price(prompt=123_457, completion=765_433, adapter_surcharge=11))
+    tenants = [_tenant(session, "a"), _tenant(session, "b")]
+    _random_usage(session, rng, tenants, 200, days=10)
+    start, end = date(2026, 11, 1), date(2026, 11, 10)
+    dims = ("day", "tenant", "key", "adapter")
+    live = [r.as_dict(dims) for r in usage_report(session, start, end, group_by=dims)]
+    for d in range(1, 11):
+        rollup_day(session, date(2026, 11, d))
+    rolled = [r.as_dict(dims) for r in usage_report(session, start, end, group_by=dims)]
+    assert rolled == live
+    assert sum(r["requests"] for r in live) == 200
+    by_tenant = usage_report(session, start, end, group_by=("tenant",))
+    assert sum(r.prompt_tokens for r in by_tenant) == sum(r["prompt_tokens"] for r in live)
+
+
+def test_a_tenant_never_sees_another_tenants_usage_or_statements(session):
+    rng = random.Random(5)
+    a, b = _tenant(session, "a"), _tenant(session, "b")
+    _random_usage(session, rng, [a], 30)
+    _record(session, b, at=NOV + timedelta(days=1), prompt=777, completion=333, adapter="secret", version="d" * 64)
+    session.flush()
+    rows = usage_report(session, date(2026, 11, 1), date(2026, 11, 30), group_by=("adapter",), tenant_ids=[a.id])
+    assert all(r.adapter is None or not r.adapter.startswith("secret") for r in rows)
+    assert sum(r.requests for r in rows) == 30
+    view = compute_statement(session, a, "2026-11")
+    assert all(not line.adapter.startswith("secret") for line in view.lines)
+    finalize_period(session, "2026-11", now=datetime(2026, 12, 5, tzinfo=UTC))
+    assert [s.tenant_id for s in list_statements(session, tenant_ids=[a.id])] == [a.id]
+    b_view = get_statement(session, b, "2026-11")
+    assert (b_view.prompt_tokens, b_view.completion_tokens) == (777, 333)
+
+
+def test_report_refuses_unknown_grouping(session):
+    with pytest.raises(ValueError, match="cannot group"):
+        usage_report(session, date(2026, 11, 1), date(2026, 11, 2), group_by=("planet",))
