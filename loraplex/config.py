@@ -47,6 +47,13 @@ class Settings(BaseSettings):
     port: int = 8000
     celery_task_always_eager: bool | None = None  # None: eager unless redis_url is set
     engine_queue: str = Field(default="engine", description="Celery queue the engine process consumes")
+    redis_prefix: str = "lpx"  # namespace of every Redis key (quotas, usage journal, locks)
+    auto_migrate: bool = True  # run `alembic upgrade head` when the API starts
+    embedded_engine: bool = True  # build the engine inside the API process (AsyncEngine)
+    usage_flush_interval: float = 1.0  # seconds between batched usage inserts
+    usage_batch_size: int = 500
+    upload_wait_seconds: float = 30.0  # upper bound on `wait=true` uploads waiting for validation
+    warm_adapters_interval: float = 300.0  # seconds between "keep the busiest adapters warm" runs
 
     @model_validator(mode="after")
     def _refuse_insecure_defaults(self) -> Settings:

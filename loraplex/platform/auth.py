@@ -1,0 +1,72 @@
+"""Who is calling: a tenant's API key (with scopes) or the admin credential."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from loraplex.config import Settings
+from loraplex.platform.errors import forbidden, unauthorized
+from loraplex.platform.models import AdminKey, ApiKey, TenantStatus
+from loraplex.platform.quotas import QuotaLimits
+from loraplex.platform.security import ADMIN_KEY_PREFIX, KEY_PREFIX, hash_key
+from loraplex.platform.tenants import effective_limits
+
+
+@dataclass(frozen=True)
+class TenantContext:
+    """The authenticated caller, detached from any session so async code can hold it freely."""
+
+    tenant_id: int
+    tenant_name: str
+    key_id: int
+    scopes: frozenset[str]
+    limits: QuotaLimits
+
+
+@dataclass(frozen=True)
+class AdminContext:
+    key_id: int
+    name: str
+
+
+def _masked(token: str) -> str:
+    return token[:8] + "*" * 8 + token[-4:] if len(token) > 16 else "****"
+
+
+def authenticate_tenant(session: Session, settings: Settings, token: str | None) -> TenantContext:
+    if token is None:
+        raise unauthorized("You didn't provide an API key. Pass it in the Authorization header as "
+                           "'Authorization: Bearer lpx_...'.")
+    if not token.startswith(KEY_PREFIX) or token.startswith(ADMIN_KEY_PREFIX):
+        raise unauthorized(f"Incorrect API key provided: {_masked(token)}.")
+    key = session.scalar(select(ApiKey).where(ApiKey.key_hash == hash_key(settings.secret_key, token)))
+    if key is None:
+        raise unauthorized(f"Incorrect API key provided: {_masked(token)}.")
+    if key.revoked_at is not None:
+        raise unauthorized(f"The API key {key.prefix}... has been revoked.")
+    tenant = key.tenant
+    if tenant.status != TenantStatus.active:
+        raise forbidden(f"Tenant {tenant.name!r} is {tenant.status}.", code="tenant_suspended")
+    return TenantContext(tenant_id=tenant.id, tenant_name=tenant.name, key_id=key.id,
+                         scopes=key.scope_set, limits=effective_limits(tenant, settings))
+
+
+def authenticate_admin(session: Session, settings: Settings, token: str | None) -> AdminContext:
+    if token is None:
+        raise unauthorized("The admin API needs the admin key: 'Authorization: Bearer lpx_admin_...'.")
+    if not token.startswith(ADMIN_KEY_PREFIX):
+        raise unauthorized("This endpoint needs the admin key, not a tenant key.")
+    key = session.scalar(select(AdminKey).where(AdminKey.key_hash == hash_key(settings.secret_key, token)))
+    if key is None or key.revoked_at is not None:
+        raise unauthorized(f"Incorrect admin key provided: {_masked(token)}.")
+    return AdminContext(key_id=key.id, name=key.name)
+
+
+def require_scope(context: TenantContext, scope: str) -> TenantContext:
+    if scope not in context.scopes:
+        raise forbidden(f"This API key lacks the '{scope}' scope (it has: {', '.join(sorted(context.scopes))}).",
+                        code="missing_scope")
+    return context

@@ -1,0 +1,80 @@
+"""Dependencies, declared once as Annotated aliases. Routes never check tenancy or scopes by hand."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Annotated
+
+from fastapi import Depends, Header, Request
+from sqlalchemy.orm import Session
+
+from loraplex.platform.auth import (
+    AdminContext,
+    TenantContext,
+    authenticate_admin,
+    authenticate_tenant,
+    require_scope,
+)
+from loraplex.platform.models import Scope
+from loraplex.platform.scoping import TenantScope
+from loraplex.platform.security import bearer_token
+from loraplex.platform.services import Services
+
+
+def get_services(request: Request) -> Services:
+    return request.app.state.services
+
+
+ServicesDep = Annotated[Services, Depends(get_services)]
+
+
+def get_session(services: ServicesDep) -> Iterator[Session]:
+    with services.sessions() as session:
+        try:
+            yield session
+            session.commit()
+        except BaseException:
+            session.rollback()
+            raise
+
+
+SessionDep = Annotated[Session, Depends(get_session)]
+
+AuthorizationHeader = Annotated[str | None, Header(alias="authorization", include_in_schema=False)]
+
+
+def get_tenant(services: ServicesDep, authorization: AuthorizationHeader = None) -> TenantContext:
+    # Its own short session: an inference stream must not hold a database connection open.
+    with services.sessions() as session:
+        return authenticate_tenant(session, services.settings, bearer_token(authorization))
+
+
+TenantDep = Annotated[TenantContext, Depends(get_tenant)]
+
+
+def scoped(scope: Scope):
+    def dependency(tenant: TenantDep) -> TenantContext:
+        return require_scope(tenant, scope.value)
+
+    dependency.__name__ = f"require_{scope.value}_scope"
+    return dependency
+
+
+InferenceKeyDep = Annotated[TenantContext, Depends(scoped(Scope.inference))]
+AdaptersKeyDep = Annotated[TenantContext, Depends(scoped(Scope.adapters))]
+UsageKeyDep = Annotated[TenantContext, Depends(scoped(Scope.usage))]
+
+
+def get_tenant_scope(tenant: TenantDep, session: SessionDep) -> TenantScope:
+    return TenantScope(session, tenant.tenant_id)
+
+
+TenantScopeDep = Annotated[TenantScope, Depends(get_tenant_scope)]
+
+
+def get_admin(services: ServicesDep, authorization: AuthorizationHeader = None) -> AdminContext:
+    with services.sessions() as session:
+        return authenticate_admin(session, services.settings, bearer_token(authorization))
+
+
+AdminDep = Annotated[AdminContext, Depends(get_admin)]

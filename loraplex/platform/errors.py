@@ -1,0 +1,118 @@
+"""Errors shaped like OpenAI's: {"error": {"message", "type", "param", "code"}} with its status codes."""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from loraplex.engine.errors import AdapterLoadError, EngineOverloadedError, InvalidRequestError
+
+log = logging.getLogger(__name__)
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None, headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.type, self.param, self.code)
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+def not_found(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(404, message, param=param, code=code)
+
+
+def unauthorized(message: str) -> APIError:
+    return APIError(401, message, type="authentication_error", code="invalid_api_key",
+                    headers={"www-authenticate": "Bearer"})
+
+
+def forbidden(message: str, code: str | None = None) -> APIError:
+    return APIError(403, message, type="permission_error", code=code)
+
+
+def conflict(message: str, param: str | None = None) -> APIError:
+    return APIError(409, message, param=param, code="conflict")
+
+
+def unavailable(message: str) -> APIError:
+    return APIError(503, message, type="server_error", code="service_unavailable")
+
+
+def from_engine_error(exc: Exception) -> APIError:
+    if isinstance(exc, InvalidRequestError):
+        return bad_request(str(exc), param=exc.param)
+    if isinstance(exc, EngineOverloadedError):
+        return unavailable(f"the engine is overloaded, retry later: {exc}")
+    if isinstance(exc, AdapterLoadError):
+        return APIError(500, f"the adapter could not be loaded: {exc}", type="server_error",
+                        code="adapter_load_failed")
+    return APIError(500, f"engine error: {exc}", type="server_error")
+
+
+def _loc_to_param(loc: tuple[Any, ...]) -> str | None:
+    parts = [str(p) for p in loc if p not in ("body", "query", "path", "header")]
+    if not parts:
+        return None
+    out = parts[0]
+    for p in parts[1:]:
+        out += f"[{p}]" if p.isdigit() else f".{p}"
+    return out
+
+
+async def _api_error_handler(_request: Request, exc: APIError) -> JSONResponse:
+    return exc.response()
+
+
+async def _validation_handler(_request: Request, exc: RequestValidationError) -> JSONResponse:
+    # OpenAI answers malformed parameters with 400 invalid_request_error naming the parameter.
+    errors = exc.errors()
+    first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
+    param = _loc_to_param(tuple(first.get("loc", ())))
+    if first.get("type") == "json_invalid":
+        return bad_request("We could not parse the JSON body of your request: "
+                           f"{first.get('ctx', {}).get('error', 'invalid JSON')}").response()
+    msg = first.get("msg", "invalid value")
+    message = f"Invalid value for '{param}': {msg}" if param else f"Invalid request: {msg}"
+    if len(errors) > 1:
+        message += f" (and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''})"
+    return bad_request(message, param=param).response()
+
+
+async def _http_error_handler(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    kind = {401: "authentication_error", 403: "permission_error", 404: "invalid_request_error",
+            405: "invalid_request_error", 413: "invalid_request_error"}.get(exc.status_code, "server_error"
+                                                                          if exc.status_code >= 500
+                                                                          else "invalid_request_error")
+    detail = exc.detail if isinstance(exc.detail, str) else json.dumps(exc.detail)
+    return JSONResponse(error_body(detail, kind), status_code=exc.status_code, headers=exc.headers)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    app.add_exception_handler(APIError, _api_error_handler)
+    app.add_exception_handler(RequestValidationError, _validation_handler)
+    app.add_exception_handler(StarletteHTTPException, _http_error_handler)

@@ -1,0 +1,63 @@
+"""An adapter is a tenant's name; each upload is an immutable version named by its content hash."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from enum import StrEnum
+
+from sqlalchemy import BigInteger, ForeignKey, Index, Integer, String, Text, UniqueConstraint
+from sqlalchemy.orm import Mapped, mapped_column, relationship
+
+from loraplex.platform.db import Base
+from loraplex.platform.models._common import UTCDateTime, utcnow
+
+
+class VersionStatus(StrEnum):
+    pending = "pending"
+    validating = "validating"
+    ready = "ready"
+    failed = "failed"
+
+
+class Adapter(Base):
+    __tablename__ = "adapters"
+    __table_args__ = (UniqueConstraint("tenant_id", "name", name="uq_adapters_tenant_id_name"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    tenant_id: Mapped[int] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), index=True)
+    name: Mapped[str] = mapped_column(String(64))
+    description: Mapped[str | None] = mapped_column(String(512), nullable=True)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+
+    versions: Mapped[list[AdapterVersion]] = relationship(
+        back_populates="adapter", cascade="all, delete-orphan", passive_deletes=True,
+        order_by="AdapterVersion.id",
+    )
+
+
+class AdapterVersion(Base):
+    __tablename__ = "adapter_versions"
+    __table_args__ = (Index("ix_adapter_versions_tenant_id_content_hash", "tenant_id", "content_hash"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    adapter_id: Mapped[int] = mapped_column(ForeignKey("adapters.id", ondelete="CASCADE"), index=True)
+    # denormalised so tenant scoping is one WHERE clause, as for every tenant-owned table
+    tenant_id: Mapped[int] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"))
+    status: Mapped[str] = mapped_column(String(16), default=VersionStatus.pending.value)
+    error: Mapped[str | None] = mapped_column(Text, nullable=True)
+    error_code: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    upload_sha256: Mapped[str] = mapped_column(String(64))
+    upload_filename: Mapped[str] = mapped_column(String(256))
+    upload_bytes: Mapped[int] = mapped_column(BigInteger)
+    content_hash: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    rank: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    target_modules: Mapped[str | None] = mapped_column(String(256), nullable=True)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    ready_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
+
+    adapter: Mapped[Adapter] = relationship(back_populates="versions")
+
+    @property
+    def version(self) -> str | None:
+        """The short version users type after '@': the first 12 hex digits of the content hash."""
+        return self.content_hash[:12] if self.content_hash else None

@@ -1,0 +1,102 @@
+"""The limiter contract shared by the in-process and the Redis implementations."""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Protocol
+
+WINDOW_SECONDS = 60
+
+
+@dataclass(frozen=True)
+class QuotaLimits:
+    requests_per_minute: int
+    tokens_per_minute: int
+    max_concurrent: int
+    monthly_token_budget: int
+
+
+@dataclass
+class Reservation:
+    """What acquire() took, so settle() can give back the difference exactly once."""
+
+    tenant_id: int
+    request_id: str
+    reserved_tokens: int
+    minute: int  # window index the tokens were counted in
+    month: str  # YYYYMM of the monthly budget counted
+    headers: dict[str, str] = field(default_factory=dict)
+    settled: bool = False
+
+
+class QuotaExceeded(Exception):
+    def __init__(self, message: str, *, kind: str, retry_after: float, headers: dict[str, str]):
+        super().__init__(message)
+        self.message = message
+        self.kind = kind  # requests | tokens | concurrent | monthly_budget
+        self.retry_after = retry_after
+        self.headers = headers
+
+
+class QuotaLimiter(Protocol):
+    async def acquire(self, tenant_id: int, limits: QuotaLimits, request_id: str,
+                      reserve_tokens: int) -> Reservation: ...
+
+    async def settle(self, reservation: Reservation, used_tokens: int) -> None: ...
+
+    async def close(self) -> None: ...
+
+
+def now_parts(now: float | None = None) -> tuple[float, int, str]:
+    t = time.time() if now is None else now
+    return t, int(t // WINDOW_SECONDS), datetime.fromtimestamp(t, UTC).strftime("%Y%m")
+
+
+def format_reset(seconds: float) -> str:
+    """OpenAI's reset format: '1s', '6m0s', '20ms'."""
+    if seconds < 1:
+        return f"{max(1, int(seconds * 1000))}ms"
+    whole = math.ceil(seconds)
+    minutes, secs = divmod(whole, 60)
+    return f"{minutes}m{secs}s" if minutes else f"{secs}s"
+
+
+def rate_headers(limits: QuotaLimits, used_requests: int, used_tokens: int, reset_in: float) -> dict[str, str]:
+    return {
+        "x-ratelimit-limit-requests": str(limits.requests_per_minute),
+        "x-ratelimit-remaining-requests": str(max(0, limits.requests_per_minute - used_requests)),
+        "x-ratelimit-reset-requests": format_reset(reset_in),
+        "x-ratelimit-limit-tokens": str(limits.tokens_per_minute),
+        "x-ratelimit-remaining-tokens": str(max(0, limits.tokens_per_minute - used_tokens)),
+        "x-ratelimit-reset-tokens": format_reset(reset_in),
+    }
+
+
+def seconds_to_next_month(now: float) -> float:
+    d = datetime.fromtimestamp(now, UTC)
+    nxt = datetime(d.year + (d.month == 12), d.month % 12 + 1, 1, tzinfo=UTC)
+    return nxt.timestamp() - now
+
+
+def exceeded(kind: str, limits: QuotaLimits, used_requests: int, used_tokens: int, reset_in: float,
+             now: float, reserve_tokens: int) -> QuotaExceeded:
+    headers = rate_headers(limits, used_requests, used_tokens, reset_in)
+    retry_after = reset_in
+    if kind == "requests":
+        msg = f"Rate limit reached for requests: limit {limits.requests_per_minute} per minute."
+    elif kind == "tokens":
+        msg = (f"Rate limit reached for tokens: limit {limits.tokens_per_minute} per minute, "
+               f"used {used_tokens}, requested {reserve_tokens}.")
+        if reserve_tokens > limits.tokens_per_minute:
+            msg += " The request alone exceeds the limit: lower max_tokens or the prompt length."
+    elif kind == "concurrent":
+        msg = f"Too many concurrent requests: limit {limits.max_concurrent}."
+        retry_after = 1.0
+    else:
+        msg = f"Monthly token budget of {limits.monthly_token_budget} tokens is used up."
+        retry_after = seconds_to_next_month(now)
+    headers["retry-after"] = str(max(1, math.ceil(retry_after)))
+    return QuotaExceeded(msg, kind=kind, retry_after=retry_after, headers=headers)

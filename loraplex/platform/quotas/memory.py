@@ -1,0 +1,73 @@
+"""The in-process limiter for the embedded default (one API process, so a lock is atomic enough)."""
+
+from __future__ import annotations
+
+import threading
+from collections import defaultdict
+
+from loraplex.platform.quotas.base import (
+    WINDOW_SECONDS,
+    QuotaLimits,
+    Reservation,
+    exceeded,
+    now_parts,
+    rate_headers,
+)
+
+
+class MemoryQuotaLimiter:
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._requests: dict[tuple[int, int], int] = defaultdict(int)  # (tenant, minute) -> count
+        self._tokens: dict[tuple[int, int], int] = defaultdict(int)
+        self._monthly: dict[tuple[int, str], int] = defaultdict(int)
+        self._inflight: dict[int, set[str]] = defaultdict(set)
+
+    async def acquire(self, tenant_id: int, limits: QuotaLimits, request_id: str,
+                      reserve_tokens: int, *, now: float | None = None) -> Reservation:
+        t, minute, month = now_parts(now)
+        reset_in = (minute + 1) * WINDOW_SECONDS - t
+        with self._lock:
+            self._forget_old_windows(minute)
+            reqs = self._requests[(tenant_id, minute)]
+            toks = self._tokens[(tenant_id, minute)]
+            spent = self._monthly[(tenant_id, month)]
+            inflight = self._inflight[tenant_id]
+            kind = None
+            if len(inflight) >= limits.max_concurrent:
+                kind = "concurrent"
+            elif reqs + 1 > limits.requests_per_minute:
+                kind = "requests"
+            elif toks + reserve_tokens > limits.tokens_per_minute:
+                kind = "tokens"
+            elif spent + reserve_tokens > limits.monthly_token_budget:
+                kind = "monthly_budget"
+            if kind is not None:
+                raise exceeded(kind, limits, reqs, toks, reset_in, t, reserve_tokens)
+            self._requests[(tenant_id, minute)] = reqs + 1
+            self._tokens[(tenant_id, minute)] = toks + reserve_tokens
+            self._monthly[(tenant_id, month)] = spent + reserve_tokens
+            inflight.add(request_id)
+        return Reservation(tenant_id, request_id, reserve_tokens, minute, month,
+                           headers=rate_headers(limits, reqs + 1, toks + reserve_tokens, reset_in))
+
+    async def settle(self, reservation: Reservation, used_tokens: int) -> None:
+        with self._lock:
+            if reservation.settled:
+                return
+            reservation.settled = True
+            delta = used_tokens - reservation.reserved_tokens
+            key = (reservation.tenant_id, reservation.minute)
+            if key in self._tokens:
+                self._tokens[key] = max(0, self._tokens[key] + delta)
+            mkey = (reservation.tenant_id, reservation.month)
+            self._monthly[mkey] = max(0, self._monthly[mkey] + delta)
+            self._inflight[reservation.tenant_id].discard(reservation.request_id)
+
+    async def close(self) -> None:
+        return None
+
+    def _forget_old_windows(self, minute: int) -> None:
+        for table in (self._requests, self._tokens):
+            for key in [k for k in table if k[1] < minute - 1]:
+                del table[key]

@@ -1,0 +1,84 @@
+"""Adapter names to engine requests: `name` (latest ready version) or `name@version` (a content-hash prefix),
+always within the caller's tenant."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from loraplex.engine.lora_request import LoRARequest
+from loraplex.platform.models import Adapter, AdapterVersion, VersionStatus
+from loraplex.platform.scoping import TenantScope
+
+MIN_VERSION_CHARS = 6
+
+
+class ModelNotFound(LookupError):
+    pass
+
+
+@dataclass(frozen=True)
+class ModelTarget:
+    """What a request's `model` resolved to. adapter is None for the base model."""
+
+    model: str
+    adapter: LoRARequest | None = None
+    adapter_name: str | None = None
+    created: int = 0
+
+
+def store_path(store_dir: Path, content_hash: str) -> str:
+    return str(Path(store_dir) / f"{content_hash}.safetensors")
+
+
+def resolve_model(session: Session, tenant_id: int, model: str, base_model: str,
+                  store_dir: Path | None = None) -> ModelTarget:
+    if model == base_model:
+        return ModelTarget(model=model)
+    name, _, version = model.partition("@")
+    scope = TenantScope(session, tenant_id)
+    adapter = scope.one_or_none(Adapter, Adapter.name == name)
+    if adapter is None:
+        raise ModelNotFound(f"The model '{model}' does not exist or you do not have access to it.")
+    criteria = [AdapterVersion.adapter_id == adapter.id, AdapterVersion.status == VersionStatus.ready.value]
+    if version:
+        if len(version) < MIN_VERSION_CHARS:
+            raise ModelNotFound(f"The model '{model}' does not exist: give at least {MIN_VERSION_CHARS} "
+                                "characters of the version.")
+        criteria.append(AdapterVersion.content_hash.startswith(version.lower(), autoescape=True))
+    stmt = scope.select(AdapterVersion, *criteria).order_by(AdapterVersion.id.desc()).limit(2)
+    found = list(session.scalars(stmt))
+    if not found:
+        what = f"version {version} of adapter '{name}'" if version else f"adapter '{name}'"
+        raise ModelNotFound(f"The model '{model}' does not exist: {what} has no ready version.")
+    if version and len(found) > 1 and found[0].content_hash != found[1].content_hash:
+        raise ModelNotFound(f"The version '{version}' of '{name}' is ambiguous; give more characters.")
+    v = found[0]
+    path = store_path(store_dir, v.content_hash) if store_dir is not None else ""
+    return ModelTarget(model=model, adapter=LoRARequest(name=name, content_hash=v.content_hash, path=path),
+                       adapter_name=name, created=int(v.created_at.timestamp()))
+
+
+def list_model_ids(session: Session, tenant_id: int) -> list[tuple[str, int, str]]:
+    """(model id, created, adapter name) for each ready adapter: `name` for the newest version, and
+    `name@version` for every ready version."""
+    scope = TenantScope(session, tenant_id)
+    stmt = (scope.select(AdapterVersion, AdapterVersion.status == VersionStatus.ready.value)
+            .join(Adapter, Adapter.id == AdapterVersion.adapter_id)
+            .add_columns(Adapter.name).order_by(Adapter.name, AdapterVersion.id.desc()))
+    out: list[tuple[str, int, str]] = []
+    seen: set[str] = set()
+    for version, name in session.execute(stmt):
+        created = int(version.created_at.timestamp())
+        if name not in seen:
+            seen.add(name)
+            out.append((name, created, name))
+        out.append((f"{name}@{version.version}", created, name))
+    return out
+
+
+def adapter_by_name(session: Session, tenant_id: int, name: str) -> Adapter | None:
+    return session.scalars(select(Adapter).where(Adapter.tenant_id == tenant_id, Adapter.name == name)).one_or_none()

@@ -1,0 +1,84 @@
+"""/admin/api: operators manage plans, tenants and keys with the admin credential."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, status
+from sqlalchemy import select
+
+from loraplex.platform.deps import AdminDep, ServicesDep, SessionDep
+from loraplex.platform.errors import not_found
+from loraplex.platform.models import ApiKey, Plan, Tenant
+from loraplex.platform.schemas.tenants import (
+    KeyCreate,
+    KeyCreated,
+    KeyPublic,
+    PlanCreate,
+    PlanPublic,
+    TenantCreate,
+    TenantPublic,
+    TenantUpdate,
+)
+from loraplex.platform.tenants import (
+    create_api_key,
+    create_plan,
+    create_tenant,
+    get_tenant,
+    key_public,
+    revoke_api_key,
+    tenant_public,
+    update_tenant,
+)
+
+router = APIRouter(prefix="/admin/api", tags=["admin"])
+
+
+@router.get("/plans", response_model=list[PlanPublic])
+def list_plans(*, _admin: AdminDep, session: SessionDep) -> list[Plan]:
+    return list(session.scalars(select(Plan).order_by(Plan.id)))
+
+
+@router.post("/plans", response_model=PlanPublic, status_code=status.HTTP_201_CREATED)
+def add_plan(*, _admin: AdminDep, session: SessionDep, body: PlanCreate) -> Plan:
+    return create_plan(session, body)
+
+
+@router.get("/tenants", response_model=list[TenantPublic])
+def list_tenants(*, _admin: AdminDep, session: SessionDep, services: ServicesDep) -> list[TenantPublic]:
+    return [tenant_public(t, services.settings) for t in session.scalars(select(Tenant).order_by(Tenant.id))]
+
+
+@router.post("/tenants", response_model=TenantPublic, status_code=status.HTTP_201_CREATED)
+def add_tenant(*, _admin: AdminDep, session: SessionDep, services: ServicesDep, body: TenantCreate) -> TenantPublic:
+    return tenant_public(create_tenant(session, body), services.settings)
+
+
+@router.get("/tenants/{tenant_id}", response_model=TenantPublic)
+def read_tenant(*, _admin: AdminDep, session: SessionDep, services: ServicesDep, tenant_id: int) -> TenantPublic:
+    return tenant_public(get_tenant(session, tenant_id), services.settings)
+
+
+@router.patch("/tenants/{tenant_id}", response_model=TenantPublic)
+def edit_tenant(*, _admin: AdminDep, session: SessionDep, services: ServicesDep, tenant_id: int,
+                body: TenantUpdate) -> TenantPublic:
+    return tenant_public(update_tenant(session, get_tenant(session, tenant_id), body), services.settings)
+
+
+@router.get("/tenants/{tenant_id}/keys", response_model=list[KeyPublic])
+def list_keys(*, _admin: AdminDep, session: SessionDep, tenant_id: int) -> list[KeyPublic]:
+    tenant = get_tenant(session, tenant_id)
+    keys = session.scalars(select(ApiKey).where(ApiKey.tenant_id == tenant.id).order_by(ApiKey.id))
+    return [key_public(k) for k in keys]
+
+
+@router.post("/tenants/{tenant_id}/keys", response_model=KeyCreated, status_code=status.HTTP_201_CREATED)
+def add_key(*, _admin: AdminDep, session: SessionDep, services: ServicesDep, tenant_id: int,
+            body: KeyCreate) -> KeyCreated:
+    return create_api_key(session, services.settings, get_tenant(session, tenant_id), body)
+
+
+@router.delete("/keys/{key_id}", response_model=KeyPublic)
+def revoke_key(*, _admin: AdminDep, session: SessionDep, key_id: int) -> KeyPublic:
+    key = session.get(ApiKey, key_id)
+    if key is None:
+        raise not_found(f"no API key with id {key_id}", param="key_id")
+    return key_public(revoke_api_key(session, key))

@@ -1,0 +1,1 @@
+"""Pydantic shapes of the public API, per the schema ladder: XBase -> XCreate / XUpdate -> XPublic."""

@@ -1,0 +1,94 @@
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from loraplex.platform.models import ALL_SCOPES
+
+NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
+
+
+class QuotaFields(BaseModel):
+    requests_per_minute: int | None = Field(default=None, ge=1)
+    tokens_per_minute: int | None = Field(default=None, ge=1)
+    max_concurrent: int | None = Field(default=None, ge=1)
+    monthly_token_budget: int | None = Field(default=None, ge=1)
+
+
+class PlanBase(BaseModel):
+    name: str = Field(pattern=NAME_PATTERN)
+    requests_per_minute: int = Field(ge=1)
+    tokens_per_minute: int = Field(ge=1)
+    max_concurrent: int = Field(ge=1)
+    monthly_token_budget: int = Field(ge=1)
+
+
+class PlanCreate(PlanBase):
+    pass
+
+
+class PlanPublic(PlanBase):
+    model_config = ConfigDict(from_attributes=True)
+    id: int
+    created_at: datetime
+
+
+class TenantBase(QuotaFields):
+    name: str = Field(pattern=NAME_PATTERN, description="unique; letters, digits, '.', '_', '-'")
+
+
+class TenantCreate(TenantBase):
+    plan: str | None = Field(default=None, description="name of an existing plan")
+
+
+class TenantUpdate(QuotaFields):
+    plan: str | None = None
+    status: Literal["active", "suspended"] | None = None
+    # explicit nulls clear an override back to the plan's value
+    model_config = ConfigDict(extra="forbid")
+
+
+class EffectiveQuotas(BaseModel):
+    requests_per_minute: int
+    tokens_per_minute: int
+    max_concurrent: int
+    monthly_token_budget: int
+
+
+class TenantPublic(TenantBase):
+    id: int
+    status: str
+    plan: str | None
+    created_at: datetime
+    quotas: EffectiveQuotas
+
+
+class KeyCreate(BaseModel):
+    name: str = Field(default="default", max_length=64)
+    scopes: list[str] = Field(default_factory=lambda: list(ALL_SCOPES))
+
+    @field_validator("scopes")
+    @classmethod
+    def _known_scopes(cls, scopes: list[str]) -> list[str]:
+        unknown = sorted(set(scopes) - set(ALL_SCOPES))
+        if unknown:
+            raise ValueError(f"unknown scope(s) {unknown}; known: {list(ALL_SCOPES)}")
+        if not scopes:
+            raise ValueError("a key needs at least one scope")
+        return sorted(set(scopes))
+
+
+class KeyPublic(BaseModel):
+    id: int
+    tenant_id: int
+    name: str
+    prefix: str
+    scopes: list[str]
+    created_at: datetime
+    revoked_at: datetime | None
+
+
+class KeyCreated(KeyPublic):
+    key: str = Field(description="the secret; shown only in this response")

@@ -1,0 +1,45 @@
+"""Everything a request handler needs, built once per app and torn down with it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from sqlalchemy import Engine
+from sqlalchemy.orm import Session, sessionmaker
+
+from loraplex.config import Settings
+from loraplex.engine.client import EngineClient
+from loraplex.platform.quotas import QuotaLimiter
+
+
+@dataclass
+class Services:
+    settings: Settings
+    db: Engine
+    sessions: sessionmaker[Session]
+    limiter: QuotaLimiter
+    engine: EngineClient | None = None
+    usage: Any = None  # UsageRecorder
+    tasks: Any = None  # TaskDispatcher
+    store: Any = None  # AdapterStore
+    redis: Any = None  # redis.asyncio.Redis when redis_url is set
+    background: list[Any] = field(default_factory=list)  # asyncio tasks to cancel on shutdown
+    startup_hooks: list[Any] = field(default_factory=list)  # async (services, app) -> None
+    shutdown_hooks: list[Any] = field(default_factory=list)  # async (services) -> None
+    owns_engine: bool = False  # started and shut down with the app
+
+    @property
+    def base_model_name(self) -> str:
+        if self.settings.served_model_name:
+            return self.settings.served_model_name
+        if self.engine is not None:
+            return self.engine.model_name
+        return self.settings.model
+
+    def require_engine(self) -> EngineClient:
+        from loraplex.platform.errors import unavailable
+
+        if self.engine is None:
+            raise unavailable("The inference engine is not available in this process.")
+        return self.engine

@@ -1,0 +1,140 @@
+"""Tenants, plans and keys: the operations shared by the admin API and the `loraplex admin` command."""
+
+from __future__ import annotations
+
+from sqlalchemy import select
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
+
+from loraplex.config import Settings
+from loraplex.platform.models import AdminKey, ApiKey, Plan, Tenant, TenantStatus, utcnow
+from loraplex.platform.quotas import QuotaLimits
+from loraplex.platform.schemas.tenants import (
+    EffectiveQuotas,
+    KeyCreate,
+    KeyCreated,
+    KeyPublic,
+    PlanCreate,
+    TenantCreate,
+    TenantPublic,
+    TenantUpdate,
+)
+from loraplex.platform.security import display_prefix, generate_key, hash_key
+
+_QUOTA_FIELDS = ("requests_per_minute", "tokens_per_minute", "max_concurrent", "monthly_token_budget")
+
+
+class TenantError(ValueError):
+    """A readable refusal (duplicate name, unknown plan, unknown tenant)."""
+
+    def __init__(self, message: str, *, status: int = 400, param: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.param = param
+
+
+def effective_limits(tenant: Tenant, settings: Settings) -> QuotaLimits:
+    values = {}
+    for name in _QUOTA_FIELDS:
+        value = getattr(tenant, name)
+        if value is None and tenant.plan is not None:
+            value = getattr(tenant.plan, name)
+        if value is None:
+            value = getattr(settings, f"default_{name}")
+        values[name] = value
+    return QuotaLimits(**values)
+
+
+def tenant_public(tenant: Tenant, settings: Settings) -> TenantPublic:
+    limits = effective_limits(tenant, settings)
+    return TenantPublic(
+        id=tenant.id, name=tenant.name, status=tenant.status, plan=tenant.plan.name if tenant.plan else None,
+        created_at=tenant.created_at, quotas=EffectiveQuotas(**vars(limits)),
+        **{f: getattr(tenant, f) for f in _QUOTA_FIELDS},
+    )
+
+
+def key_public(key: ApiKey) -> KeyPublic:
+    return KeyPublic(id=key.id, tenant_id=key.tenant_id, name=key.name, prefix=key.prefix,
+                     scopes=sorted(key.scope_set), created_at=key.created_at, revoked_at=key.revoked_at)
+
+
+def _plan_by_name(session: Session, name: str) -> Plan:
+    plan = session.scalar(select(Plan).where(Plan.name == name))
+    if plan is None:
+        known = session.scalars(select(Plan.name)).all()
+        raise TenantError(f"unknown plan {name!r}; known plans: {', '.join(known) or '(none)'}", param="plan")
+    return plan
+
+
+def create_plan(session: Session, data: PlanCreate) -> Plan:
+    if session.scalar(select(Plan).where(Plan.name == data.name)) is not None:
+        raise TenantError(f"a plan named {data.name!r} already exists", status=409, param="name")
+    plan = Plan(**data.model_dump())
+    session.add(plan)
+    session.flush()
+    return plan
+
+
+def create_tenant(session: Session, data: TenantCreate) -> Tenant:
+    if session.scalar(select(Tenant).where(Tenant.name == data.name)) is not None:
+        raise TenantError(f"a tenant named {data.name!r} already exists", status=409, param="name")
+    tenant = Tenant(name=data.name, **{f: getattr(data, f) for f in _QUOTA_FIELDS})
+    if data.plan is not None:
+        tenant.plan = _plan_by_name(session, data.plan)
+    session.add(tenant)
+    try:
+        session.flush()
+    except IntegrityError as exc:  # a concurrent create with the same name
+        raise TenantError(f"a tenant named {data.name!r} already exists", status=409, param="name") from exc
+    return tenant
+
+
+def get_tenant(session: Session, ref: int | str) -> Tenant:
+    """By id, or by name (the CLI's way of naming tenants)."""
+    if isinstance(ref, int) or (isinstance(ref, str) and ref.isdigit()):
+        tenant = session.get(Tenant, int(ref))
+    else:
+        tenant = session.scalar(select(Tenant).where(Tenant.name == ref))
+    if tenant is None:
+        raise TenantError(f"no tenant {ref!r}", status=404, param="tenant")
+    return tenant
+
+
+def update_tenant(session: Session, tenant: Tenant, data: TenantUpdate) -> Tenant:
+    changes = data.model_dump(exclude_unset=True)
+    if "plan" in changes:
+        tenant.plan = _plan_by_name(session, changes.pop("plan")) if changes["plan"] else None
+        changes.pop("plan", None)
+    if "status" in changes:
+        if changes["status"] is None:
+            raise TenantError("status cannot be null", param="status")
+        tenant.status = TenantStatus(changes.pop("status")).value
+    for name, value in changes.items():
+        setattr(tenant, name, value)
+    session.flush()
+    return tenant
+
+
+def create_api_key(session: Session, settings: Settings, tenant: Tenant, data: KeyCreate) -> KeyCreated:
+    secret = generate_key()
+    key = ApiKey(tenant_id=tenant.id, name=data.name, prefix=display_prefix(secret),
+                 key_hash=hash_key(settings.secret_key, secret), scopes=" ".join(data.scopes))
+    session.add(key)
+    session.flush()
+    return KeyCreated(key=secret, **key_public(key).model_dump())
+
+
+def revoke_api_key(session: Session, key: ApiKey) -> ApiKey:
+    if key.revoked_at is None:
+        key.revoked_at = utcnow()
+        session.flush()
+    return key
+
+
+def create_admin_key(session: Session, settings: Settings, name: str = "admin") -> tuple[AdminKey, str]:
+    secret = generate_key(admin=True)
+    key = AdminKey(name=name, prefix=display_prefix(secret), key_hash=hash_key(settings.secret_key, secret))
+    session.add(key)
+    session.flush()
+    return key, secret

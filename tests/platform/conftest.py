@@ -1,0 +1,108 @@
+"""Fixtures for the control plane: a migrated SQLite database per test, an app with a fake or real
+engine, the admin key, and factories for tenants and keys."""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from fake_engine import FakeEngine
+from fastapi.testclient import TestClient
+
+from loraplex.config import Settings
+
+TEST_SECRET = "test-secret-0123456789abcdef"
+
+
+@pytest.fixture(scope="session")
+def migrated_sqlite_template(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Migrations run once per session; each test gets a copy of the result."""
+    from loraplex.platform.migrate import upgrade_to_head
+
+    path = tmp_path_factory.mktemp("dbtemplate") / "template.db"
+    upgrade_to_head(f"sqlite:///{path}")
+    return path
+
+
+def make_settings(data_dir: Path, **overrides) -> Settings:
+    values = dict(environment="test", secret_key=TEST_SECRET, data_dir=data_dir,
+                  database_url=f"sqlite:///{data_dir / 'loraplex.db'}", auto_migrate=False,
+                  embedded_engine=False, redis_url=None, usage_flush_interval=0.05)
+    values.update(overrides)
+    return Settings(**values)
+
+
+@pytest.fixture
+def data_dir(tmp_path: Path, migrated_sqlite_template: Path) -> Path:
+    d = tmp_path / "data"
+    d.mkdir()
+    shutil.copy(migrated_sqlite_template, d / "loraplex.db")
+    return d
+
+
+@pytest.fixture
+def settings(data_dir: Path) -> Settings:
+    return make_settings(data_dir)
+
+
+@pytest.fixture
+def fake_engine() -> FakeEngine:
+    return FakeEngine()
+
+
+@pytest.fixture
+def app(settings: Settings, fake_engine: FakeEngine):
+    from loraplex.platform.app import create_app
+
+    return create_app(settings, engine=fake_engine)
+
+
+@pytest.fixture
+def client(app) -> Iterator[TestClient]:
+    with TestClient(app) as c:
+        yield c
+
+
+@pytest.fixture
+def admin_key(app, client) -> str:
+    from loraplex.platform.db import session_scope
+    from loraplex.platform.tenants import create_admin_key
+
+    with session_scope(app.state.services.sessions) as session:
+        _, secret = create_admin_key(session, app.state.services.settings)
+    return secret
+
+
+@dataclass
+class TenantKey:
+    tenant_id: int
+    tenant_name: str
+    key_id: int
+    key: str
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.key}"}
+
+
+@pytest.fixture
+def make_tenant(app, client) -> Callable[..., TenantKey]:
+    """Create a tenant (with quota overrides) and one key, directly in the database."""
+    from loraplex.platform.db import session_scope
+    from loraplex.platform.schemas.tenants import KeyCreate, TenantCreate
+    from loraplex.platform.tenants import create_api_key, create_tenant
+
+    counter = iter(range(1, 10_000))
+
+    def make(name: str | None = None, *, scopes: list[str] | None = None, **quotas) -> TenantKey:
+        services = app.state.services
+        with session_scope(services.sessions) as session:
+            tenant = create_tenant(session, TenantCreate(name=name or f"tenant{next(counter)}", **quotas))
+            key_data = KeyCreate(scopes=scopes) if scopes is not None else KeyCreate()
+            created = create_api_key(session, services.settings, tenant, key_data)
+            return TenantKey(tenant.id, tenant.name, created.id, created.key)
+
+    return make

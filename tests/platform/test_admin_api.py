@@ -1,0 +1,73 @@
+"""The admin API: plans, tenants, keys; shown-once secrets; immediate revocation."""
+
+from __future__ import annotations
+
+
+def _admin(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+def test_admin_api_needs_the_admin_key(client, make_tenant):
+    tenant = make_tenant()
+    r = client.get("/admin/api/tenants")
+    assert r.status_code == 401
+    assert r.json()["error"]["type"] == "authentication_error"
+    assert r.headers["x-request-id"].startswith("req_")
+    r = client.get("/admin/api/tenants", headers=tenant.headers)
+    assert r.status_code == 401
+    assert "admin key" in r.json()["error"]["message"]
+
+
+def test_create_tenant_plan_and_key(client, admin_key):
+    h = _admin(admin_key)
+    r = client.post("/admin/api/plans", headers=h, json={
+        "name": "pro", "requests_per_minute": 100, "tokens_per_minute": 1000, "max_concurrent": 4,
+        "monthly_token_budget": 10**6})
+    assert r.status_code == 201, r.text
+    r = client.post("/admin/api/tenants", headers=h, json={"name": "acme", "plan": "pro", "max_concurrent": 2})
+    assert r.status_code == 201, r.text
+    tenant = r.json()
+    assert tenant["quotas"] == {"requests_per_minute": 100, "tokens_per_minute": 1000, "max_concurrent": 2,
+                                "monthly_token_budget": 10**6}
+    r = client.post("/admin/api/tenants", headers=h, json={"name": "acme"})
+    assert r.status_code == 409
+    assert "already exists" in r.json()["error"]["message"]
+    r = client.post("/admin/api/tenants", headers=h, json={"name": "other", "plan": "nope"})
+    assert r.status_code == 400 and "unknown plan" in r.json()["error"]["message"]
+
+    r = client.post(f"/admin/api/tenants/{tenant['id']}/keys", headers=h, json={"scopes": ["inference"]})
+    assert r.status_code == 201, r.text
+    created = r.json()
+    assert created["key"].startswith("lpx_") and created["key"].startswith(created["prefix"])
+    listed = client.get(f"/admin/api/tenants/{tenant['id']}/keys", headers=h).json()
+    assert [k["id"] for k in listed] == [created["id"]]
+    assert "key" not in listed[0]
+
+    r = client.patch(f"/admin/api/tenants/{tenant['id']}", headers=h, json={"max_concurrent": None})
+    assert r.json()["quotas"]["max_concurrent"] == 4
+
+
+def test_key_validation_errors_are_400_with_param(client, admin_key, make_tenant):
+    tenant = make_tenant()
+    r = client.post(f"/admin/api/tenants/{tenant.tenant_id}/keys", headers=_admin(admin_key),
+                    json={"scopes": ["root"]})
+    assert r.status_code == 400
+    err = r.json()["error"]
+    assert err["param"] == "scopes" and "unknown scope" in err["message"]
+
+
+def test_revoked_key_is_refused_at_once(client, admin_key, make_tenant):
+    tenant = make_tenant()
+    assert client.get("/v1/models", headers=tenant.headers).status_code == 200
+    r = client.delete(f"/admin/api/keys/{tenant.key_id}", headers=_admin(admin_key))
+    assert r.status_code == 200 and r.json()["revoked_at"]
+    r = client.get("/v1/models", headers=tenant.headers)
+    assert r.status_code == 401
+    assert "revoked" in r.json()["error"]["message"]
+
+
+def test_suspended_tenant_gets_403(client, admin_key, make_tenant):
+    tenant = make_tenant()
+    client.patch(f"/admin/api/tenants/{tenant.tenant_id}", headers=_admin(admin_key), json={"status": "suspended"})
+    r = client.get("/v1/models", headers=tenant.headers)
+    assert r.status_code == 403 and r.json()["error"]["code"] == "tenant_suspended"
