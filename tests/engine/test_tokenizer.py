@@ -1,0 +1,169 @@
+"""Tokenizer wrapper, chat templates, incremental detokenisation and stop strings."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from loraplex.engine.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer, StopStringMatcher
+from loraplex.engine.errors import InvalidRequestError
+from loraplex.engine.tokenizer import Tokenizer
+
+UNICODE = "Grüße 東京 🙂 aus München"
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_llama_dir) -> Tokenizer:
+    return Tokenizer.from_pretrained(tiny_llama_dir)
+
+
+def test_encode_decode_round_trip(tokenizer):
+    ids = tokenizer.encode(UNICODE)
+    assert tokenizer.decode(ids) == UNICODE
+    assert all(0 <= i < tokenizer.vocab_size for i in ids)
+    assert tokenizer.vocab_size == len(tokenizer.hf)
+
+
+def test_token_strings_for_logprobs(tokenizer):
+    ids = tokenizer.encode(" brown")
+    pieces = [tokenizer.id_to_token(i) for i in ids]
+    assert pieces[0].startswith("Ġ")  # byte-level BPE spells the space as Ġ in the vocabulary
+    texts = [tokenizer.token_text(i) for i in ids]
+    assert texts[0].startswith(" ") and "".join(texts) == " brown"
+    im_end = tokenizer.hf.convert_tokens_to_ids("<|im_end|>")
+    assert tokenizer.token_text(im_end) == "<|im_end|>"
+    with pytest.raises(InvalidRequestError):
+        tokenizer.id_to_token(tokenizer.vocab_size + 10)
+
+
+def test_eos_ids_come_from_generation_config_and_tokenizer(tiny_llama_dir, tmp_path):
+    model = Path(shutil.copytree(tiny_llama_dir, tmp_path / "m"))
+    im_end = Tokenizer.from_pretrained(model).hf.convert_tokens_to_ids("<|im_end|>")
+    assert Tokenizer.from_pretrained(model).eos_token_ids == (im_end,)
+
+    generation = json.loads((model / "generation_config.json").read_text())
+    generation["eos_token_id"] = [7, im_end, 9]
+    (model / "generation_config.json").write_text(json.dumps(generation))
+    assert Tokenizer.from_pretrained(model).eos_token_ids == (7, im_end, 9)
+
+
+def test_chat_template(tokenizer):
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": [{"type": "text", "text": "Hi "}, {"type": "text", "text": "there"}]},
+    ]
+    expected = "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi there<|im_end|>\n"
+    ids = tokenizer.apply_chat_template(messages)
+    assert tokenizer.decode(ids, skip_special_tokens=False) == expected + "<|im_start|>assistant\n"
+    no_prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=False)
+    assert tokenizer.decode(no_prompt, skip_special_tokens=False) == expected
+    # special tokens in the template are single tokens, not spelled out
+    assert ids.count(tokenizer.hf.convert_tokens_to_ids("<|im_start|>")) == 3
+
+
+@pytest.mark.parametrize(
+    "messages,match",
+    [
+        ([], "non-empty list"),
+        ("hello", "non-empty list"),
+        (["hello"], "messages\\[0\\] must be an object"),
+        ([{"content": "hi"}], "role must be one of"),
+        ([{"role": "wizard", "content": "hi"}], "role must be one of"),
+        ([{"role": "user", "content": 3}], "content must be a string"),
+        ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], "only hold text"),
+    ],
+)
+def test_bad_messages(tokenizer, messages, match):
+    with pytest.raises(InvalidRequestError, match=match):
+        tokenizer.apply_chat_template(messages)
+
+
+def test_template_errors_and_missing_template(tiny_llama_dir):
+    strict = Tokenizer.from_pretrained(tiny_llama_dir)
+    strict.hf.chat_template = "{{ raise_exception('roles must alternate') }}"
+    with pytest.raises(InvalidRequestError, match="roles must alternate"):
+        strict.apply_chat_template([{"role": "user", "content": "hi"}])
+    strict.hf.chat_template = None
+    with pytest.raises(InvalidRequestError, match="no chat template"):
+        strict.apply_chat_template([{"role": "user", "content": "hi"}])
+
+
+def _stream(detok: IncrementalDetokenizer, ids: list[int], chunk: int = 1) -> list[str]:
+    return [detok.step(ids[i : i + chunk]) for i in range(0, len(ids), chunk)]
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 3])
+def test_detokenizer_never_splits_characters(tokenizer, chunk):
+    ids = tokenizer.encode(UNICODE)
+    # the test is only meaningful if some characters really span several tokens
+    assert any(REPLACEMENT_CHAR in tokenizer.decode([i]) for i in ids)
+    detok = IncrementalDetokenizer(tokenizer, tokenizer.encode("Hello"))
+    deltas = _stream(detok, ids, chunk)
+    assert all(REPLACEMENT_CHAR not in d for d in deltas)
+    assert "".join(deltas) == UNICODE == detok.text
+    assert "" in deltas or chunk > 1  # held back at least once while a character was incomplete
+
+
+def test_detokenizer_special_tokens(tokenizer):
+    im_end = tokenizer.hf.convert_tokens_to_ids("<|im_end|>")
+    ids = tokenizer.encode("Hi there") + [im_end]
+    skipping = IncrementalDetokenizer(tokenizer, skip_special_tokens=True)
+    assert "".join(_stream(skipping, ids)) == "Hi there"
+    keeping = IncrementalDetokenizer(tokenizer, skip_special_tokens=False)
+    assert "".join(_stream(keeping, ids)) == "Hi there<|im_end|>"
+
+
+def test_detokenizer_flush_releases_incomplete_character(tokenizer):
+    ids = tokenizer.encode("🙂")
+    assert len(ids) > 1
+    detok = IncrementalDetokenizer(tokenizer)
+    assert detok.step(ids[:1]) == ""
+    assert detok.flush() == tokenizer.decode(ids[:1])
+    assert detok.flush() == ""
+
+
+def test_detokenizer_window_stays_short(tokenizer):
+    ids = tokenizer.encode(UNICODE + " The quick brown fox jumps over the lazy dog.") * 40
+    detok = IncrementalDetokenizer(tokenizer)
+    longest_window = 0
+    for token in ids:
+        detok.step([token])
+        longest_window = max(longest_window, len(detok.token_ids) - detok._prefix_offset)
+    assert detok.text == tokenizer.decode(ids)
+    assert longest_window <= 6  # bounded by the longest multi-token character, not the sequence
+
+
+def test_stop_string_split_across_deltas():
+    matcher = StopStringMatcher(["STOP"])
+    emitted = []
+    for delta in ["Hello S", "T", "O", "P and more"]:
+        text, stop = matcher.feed(delta)
+        emitted.append(text)
+    assert emitted == ["Hello ", "", "", ""]
+    assert stop == "STOP"
+    assert matcher.feed("ignored") == ("", "STOP")
+    assert matcher.flush() == ""
+
+
+def test_stop_string_false_start_is_released():
+    matcher = StopStringMatcher(["STOP"])
+    assert matcher.feed("a ST") == ("a ", None)
+    assert matcher.feed("ART") == ("START", None)
+    assert matcher.feed("x S") == ("x ", None)
+    assert matcher.flush() == "S"
+
+
+def test_earliest_stop_wins_and_can_be_included():
+    matcher = StopStringMatcher(["world", "lo w"], include_stop_str_in_output=True)
+    assert matcher.feed("hello world") == ("hello w", "lo w")
+    plain = StopStringMatcher(["\n\n", "."])
+    assert plain.feed("One. Two\n\n") == ("One", ".")
+
+
+def test_no_stop_strings_passes_through():
+    matcher = StopStringMatcher([])
+    assert matcher.feed("abc") == ("abc", None)
+    assert matcher.flush() == ""
