@@ -1,0 +1,208 @@
+"""`AsyncEngine`: the engine's step loop on a background thread, one async stream per request.
+
+The event loop never runs model code: requests and aborts are handed to the step thread through a
+command queue, and each step's outputs are handed back to the request's asyncio queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator, Sequence
+from concurrent.futures import Future
+from typing import Any
+
+from loraplex.engine.client import EngineStats
+from loraplex.engine.config import EngineConfig
+from loraplex.engine.errors import EngineOverloadedError, InvalidRequestError
+from loraplex.engine.llm_engine import LLMEngine
+from loraplex.engine.lora_request import LoRARequest
+from loraplex.engine.outputs import RequestOutput
+from loraplex.engine.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class _Stream:
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+
+class AsyncEngine:
+    def __init__(self, config: EngineConfig, *, adapter_slots: Any = None, engine: LLMEngine | None = None):
+        self.config = config
+        self.engine = engine or LLMEngine(config, adapter_slots=adapter_slots)
+        self.model_name = config.model
+        self.max_model_len = self.engine.limits.max_model_len
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._streams: dict[str, _Stream] = {}
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._num_aborted = 0
+
+    # -- lifecycle --------------------------------------------------------------------------------------
+    async def start(self) -> None:
+        if self._thread is not None:
+            return
+        self._stopping = False
+        self._thread = threading.Thread(target=self._loop, name="loraplex-engine", daemon=True)
+        self._thread.start()
+
+    async def shutdown(self) -> None:
+        if self._thread is None:
+            return
+        self._stopping = True
+        self._wake.set()
+        await asyncio.to_thread(self._thread.join)
+        self._thread = None
+        for request_id, stream in list(self._streams.items()):
+            stream.put(EngineOverloadedError("the engine is shutting down"))
+            self._streams.pop(request_id, None)
+
+    # -- requests ---------------------------------------------------------------------------------------
+    async def generate(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        request_id: str,
+        *,
+        adapter: LoRARequest | None = None,
+        tenant: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        if self._thread is None or self._stopping:
+            raise EngineOverloadedError("the engine is not running")
+        if request_id in self._streams:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
+        if len(self._streams) >= self.config.max_queue_len:
+            raise EngineOverloadedError("too many requests are queued; try again later")
+        # Validate here, so a bad request fails in the caller before anything is streamed.
+        _, ids = self.engine.encode_prompt(prompt)
+        self.engine.scheduler.check_fits(len(ids), params.max_tokens, params.n)
+        stream = _Stream(asyncio.get_running_loop())
+        self._streams[request_id] = stream
+        added: Future = Future()
+        self._send(("add", request_id, ids, params, adapter, tenant, added))
+        finished = False
+        try:
+            await asyncio.wrap_future(added)
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    break
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:
+                self._send(("abort", request_id, None))
+
+    async def abort(self, request_id: str) -> None:
+        done: Future = Future()
+        self._send(("abort", request_id, done))
+        if self._thread is not None:
+            await asyncio.wrap_future(done)
+
+    def encode(self, text: str) -> list[int]:
+        return self.engine.tokenizer.encode(text)
+
+    def encode_chat(self, messages: Sequence[dict[str, Any]], *, add_generation_prompt: bool = True) -> list[int]:
+        return self.engine.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+
+    async def prefetch_adapter(self, adapter: LoRARequest, *, pin: bool = False) -> None:
+        slots = self.engine.adapter_slots
+        if slots is None or not hasattr(slots, "prefetch"):
+            raise InvalidRequestError("this engine was started without adapter support", param="adapter")
+        await asyncio.wrap_future(slots.prefetch(adapter, pin=pin))
+
+    async def remove_adapter(self, content_hash: str) -> None:
+        slots = self.engine.adapter_slots
+        if slots is None or not hasattr(slots, "remove"):
+            return
+        while not slots.remove(content_hash):
+            await asyncio.sleep(0.05)  # still used by a running request
+
+    def stats(self) -> EngineStats:
+        eng = self.engine
+        bm = eng.block_manager
+        stats = EngineStats(
+            num_running=len(eng.scheduler.running),
+            num_waiting=eng.scheduler.num_waiting,
+            num_preempted_total=eng.scheduler.num_preemptions,
+            kv_blocks_total=bm.num_blocks,
+            kv_blocks_used=bm.num_used_blocks,
+            kv_blocks_cached=bm.num_cached_free_blocks,
+            prefix_cache_queries=bm.prefix_queries,
+            prefix_cache_hits=bm.prefix_hits,
+            prompt_tokens_total=eng.prompt_tokens_total,
+            generation_tokens_total=eng.generation_tokens_total,
+        )
+        lora_stats = getattr(eng.adapter_slots, "stats", None)
+        if callable(lora_stats):
+            for key, value in lora_stats().items():
+                if hasattr(stats, key):
+                    setattr(stats, key, value)
+                else:
+                    stats.extra[key] = value
+        stats.extra["num_aborted_total"] = self._num_aborted
+        return stats
+
+    # -- the step thread --------------------------------------------------------------------------------
+    def _send(self, command: tuple) -> None:
+        self._commands.put(command)
+        self._wake.set()
+
+    def _drain_commands(self) -> None:
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            kind = command[0]
+            if kind == "add":
+                _, request_id, ids, params, adapter, tenant, added = command
+                try:
+                    self.engine.add_request(request_id, ids, params, lora=adapter, tenant=tenant)
+                    added.set_result(None)
+                except Exception as exc:  # the request is refused; the engine goes on
+                    added.set_exception(exc)
+            elif kind == "abort":
+                _, request_id, done = command
+                if self.engine.abort_request(request_id) is not None:
+                    self._num_aborted += 1
+                if done is not None:
+                    done.set_result(None)
+
+    def _loop(self) -> None:
+        while not self._stopping:
+            self._drain_commands()
+            if not self.engine.has_unfinished_requests():
+                self._wake.wait(timeout=0.5)
+                self._wake.clear()
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception as exc:  # a bug in a step must not take the server down silently
+                log.exception("engine step failed; failing the requests in flight")
+                for request_id in list(self.engine.requests):
+                    self.engine.abort_request(request_id)
+                    stream = self._streams.get(request_id)
+                    if stream is not None:
+                        stream.put(RuntimeError(f"engine step failed: {exc}"))
+                continue
+            for out in outputs:
+                stream = self._streams.get(out.request_id)
+                if stream is not None:
+                    stream.put(out)
+        # Leave no request half-done: free every block on the way out.
+        self._drain_commands()
+        for request_id in list(self.engine.requests):
+            self.engine.abort_request(request_id)

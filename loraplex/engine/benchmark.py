@@ -1,0 +1,43 @@
+"""The standard offline throughput workload, shared by `loraplex bench` and bench/bench_engine.py."""
+
+from __future__ import annotations
+
+import random
+import time
+
+WORDS = (
+    "the a model serves many tenants with adapters one base batch cache block token request engine "
+    "scheduler memory fast small large paged attention prefix decode prompt output quick brown fox "
+    "jumps over lazy dog river mountain city music science history garden winter summer ocean"
+).split()
+
+
+def make_prompts(num_requests: int, seed: int = 0, min_words: int = 20, max_words: int = 60) -> list[str]:
+    rng = random.Random(seed)
+    return [
+        " ".join(rng.choice(WORDS) for _ in range(rng.randint(min_words, max_words))).capitalize() + "."
+        for _ in range(num_requests)
+    ]
+
+
+def run_engine_benchmark(model: str, *, num_requests: int = 32, max_tokens: int = 64, seed: int = 0,
+                         llm=None, **engine_kwargs) -> dict:
+    from loraplex.engine.llm import LLM
+    from loraplex.engine.sampling_params import SamplingParams
+
+    llm = llm or LLM(model, **engine_kwargs)
+    prompts = make_prompts(num_requests, seed)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    llm.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True), use_tqdm=False)
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    seconds = time.perf_counter() - start
+    generated = sum(len(o.outputs[0].token_ids) for o in outputs)
+    return {
+        "seconds": seconds,
+        "generated_tokens": generated,
+        "prompt_tokens": sum(len(o.prompt_token_ids) for o in outputs),
+        "tokens_per_s": generated / seconds,
+        "outputs": outputs,
+        "llm": llm,
+    }

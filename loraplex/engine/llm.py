@@ -1,0 +1,112 @@
+"""`LLM`: offline batch generation, shaped like vLLM's so its users feel at home."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+from loraplex.engine.config import EngineConfig
+from loraplex.engine.errors import InvalidRequestError
+from loraplex.engine.llm_engine import LLMEngine
+from loraplex.engine.lora_request import LoRARequest
+from loraplex.engine.outputs import RequestOutput
+from loraplex.engine.sampling_params import SamplingParams
+
+PromptType = str | dict[str, Any] | list[int]
+AdapterArg = LoRARequest | str | None
+
+
+class LLM:
+    def __init__(self, model: str, **engine_kwargs: Any):
+        adapter_slots = engine_kwargs.pop("adapter_slots", None)
+        self.config = EngineConfig(model=str(model), **engine_kwargs)
+        self.engine = LLMEngine(self.config, adapter_slots=adapter_slots)
+        self._ids = itertools.count()
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def resolve_adapter(self, adapter: AdapterArg) -> LoRARequest | None:
+        """A LoRARequest as is; a path or registered name is resolved by the engine's adapter cache."""
+        if adapter is None or isinstance(adapter, LoRARequest):
+            return adapter
+        resolver = getattr(self.engine.adapter_slots, "resolve", None)
+        if resolver is None:
+            raise InvalidRequestError(
+                "this engine was started without adapter support; cannot resolve adapter "
+                f"{adapter!r}", param="adapter",
+            )
+        return resolver(adapter)
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        adapter: AdapterArg | Sequence[AdapterArg] = None,
+        tenant: str | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        if isinstance(prompts, (str, dict)) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]
+        prompts = list(prompts)
+        params = sampling_params if sampling_params is not None else SamplingParams()
+        params_list = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
+        adapters = list(adapter) if isinstance(adapter, (list, tuple)) else [adapter] * len(prompts)
+        if len(params_list) != len(prompts) or len(adapters) != len(prompts):
+            raise InvalidRequestError("sampling_params and adapter lists must match the number of prompts")
+        loras = [self.resolve_adapter(a) for a in adapters]
+        order = []
+        for prompt, p, lora in zip(prompts, params_list, loras, strict=True):
+            request_id = f"llm-{next(self._ids)}"
+            self.engine.add_request(request_id, prompt, p, lora=lora, tenant=tenant)
+            order.append(request_id)
+        return self._run(order, use_tqdm)
+
+    def chat(
+        self,
+        messages: Sequence[dict[str, Any]] | Sequence[Sequence[dict[str, Any]]],
+        sampling_params: SamplingParams | None = None,
+        *,
+        adapter: AdapterArg = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """One conversation (a list of messages) or several; the model's chat template is applied."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = [
+            {"prompt_token_ids": self.engine.tokenizer.apply_chat_template(conv)} for conv in conversations
+        ]
+        return self.generate(prompts, sampling_params, adapter=adapter, use_tqdm=use_tqdm)
+
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        results: dict[str, RequestOutput] = {}
+        wanted = set(request_ids)
+        bar = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=len(request_ids), desc="Generating", unit="req", dynamic_ncols=True)
+        try:
+            while len(results) < len(request_ids):
+                for out in self.engine.step():
+                    if out.finished and out.request_id in wanted:
+                        results[out.request_id] = out
+                        if bar is not None:
+                            bar.update(1)
+        except BaseException:
+            for request_id in request_ids:
+                if request_id not in results:
+                    self.engine.abort_request(request_id)
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        for out in results.values():
+            # offline results are whole: the delta is everything
+            for c in out.outputs:
+                c.delta_text, c.delta_token_ids, c.delta_logprobs = c.text, list(c.token_ids), c.logprobs
+        return [results[r] for r in request_ids]

@@ -1,0 +1,209 @@
+"""The synchronous engine: requests in, one `step()` at a time, `RequestOutput`s out.
+
+    batch = scheduler.schedule()
+    sampled = runner.run(batch)
+    scheduler.postprocess(batch, sampled)
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence as Seq
+from typing import Any
+
+import torch
+
+from loraplex.engine.adapter_slots import AdapterSlots
+from loraplex.engine.block_manager import BlockManager
+from loraplex.engine.config import EngineConfig, EngineLimits
+from loraplex.engine.errors import InvalidRequestError, ModelLoadError
+from loraplex.engine.lora_request import LoRARequest
+from loraplex.engine.model_loader import iter_weights, load_model_config, resolve_model_dir
+from loraplex.engine.model_runner import ModelRunner, kv_block_bytes
+from loraplex.engine.models.arch import ModelArch
+from loraplex.engine.models.llama import LlamaForCausalLM
+from loraplex.engine.outputs import RequestOutput
+from loraplex.engine.request_state import RequestState
+from loraplex.engine.sampler import Sampler
+from loraplex.engine.sampling_params import SamplingParams
+from loraplex.engine.scheduler import Scheduler
+from loraplex.engine.sequence import Sequence
+from loraplex.engine.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if name not in _DTYPES:
+        raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {name!r}")
+    return _DTYPES[name]
+
+
+def load_model(model_dir, arch: ModelArch, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
+    with torch.device(device):
+        model = LlamaForCausalLM(arch, dtype)
+    try:
+        model.load_weights(iter_weights(model_dir))
+    except ValueError as exc:
+        raise ModelLoadError(f"{model_dir}: {exc}") from exc
+    return model.eval()
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, *, adapter_slots: AdapterSlots | None = None):
+        self.config = config
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        torch.manual_seed(config.seed)
+        self.model_dir = resolve_model_dir(config.model)
+        hf_config = load_model_config(self.model_dir)
+        try:
+            self.arch = ModelArch.from_hf_config(hf_config)
+        except (ValueError, KeyError) as exc:
+            raise ModelLoadError(f"{self.model_dir}: {exc}") from exc
+        self.tokenizer = Tokenizer.from_pretrained(self.model_dir)
+        self.model = load_model(self.model_dir, self.arch, self.dtype, self.device)
+        self.limits = self._derive_limits()
+        self.adapter_slots = adapter_slots
+        self.block_manager = BlockManager(
+            self.limits.num_kv_blocks, config.block_size, enable_prefix_caching=config.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(
+            self.block_manager,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=self.limits.max_model_len,
+            adapter_slots=adapter_slots,
+        )
+        self.runner = ModelRunner(
+            self.model,
+            num_blocks=self.limits.num_kv_blocks,
+            block_size=config.block_size,
+            device=self.device,
+            dtype=self.dtype,
+            sampler=Sampler(self.limits.eos_token_ids),
+            adapter_slots=adapter_slots,
+        )
+        self.requests: dict[str, RequestState] = {}
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+
+    def _derive_limits(self) -> EngineLimits:
+        cfg = self.config
+        max_len = cfg.max_model_len or self.arch.max_position_embeddings
+        if max_len > self.arch.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len {max_len} exceeds the model's {self.arch.max_position_embeddings} positions"
+            )
+        if cfg.num_kv_blocks is not None:
+            num_blocks = cfg.num_kv_blocks
+        else:
+            num_blocks = cfg.kv_cache_memory // kv_block_bytes(self.model, cfg.block_size, self.dtype)
+        if num_blocks < 1:
+            raise ValueError("the KV cache budget holds no block; raise kv_cache_memory or num_kv_blocks")
+        return EngineLimits(num_blocks, max_len, self.tokenizer.eos_token_ids)
+
+    @property
+    def model_name(self) -> str:
+        return self.config.model
+
+    # -- requests ---------------------------------------------------------------------------------------
+    def encode_prompt(self, prompt: str | Seq[int] | dict[str, Any]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                prompt = list(prompt["prompt_token_ids"])
+            elif "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise InvalidRequestError("a prompt dict needs 'prompt' or 'prompt_token_ids'", param="prompt")
+        if isinstance(prompt, str):
+            text, ids = prompt, self.tokenizer.encode(prompt)
+        elif isinstance(prompt, (list, tuple)):
+            text, ids = None, list(prompt)
+            vocab = self.arch.vocab_size
+            if not all(isinstance(t, int) and 0 <= t < vocab for t in ids):
+                raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab})", param="prompt")
+        else:
+            raise InvalidRequestError("prompt must be a string, a list of token ids or a dict", param="prompt")
+        if not ids:
+            raise InvalidRequestError("prompt is empty", param="prompt")
+        return text, ids
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | Seq[int] | dict[str, Any],
+        params: SamplingParams,
+        *,
+        lora: LoRARequest | None = None,
+        tenant: str | None = None,
+    ) -> None:
+        if request_id in self.requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
+        text, ids = self.encode_prompt(prompt)
+        self.scheduler.check_fits(len(ids), params.max_tokens, params.n)
+        if lora is not None and self.adapter_slots is None:
+            raise InvalidRequestError("this engine was started without adapter support", param="adapter")
+        seqs = [Sequence(request_id, ids, params, index=i, lora=lora, tenant=tenant) for i in range(params.n)]
+        seqs[0].pending_forks = seqs[1:]
+        self.requests[request_id] = RequestState(
+            request_id, text, ids, params, seqs, self.tokenizer,
+            eos_token_ids=self.limits.eos_token_ids, max_model_len=self.limits.max_model_len,
+        )
+        self.scheduler.add(seqs[0])
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Free the request's blocks now. Returns its final output, or None if it is unknown/finished."""
+        state = self.requests.pop(request_id, None)
+        if state is None:
+            return None
+        self.scheduler.abort([s for s in state.seqs if not s.is_finished])
+        return state.make_output()
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # -- the loop ---------------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        batch = self.scheduler.schedule()
+        touched: dict[str, RequestState] = {}
+        for seq, exc in batch.failed:
+            state = self.requests.get(seq.request_id)
+            if state is not None:
+                state.error = str(exc)
+                self.scheduler.abort([s for s in state.seqs if not s.is_finished])
+                for s in state.seqs:
+                    s.finish_reason = "error"
+                touched[seq.request_id] = state
+        if not batch.empty:
+            sample_seqs, out = self.runner.run(batch)
+            sampled = {} if out is None else {s.seq_id: t for s, t in zip(sample_seqs, out.token_ids, strict=True)}
+            for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
+                self.prompt_tokens_total += max(0, min(n, seq.num_prompt_tokens - seq.num_computed_tokens))
+            self.scheduler.postprocess(batch, sampled)
+            for row, seq in enumerate(sample_seqs):
+                state = self.requests.get(seq.request_id)
+                if state is None or seq.is_finished:
+                    continue
+                self.generation_tokens_total += 1
+                comp = state.completions[seq.index]
+                finish = state.on_token(comp, seq.token_ids[-1], out.logprobs[row])
+                if finish is not None:
+                    self.scheduler.finish(seq, *finish)
+                touched[seq.request_id] = state
+        outputs = []
+        for request_id, state in touched.items():
+            outputs.append(state.make_output())
+            if state.finished:
+                self.requests.pop(request_id, None)
+        return outputs

@@ -1,0 +1,84 @@
+"""The architecture facts the engine needs, read from a Hugging Face config.json."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+}
+
+
+@dataclass(frozen=True)
+class ModelArch:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    sliding_window: int | None
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def flops_per_token(self, context_len: int = 0, with_lm_head: bool = True) -> int:
+        """Matmul FLOPs (2 per multiply-add) for one token; attention adds 4 * context * q_size per layer."""
+        proj = self.hidden_size * (self.q_size + 2 * self.kv_size) + self.q_size * self.hidden_size
+        mlp = 3 * self.hidden_size * self.intermediate_size
+        per_layer = 2 * (proj + mlp) + 4 * context_len * self.q_size
+        head = 2 * self.hidden_size * self.vocab_size if with_lm_head else 0
+        return self.num_layers * per_layer + head
+
+    @classmethod
+    def from_hf_config(cls, config: Any) -> ModelArch:
+        cfg = config if isinstance(config, dict) else config.to_dict()
+        archs = cfg.get("architectures") or []
+        model_type = cfg.get("model_type", "")
+        if archs and not any(a in SUPPORTED_ARCHITECTURES for a in archs):
+            raise ValueError(
+                f"unsupported architecture {archs}; supported: {sorted(SUPPORTED_ARCHITECTURES)}"
+            )
+        if not archs and model_type not in SUPPORTED_ARCHITECTURES.values():
+            raise ValueError(f"unsupported model_type {model_type!r}")
+        rope = cfg.get("rope_parameters") or {}
+        scaling = cfg.get("rope_scaling") or None
+        if scaling is None and rope.get("rope_type", "default") != "default":
+            scaling = rope
+        theta = cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0
+        num_heads = cfg["num_attention_heads"]
+        hidden = cfg["hidden_size"]
+        sliding = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
+        return cls(
+            model_type=model_type or SUPPORTED_ARCHITECTURES[archs[0]],
+            vocab_size=cfg["vocab_size"],
+            hidden_size=hidden,
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
+            head_dim=cfg.get("head_dim") or hidden // num_heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=float(theta),
+            rope_scaling=scaling,
+            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
+            sliding_window=sliding,
+        )

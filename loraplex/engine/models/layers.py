@@ -1,0 +1,154 @@
+"""Building blocks of the Llama family: LoRA-aware projections, RMSNorm, rotary embeddings, paged attention."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from loraplex.engine import forward_context as fctx
+from loraplex.kernels.attention import decode_attention, prefill_attention, write_kv
+
+
+class LoraLinear(nn.Module):
+    """A projection PEFT may target, possibly several fused along the output (qkv, gate_up).
+
+    After the base matmul it hands the output to the step's LoRA state, if the step has one, with the
+    layer index, the PEFT module names and their output widths. Steps without adapters pay one attribute
+    read.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        output_sizes: tuple[int, ...],
+        *,
+        bias: bool,
+        layer_idx: int,
+        module_names: tuple[str, ...],
+        dtype: torch.dtype,
+    ):
+        super().__init__()
+        self.in_features = in_features
+        self.output_sizes = tuple(output_sizes)
+        self.layer_idx = layer_idx
+        self.module_names = tuple(module_names)
+        out = sum(output_sizes)
+        self.weight = nn.Parameter(torch.empty(out, in_features, dtype=dtype), requires_grad=False)
+        self.bias = nn.Parameter(torch.zeros(out, dtype=dtype), requires_grad=False) if bias else None
+
+    def load_shard(self, shard: int, name: str, tensor: torch.Tensor) -> None:
+        start = sum(self.output_sizes[:shard])
+        size = self.output_sizes[shard]
+        target = self.weight if name == "weight" else self.bias
+        if target is None:
+            raise ValueError(f"{self.module_names[shard]} has no {name}")
+        if tuple(tensor.shape) != (size, *target.shape[1:]):
+            raise ValueError(
+                f"{self.module_names[shard]}.{name}: expected shape {(size, *target.shape[1:])}, "
+                f"got {tuple(tensor.shape)}"
+            )
+        target.data[start : start + size].copy_(tensor)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight, self.bias)
+        ctx = fctx._current
+        if ctx is not None and ctx.lora is not None:
+            y = ctx.lora.apply(self.layer_idx, self.module_names, x, y, self.output_sizes)
+        return y
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype), requires_grad=False)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """With a residual: adds it first and returns (normed, new residual), saving a pass over memory."""
+        if residual is not None:
+            x = x + residual
+            residual = x
+        out = F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+        return out if residual is None else (out, residual)
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    kind = (scaling or {}).get("rope_type") or (scaling or {}).get("type") or "default"
+    if kind == "default":
+        return inv_freq
+    if kind == "linear":
+        return inv_freq / float(scaling["factor"])
+    if kind == "llama3":
+        factor = float(scaling["factor"])
+        low = float(scaling.get("low_freq_factor", 1.0))
+        high = float(scaling.get("high_freq_factor", 4.0))
+        old_len = float(scaling["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+        return torch.where(medium, smoothed, scaled)
+    raise ValueError(f"rope scaling type {kind!r} is not supported (supported: default, linear, llama3)")
+
+
+class RotaryEmbedding(nn.Module):
+    """Neox-style rotation (halves, as Hugging Face's Llama), cos/sin precomputed for every position."""
+
+    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None, dtype: torch.dtype):
+        super().__init__()
+        inv_freq = rope_inv_freq(head_dim, theta, scaling).float()
+        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
+        self.register_buffer("cos", freqs.cos().to(dtype), persistent=False)
+        self.register_buffer("sin", freqs.sin().to(dtype), persistent=False)
+
+    def forward(self, positions: torch.Tensor, *xs: torch.Tensor) -> list[torch.Tensor]:
+        """xs: [num_tokens, heads, head_dim] each."""
+        cos = self.cos[positions].unsqueeze(1)
+        sin = self.sin[positions].unsqueeze(1)
+        out = []
+        for x in xs:
+            x1, x2 = x.chunk(2, dim=-1)
+            out.append(torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1))
+        return out
+
+
+class PagedAttention(nn.Module):
+    """Writes the step's new K/V into this layer's cache, then attends over each sequence's blocks."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int):
+        super().__init__()
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = head_dim**-0.5
+        self.k_cache: torch.Tensor | None = None  # bound by the model runner
+        self.v_cache: torch.Tensor | None = None
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q: [T, H, D], k/v: [T, Hkv, D] -> [T, H * D]."""
+        meta = fctx.get_forward_context().attn
+        write_kv(self.k_cache, self.v_cache, k, v, meta.slot_mapping)
+        num_decodes = meta.num_decode_tokens
+        if not meta.prefills:
+            out = decode_attention(
+                q, self.k_cache, self.v_cache, meta.decode_block_tables, meta.decode_context_lens, self.scale
+            )
+            return out.reshape(q.shape[0], -1)
+        out = torch.empty_like(q)
+        if num_decodes:
+            out[:num_decodes] = decode_attention(
+                q[:num_decodes], self.k_cache, self.v_cache, meta.decode_block_tables,
+                meta.decode_context_lens, self.scale,
+            )
+        for seg in meta.prefills:
+            rows = slice(seg.query_start, seg.query_start + seg.query_len)
+            out[rows] = prefill_attention(
+                q[rows], self.k_cache, self.v_cache, seg.block_table, seg.context_len, self.scale,
+                k_new=k[rows], v_new=v[rows],
+            )
+        return out.reshape(q.shape[0], -1)

@@ -1,0 +1,170 @@
+"""Llama-family decoder (Llama, Mistral, Qwen2, SmolLM2) with fused qkv and gate_up projections.
+
+Input is a flat batch of tokens from many sequences; the forward context says which tokens belong to
+which sequence and where their K/V live.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from loraplex.engine.models.arch import ModelArch
+from loraplex.engine.models.layers import LoraLinear, PagedAttention, RMSNorm, RotaryEmbedding
+
+# PEFT module name -> (our fused module, shard index)
+_FUSED = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+LORA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, arch: ModelArch, layer_idx: int, rotary: RotaryEmbedding, dtype: torch.dtype):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
+        self.q_size, self.kv_size = arch.q_size, arch.kv_size
+        self.qkv_proj = LoraLinear(
+            arch.hidden_size, (arch.q_size, arch.kv_size, arch.kv_size), bias=arch.qkv_bias,
+            layer_idx=layer_idx, module_names=("q_proj", "k_proj", "v_proj"), dtype=dtype,
+        )
+        self.o_proj = LoraLinear(
+            arch.q_size, (arch.hidden_size,), bias=False, layer_idx=layer_idx, module_names=("o_proj",),
+            dtype=dtype,
+        )
+        self.rotary = rotary
+        self.attn = PagedAttention(arch.num_heads, arch.num_kv_heads, arch.head_dim)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        qkv = self.qkv_proj(x)
+        q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
+        num_tokens = x.shape[0]
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        q, k = self.rotary(positions, q, k)
+        return self.o_proj(self.attn(q, k, v))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, arch: ModelArch, layer_idx: int, dtype: torch.dtype):
+        super().__init__()
+        self.intermediate_size = arch.intermediate_size
+        self.gate_up_proj = LoraLinear(
+            arch.hidden_size, (arch.intermediate_size, arch.intermediate_size), bias=False,
+            layer_idx=layer_idx, module_names=("gate_proj", "up_proj"), dtype=dtype,
+        )
+        self.down_proj = LoraLinear(
+            arch.intermediate_size, (arch.hidden_size,), bias=False, layer_idx=layer_idx,
+            module_names=("down_proj",), dtype=dtype,
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate).mul_(up))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, arch: ModelArch, layer_idx: int, rotary: RotaryEmbedding, dtype: torch.dtype):
+        super().__init__()
+        self.self_attn = LlamaAttention(arch, layer_idx, rotary, dtype)
+        self.mlp = LlamaMLP(arch, layer_idx, dtype)
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
+
+    def forward(self, positions, x, residual):
+        if residual is None:
+            residual = x
+            x = self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(positions, x)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, arch: ModelArch, dtype: torch.dtype):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size, dtype=dtype)
+        self.embed_tokens.weight.requires_grad_(False)
+        # One table shared by all layers: positions are looked up once per layer, not recomputed.
+        rotary = RotaryEmbedding(
+            arch.head_dim, arch.max_position_embeddings, arch.rope_theta, arch.rope_scaling, dtype
+        )
+        self.layers = nn.ModuleList(LlamaDecoderLayer(arch, i, rotary, dtype) for i in range(arch.num_layers))
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        residual = None
+        for layer in self.layers:
+            x, residual = layer(positions, x, residual)
+        x, _ = self.norm(x, residual)
+        return x
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, arch: ModelArch, dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.arch = arch
+        self.model = LlamaModel(arch, dtype)
+        if arch.tie_word_embeddings:
+            self.lm_head = None
+        else:
+            self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False, dtype=dtype)
+            self.lm_head.weight.requires_grad_(False)
+
+    @property
+    def attention_layers(self) -> list[PagedAttention]:
+        return [layer.self_attn.attn for layer in self.model.layers]
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load Hugging Face tensors by name; fused projections take their shards. Every parameter must
+        be covered exactly, or a ValueError names what is missing or unexpected."""
+        params = dict(self.named_parameters())
+        expected = {name for name in params}
+        loaded: set[str] = set()
+        shards_seen: dict[str, set[int]] = {}
+        for hf_name, tensor in weights:
+            name = hf_name
+            if name.endswith("rotary_emb.inv_freq"):
+                continue
+            if name == "lm_head.weight" and self.lm_head is None:
+                continue  # tied: some checkpoints still store a copy of the embedding
+            m = re.match(r"^(model\.layers\.\d+\.(?:self_attn|mlp))\.(\w+)\.(weight|bias)$", name)
+            if m and m.group(2) in _FUSED:
+                fused, shard = _FUSED[m.group(2)]
+                module_name = f"{m.group(1)}.{fused}"
+                module = self.get_submodule(module_name)
+                module.load_shard(shard, m.group(3), tensor)
+                key = f"{module_name}.{m.group(3)}"
+                shards_seen.setdefault(key, set()).add(shard)
+                if len(shards_seen[key]) == len(module.output_sizes):
+                    loaded.add(key)
+                continue
+            if name not in params:
+                raise ValueError(f"unexpected weight {hf_name!r} for {self.arch.model_type}")
+            param = params[name]
+            if tuple(param.shape) != tuple(tensor.shape):
+                raise ValueError(f"{hf_name}: expected shape {tuple(param.shape)}, got {tuple(tensor.shape)}")
+            param.data.copy_(tensor)
+            loaded.add(name)
+        missing = expected - loaded
+        if missing:
+            raise ValueError(f"weights missing from the checkpoint: {sorted(missing)[:8]}")

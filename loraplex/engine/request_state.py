@@ -1,0 +1,140 @@
+"""Per-request bookkeeping between sampled tokens and `RequestOutput`s: text, stop strings, deltas."""
+
+from __future__ import annotations
+
+import time
+
+from loraplex.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from loraplex.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, TokenLogprobs
+from loraplex.engine.sampling_params import SamplingParams
+from loraplex.engine.sequence import Sequence
+from loraplex.engine.tokenizer import Tokenizer
+
+
+class CompletionState:
+    """One of a request's n completions: its sequence plus the text produced so far."""
+
+    def __init__(self, seq: Sequence, tokenizer: Tokenizer | None, prompt_ids: list[int]):
+        self.seq = seq
+        p = seq.params
+        self.detok = (
+            IncrementalDetokenizer(tokenizer, prompt_ids, p.skip_special_tokens) if tokenizer is not None else None
+        )
+        self.stops = StopStringMatcher(p.stop_strings, p.include_stop_str_in_output)
+        self.text = ""
+        self.token_ids: list[int] = []
+        self.logprobs: list[TokenLogprobs] | None = [] if p.logprobs is not None else None
+        self.cumulative_logprob: float | None = 0.0 if p.logprobs is not None else None
+        # how much of the above the previous RequestOutput already carried
+        self.sent_text = 0
+        self.sent_tokens = 0
+        self.sent_logprobs = 0
+
+
+class RequestState:
+    def __init__(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        seqs: list[Sequence],
+        tokenizer: Tokenizer | None,
+        *,
+        eos_token_ids: tuple[int, ...] = (),
+        max_model_len: int,
+    ):
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.max_model_len = max_model_len
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = prompt_token_ids
+        self.params = params
+        self.tokenizer = tokenizer
+        self.completions = [CompletionState(s, tokenizer, prompt_token_ids) for s in seqs]
+        self.metrics = RequestMetrics(arrival_time=time.time())
+        self.error: str | None = None
+
+    @property
+    def seqs(self) -> list[Sequence]:
+        return [c.seq for c in self.completions]
+
+    @property
+    def finished(self) -> bool:
+        return all(c.seq.is_finished for c in self.completions)
+
+    def on_token(self, comp: CompletionState, token: int, logprob) -> tuple[str, int | str] | None:
+        """Record a sampled token. Returns (finish_reason, stop_reason) when the completion ends here."""
+        seq, p = comp.seq, comp.seq.params
+        now = time.time()
+        if self.metrics.first_token_time is None:
+            self.metrics.first_token_time = now
+        comp.token_ids.append(token)
+        if logprob is not None and comp.logprobs is not None:
+            chosen, top = logprob
+            comp.cumulative_logprob += chosen
+            comp.logprobs.append(
+                TokenLogprobs(
+                    chosen=Logprob(token, self._token_text(token), chosen),
+                    top=[Logprob(t, self._token_text(t), lp) for t, lp in top],
+                )
+            )
+        finish: tuple[str, int | str] | None = None
+        is_eos = token in self.eos_token_ids and not p.ignore_eos
+        min_reached = seq.num_output_tokens >= p.min_tokens
+        if min_reached and (is_eos or token in p.stop_token_ids):
+            finish = ("stop", token)
+        elif p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens:
+            finish = ("length", None)
+        elif len(seq.token_ids) >= self.max_model_len:
+            finish = ("length", None)
+        if self.tokenizer is not None:
+            # A stop token is not shown as text (unless it is an ordinary token and asked for).
+            hide = finish is not None and finish[0] == "stop" and not p.include_stop_str_in_output
+            delta = "" if hide else comp.detok.step([token])
+            if finish is not None:
+                delta += comp.detok.flush() if not hide else ""
+            emit, matched = comp.stops.feed(delta)
+            comp.text += emit
+            if matched is not None and min_reached:
+                return ("stop", matched)
+            if finish is not None:
+                comp.text += comp.stops.flush()
+        return finish
+
+    def _token_text(self, token: int) -> str:
+        return "" if self.tokenizer is None else self.tokenizer.token_text(token)
+
+    def make_output(self, *, final_only_deltas: bool = False) -> RequestOutput:
+        outputs = []
+        for i, comp in enumerate(self.completions):
+            seq = comp.seq
+            out = CompletionOutput(
+                index=i,
+                text=comp.text,
+                token_ids=list(comp.token_ids),
+                cumulative_logprob=comp.cumulative_logprob,
+                logprobs=list(comp.logprobs) if comp.logprobs is not None else None,
+                finish_reason=seq.finish_reason,
+                stop_reason=seq.stop_reason,
+            )
+            out.delta_text = comp.text[comp.sent_text :]
+            out.delta_token_ids = comp.token_ids[comp.sent_tokens :]
+            if comp.logprobs is not None:
+                out.delta_logprobs = comp.logprobs[comp.sent_logprobs :]
+            comp.sent_text, comp.sent_tokens = len(comp.text), len(comp.token_ids)
+            comp.sent_logprobs = len(comp.logprobs or ())
+            outputs.append(out)
+        finished = self.finished
+        if finished and self.metrics.finished_time is None:
+            self.metrics.finished_time = time.time()
+        self.metrics.num_cached_tokens = max((c.seq.num_cached_tokens for c in self.completions), default=0)
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=self.prompt_token_ids,
+            outputs=outputs,
+            finished=finished,
+            metrics=self.metrics,
+            error=self.error,
+        )

@@ -1,0 +1,280 @@
+"""Continuous batching: which sequences run this step, and how many of their tokens.
+
+Each step first continues the running sequences (decodes and unfinished prefill chunks, oldest first),
+preempting the newest by recompute when the KV cache runs out, then admits waiting sequences while the
+token budget, the sequence limit, KV blocks and adapter slots allow. Waiting requests are taken from the
+tenant that received the least service so far; a request whose adapter is not resident triggers its load
+and waits without holding up the others.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+
+from loraplex.engine.adapter_slots import AdapterSlots
+from loraplex.engine.block_manager import BlockManager, cache_salt
+from loraplex.engine.errors import InvalidRequestError
+from loraplex.engine.fairness import VirtualTokenCounter
+from loraplex.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledBatch:
+    seqs: list[Sequence] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)
+    # seq_id of a sampling sequence -> the sequences sampling from its last row (itself, then forks)
+    sample_groups: dict[int, list[Sequence]] = field(default_factory=dict)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+    failed: list[tuple[Sequence, Exception]] = field(default_factory=list)  # e.g. their adapter failed to load
+
+    @property
+    def empty(self) -> bool:
+        return not self.seqs
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        *,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        adapter_slots: AdapterSlots | None = None,
+        fairness: VirtualTokenCounter | None = None,
+    ):
+        self.bm = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.adapter_slots = adapter_slots
+        self.fairness = fairness or VirtualTokenCounter()
+        self.waiting: OrderedDict[str, deque[Sequence]] = OrderedDict()  # tenant -> FIFO
+        self.running: list[Sequence] = []  # admission order: the newest is last
+        self.num_preemptions = 0
+
+    # -- queue management -------------------------------------------------------------------------------
+    @property
+    def num_waiting(self) -> int:
+        return sum(len(q) for q in self.waiting.values())
+
+    def has_work(self) -> bool:
+        return bool(self.running) or self.num_waiting > 0
+
+    def _backlogged_tenants(self) -> set[str]:
+        tenants = {t for t, q in self.waiting.items() if q}
+        tenants.update(s.tenant for s in self.running)
+        return tenants
+
+    def check_fits(self, prompt_len: int, max_tokens: int | None, n: int = 1) -> None:
+        """Refuse a request that could never run, even alone on an empty cache."""
+        if prompt_len >= self.max_model_len:
+            raise InvalidRequestError(
+                f"prompt has {prompt_len} tokens but the model's context is {self.max_model_len} tokens "
+                f"(prompt plus at least one generated token must fit)",
+                param="prompt",
+            )
+        total = self.max_model_len if max_tokens is None else min(prompt_len + max_tokens, self.max_model_len)
+        shared = prompt_len // self.bm.block_size  # full prompt blocks n > 1 completions share
+        needed = shared + n * (self.bm.blocks_needed(total) - shared)
+        if needed > self.bm.num_blocks:
+            raise InvalidRequestError(
+                f"request needs {needed} KV cache blocks ({prompt_len} prompt tokens, up to {total} in all"
+                f"{f', n={n}' if n > 1 else ''}) but the cache has only {self.bm.num_blocks}; "
+                f"lower max_tokens or raise the KV cache size",
+                param="max_tokens",
+            )
+
+    def add(self, seq: Sequence) -> None:
+        self.fairness.on_arrival(seq.tenant, self._backlogged_tenants())
+        self.waiting.setdefault(seq.tenant, deque()).append(seq)
+
+    def abort(self, seqs: list[Sequence]) -> None:
+        for seq in seqs:
+            if seq.status is SequenceStatus.RUNNING:
+                self._leave_running(seq)
+            elif seq.status is SequenceStatus.WAITING:
+                queue = self.waiting.get(seq.tenant)
+                if queue is not None and seq in queue:
+                    queue.remove(seq)
+            seq.status = SequenceStatus.FINISHED
+            seq.finish_reason = seq.finish_reason or "abort"
+            for child in seq.pending_forks:
+                child.status = SequenceStatus.FINISHED
+                child.finish_reason = child.finish_reason or "abort"
+            seq.pending_forks = []
+
+    def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:
+        seq.finish_reason = reason
+        seq.stop_reason = stop_reason
+        if seq.status is SequenceStatus.RUNNING:
+            self._leave_running(seq)
+        elif seq.status is SequenceStatus.WAITING:
+            queue = self.waiting.get(seq.tenant)
+            if queue is not None and seq in queue:
+                queue.remove(seq)
+        seq.status = SequenceStatus.FINISHED
+
+    def _leave_running(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.bm.free(seq)
+        if seq.holds_adapter_slot:
+            self.adapter_slots.release(seq.adapter_key)
+            seq.holds_adapter_slot = False
+
+    def _salt(self, seq: Sequence) -> bytes:
+        salt = getattr(seq, "_salt", None)
+        if salt is None:
+            salt = seq._salt = cache_salt(seq.adapter_key, seq.tenant)
+        return salt
+
+    # -- one step ---------------------------------------------------------------------------------------
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        budget = self.max_num_batched_tokens
+        scheduled: dict[int, int] = {}  # seq_id -> tokens this step, in scheduling order
+        seq_by_id: dict[int, Sequence] = {}
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_uncomputed_tokens, budget)
+            while not self.bm.append_slots(seq, n):
+                victim = self.running[-1]
+                self._preempt(victim, batch)
+                scheduled.pop(victim.seq_id, None)
+                if victim is seq:
+                    break
+            else:
+                scheduled[seq.seq_id] = n
+                seq_by_id[seq.seq_id] = seq
+                budget -= n
+                i += 1
+                continue
+            break
+
+        if not batch.preempted:
+            budget = self._admit(budget, scheduled, seq_by_id, batch)
+
+        for seq_id, n in scheduled.items():
+            seq = seq_by_id[seq_id]
+            batch.seqs.append(seq)
+            batch.num_new_tokens.append(n)
+            if seq.num_computed_tokens + n == len(seq.token_ids):
+                group = [seq]
+                if seq.pending_forks:
+                    group.extend(self._fork(seq))
+                batch.sample_groups[seq.seq_id] = group
+        batch.block_copies = self.bm.take_pending_copies()
+        return batch
+
+    def _admit(
+        self, budget: int, scheduled: dict[int, int], seq_by_id: dict[int, Sequence], batch: ScheduledBatch
+    ) -> int:
+        blocked: set[int] = set()  # seq_ids skipped this step (adapter not ready or no free slot)
+        while budget > 0:
+            seq = self._next_candidate(blocked, batch)
+            if seq is None:
+                break
+            if len(self.running) + 1 + len(seq.pending_forks) > self.max_num_seqs:
+                break
+            salt = self._salt(seq)
+            hits = self.bm.match_prefix(seq, salt)
+            cached = len(hits) * self.bm.block_size
+            n = min(len(seq.token_ids) - cached, budget)
+            if not self.bm.can_admit(hits, cached + n):
+                break  # out of KV blocks: wait for running sequences to finish
+            if seq.lora is not None:
+                if self.adapter_slots.try_acquire(seq.lora) is None:
+                    blocked.add(seq.seq_id)  # every slot is held by running requests' adapters
+                    continue
+                seq.holds_adapter_slot = True
+            self.waiting[seq.tenant].remove(seq)
+            self.bm.admit(seq, hits, salt)
+            ok = self.bm.append_slots(seq, n)
+            assert ok, "admission check and allocation disagree"
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            scheduled[seq.seq_id] = n
+            seq_by_id[seq.seq_id] = seq
+            budget -= n
+        return budget
+
+    def _next_candidate(self, blocked: set[int], batch: ScheduledBatch) -> Sequence | None:
+        """The first admissible waiting sequence of the least-served tenant that has one."""
+        for tenant in self.fairness.order(t for t, q in self.waiting.items() if q):
+            for seq in list(self.waiting[tenant]):
+                if seq.seq_id in blocked:
+                    continue
+                if seq.lora is None or seq.holds_adapter_slot:
+                    return seq
+                if self.adapter_slots is None:
+                    raise RuntimeError("a request names an adapter but the engine has no adapter cache")
+                try:
+                    ready = self.adapter_slots.ready(seq.lora)
+                except Exception as exc:  # the adapter failed to load: this request fails, others go on
+                    self.finish(seq, "error")
+                    batch.failed.append((seq, exc))
+                    continue
+                if not ready:
+                    blocked.add(seq.seq_id)
+                    continue
+                return seq
+        return None
+
+    def _fork(self, parent: Sequence) -> list[Sequence]:
+        children = parent.pending_forks
+        parent.pending_forks = []
+        for child in children:
+            child.token_ids = list(parent.token_ids)
+            child.num_prompt_tokens = parent.num_prompt_tokens
+            self.bm.fork(parent, child)
+            child.status = SequenceStatus.RUNNING
+            child.first_scheduled_time = parent.first_scheduled_time
+            if child.lora is not None:
+                # the parent's slot holds the adapter already, so this cannot fail
+                slot = self.adapter_slots.try_acquire(child.lora)
+                assert slot is not None, "adapter slot vanished while in use"
+                child.holds_adapter_slot = True
+            self.running.append(child)
+        return children
+
+    def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
+        """Drop the sequence's KV and put it back at the head of its tenant's queue (recompute later)."""
+        self._leave_running(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.setdefault(seq.tenant, deque()).appendleft(seq)
+        batch.preempted.append(seq)
+
+    def postprocess(self, batch: ScheduledBatch, sampled: dict[int, int]) -> list[Sequence]:
+        """Advance the computed counters, publish full blocks, append sampled tokens.
+
+        sampled: seq_id -> new token, for every sequence of every sample group. Returns the sequences that
+        received a token; the caller checks their stop conditions."""
+        got_token = []
+        for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
+            if seq.status is not SequenceStatus.RUNNING:
+                continue
+            prefill_tokens = max(0, min(seq.num_prompt_tokens - seq.num_computed_tokens, n))
+            seq.num_computed_tokens += n
+            self.bm.register_full_blocks(seq, self._salt(seq))
+            self.fairness.charge(seq.tenant, prefill_tokens, 0)
+            for member in batch.sample_groups.get(seq.seq_id, ()):
+                if member is not seq:
+                    if member.status is not SequenceStatus.RUNNING:
+                        continue
+                    member.num_computed_tokens = seq.num_computed_tokens
+                    member.num_full_blocks_hashed = seq.num_full_blocks_hashed
+                    member.block_hashes = list(seq.block_hashes)
+                member.token_ids.append(sampled[member.seq_id])
+                self.fairness.charge(member.tenant, 0, 1)
+                got_token.append(member)
+        return got_token
