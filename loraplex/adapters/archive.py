@@ -140,11 +140,13 @@ def _extract_zip(archive: Path, dest: Path, budget: _Budget) -> None:
         infos = zf.infolist()
         for info in infos:  # check every member before writing any
             budget.add_member(info.filename)
+            # Unix zips keep st_mode in the high 16 bits; many writers store only permission bits (file
+            # type 0), which means a plain file or folder.
             mode = info.external_attr >> 16
             if stat.S_ISLNK(mode):
                 raise AdapterValidationError(f"archive member {info.filename!r} is a symbolic link",
                                              ErrorCode.ARCHIVE_LINK)
-            if mode and not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+            if stat.S_IFMT(mode) and not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
                 raise AdapterValidationError(f"archive member {info.filename!r} is not a regular file",
                                              ErrorCode.ARCHIVE_SPECIAL_FILE)
             _safe_target(dest, info.filename)

@@ -8,8 +8,6 @@ import os
 import tempfile
 from pathlib import Path
 
-from safetensors import safe_open
-
 from .archive import archive_kind, safe_extract
 from .canonical import FORMAT, CanonicalAdapter
 from .convert import to_canonical
@@ -112,14 +110,12 @@ def _load_pair(config_path: Path, weights_path: Path, spec: BaseModelSpec, limit
     except (UnicodeDecodeError, ValueError) as exc:
         raise AdapterValidationError(f"{CONFIG_NAME} is not valid JSON: {exc}", ErrorCode.CONFIG_INVALID) from exc
     settings = parse_lora_config(config, spec, limits)
-    tensors = read_tensors(weights_path, limits)
+    tensors, _ = read_tensors(weights_path, limits)
     return to_canonical(tensors, settings, spec)
 
 
 def _load_canonical_entry(path: Path, spec: BaseModelSpec, limits: AdapterLimits) -> CanonicalAdapter | None:
-    read_header(path, limits)  # refuses a hostile header before the library parses it
-    with safe_open(str(path), framework="pt") as f:
-        meta = f.metadata() or {}
+    _, _, meta = read_header(path, limits)
     if meta.get("format") != FORMAT:
         return None
     adapter = read_entry(path, verify=True)

@@ -18,8 +18,9 @@ _KNOWN_DTYPE_SIZES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 
                       "U64": 8, "U32": 4, "U16": 2, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
 
 
-def read_header(path: Path, limits: AdapterLimits) -> tuple[dict, int]:
-    """The parsed, checked header (tensor name -> {dtype, shape, data_offsets}) and the data start offset."""
+def read_header(path: Path, limits: AdapterLimits) -> tuple[dict, int, dict[str, str]]:
+    """The parsed, checked header (tensor name -> {dtype, shape, data_offsets}), the offset where tensor
+    data starts, and the file's string metadata."""
     name = path.name
     file_size = path.stat().st_size
     if file_size > limits.max_member_bytes:
@@ -58,7 +59,7 @@ def read_header(path: Path, limits: AdapterLimits) -> tuple[dict, int]:
         if start < end:
             raise _corrupt(name, f"tensor {key!r} overlaps the tensor before it")
         end = stop
-    return header, 8 + header_len
+    return header, 8 + header_len, metadata or {}
 
 
 def _check_entry(name: str, key: str, info, data_len: int) -> None:
@@ -81,9 +82,12 @@ def _check_entry(name: str, key: str, info, data_len: int) -> None:
                              f"its offsets span {offsets[1] - offsets[0]}")
 
 
-def read_tensors(path: Path, limits: AdapterLimits) -> dict[str, torch.Tensor]:
-    """All tensors of a checked safetensors file, in their stored dtype, as independent CPU tensors."""
-    header, data_start = read_header(path, limits)
+def read_tensors(path: Path, limits: AdapterLimits) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """All tensors of a checked safetensors file in their stored dtype, and its metadata.
+
+    The file is read once into memory the tensors then share (no memory map: a map would tie the tensors
+    to a file that may be replaced or deleted, and fault pages in later, at serving time)."""
+    header, data_start, metadata = read_header(path, limits)
     with open(path, "rb") as f:
         f.seek(data_start)
         data = bytearray(f.read())
@@ -91,14 +95,17 @@ def read_tensors(path: Path, limits: AdapterLimits) -> dict[str, torch.Tensor]:
     for key, info in header.items():
         start, stop = info["data_offsets"]
         dtype = ALLOWED_DTYPES[info["dtype"]]
-        if start == stop:
+        count = math.prod(info["shape"])
+        if count == 0:
             tensors[key] = torch.empty(info["shape"], dtype=dtype)
-            continue
-        # Copy the bytes first: a hostile file may place a tensor at an offset that is not aligned for its
-        # dtype. safetensors stores little-endian, as is every machine we serve on.
-        raw = torch.frombuffer(data, dtype=torch.uint8, offset=start, count=stop - start).clone()
-        tensors[key] = raw.view(dtype).reshape(info["shape"])
-    return tensors
+        elif start % dtype.itemsize == 0:
+            tensors[key] = torch.frombuffer(data, dtype=dtype, offset=start, count=count).view(info["shape"])
+        else:
+            # A hand-made file may place a tensor at an offset that is not aligned for its dtype: copy the
+            # bytes into aligned memory first. (safetensors is little-endian, as is every machine we serve on.)
+            raw = torch.frombuffer(data, dtype=torch.uint8, offset=start, count=stop - start).clone()
+            tensors[key] = raw.view(dtype).view(info["shape"])
+    return tensors, metadata
 
 
 def _corrupt(name: str, why: str) -> AdapterValidationError:

@@ -9,14 +9,17 @@ import tempfile
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
-from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from .canonical import CanonicalAdapter
 from .errors import AdapterValidationError, ErrorCode
+from .limits import AdapterLimits
+from .safetensors_file import read_tensors
 
 _HASH = re.compile(r"^[0-9a-f]{64}$")
 SUFFIX = ".safetensors"
+# Entries were validated on the way in; these limits only guard against a damaged file.
+_ENTRY_LIMITS = AdapterLimits(max_member_bytes=1 << 40, max_header_bytes=64 * 1024 * 1024)
 
 
 @runtime_checkable
@@ -96,12 +99,6 @@ class LocalAdapterStore:
 
 
 def read_entry(path: str | Path, *, verify: bool = False) -> CanonicalAdapter:
-    """A canonical entry file as written by LocalAdapterStore.put."""
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            meta = f.metadata() or {}
-        tensors = load_file(str(path))
-    except Exception as exc:  # the library raises its own error types for every kind of damage
-        raise AdapterValidationError(f"cannot read canonical entry {Path(path).name}: {exc}",
-                                     ErrorCode.STORE_CORRUPT) from exc
+    """A canonical entry file as written by LocalAdapterStore.put, read into memory (not mapped)."""
+    tensors, meta = read_tensors(Path(path), _ENTRY_LIMITS)
     return CanonicalAdapter.from_tensors(tensors, meta, verify=verify)

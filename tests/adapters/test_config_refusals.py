@@ -1,0 +1,93 @@
+"""adapter_config.json options we refuse, each with a message naming the option and value."""
+
+from __future__ import annotations
+
+import pytest
+
+from loraplex.adapters import AdapterLimits, AdapterValidationError, ErrorCode, load_adapter
+
+
+def _refused(path, spec, code, *words, limits=None):
+    with pytest.raises(AdapterValidationError) as info:
+        load_adapter(path, spec, limits)
+    assert info.value.code == code, str(info.value)
+    for word in words:
+        assert word in str(info.value), str(info.value)
+    return info.value
+
+
+def test_good_adapter_loads(adapter_copy, llama_spec):
+    adapter = load_adapter(adapter_copy.path, llama_spec)
+    assert adapter.rank == 8 and adapter.layers == (0, 1) and len(adapter.weights) == 14
+
+
+@pytest.mark.parametrize(("changes", "code", "words"), [
+    ({"use_dora": True}, ErrorCode.DORA_UNSUPPORTED, ["use_dora", "DoRA"]),
+    ({"modules_to_save": ["lm_head"]}, ErrorCode.MODULES_TO_SAVE_UNSUPPORTED, ["modules_to_save", "lm_head"]),
+    ({"bias": "all"}, ErrorCode.BIAS_UNSUPPORTED, ["bias", "'all'"]),
+    ({"bias": "lora_only"}, ErrorCode.BIAS_UNSUPPORTED, ["lora_only"]),
+    ({"lora_bias": True}, ErrorCode.BIAS_UNSUPPORTED, ["lora_bias"]),
+    ({"peft_type": "IA3"}, ErrorCode.PEFT_TYPE, ["IA3"]),
+    ({"peft_type": None}, ErrorCode.PEFT_TYPE, ["peft_type"]),
+    ({"task_type": "SEQ_CLS"}, ErrorCode.TASK_TYPE, ["SEQ_CLS", "CAUSAL_LM"]),
+    ({"r": 0}, ErrorCode.INVALID_RANK, ["r must be a positive integer", "0"]),
+    ({"r": "8"}, ErrorCode.INVALID_RANK, ["'8'"]),
+    ({"lora_alpha": 0}, ErrorCode.INVALID_ALPHA, ["lora_alpha", "0"]),
+    ({"lora_alpha": -16}, ErrorCode.INVALID_ALPHA, ["-16"]),
+    ({"lora_alpha": "16"}, ErrorCode.INVALID_ALPHA, ["'16'"]),
+    ({"use_rslora": "yes"}, ErrorCode.CONFIG_INVALID, ["use_rslora"]),
+    ({"rank_pattern": {"q_proj": 128}}, ErrorCode.RANK_TOO_LARGE, ["rank_pattern", "128", "64"]),
+    ({"rank_pattern": {"q_proj(": 4}}, ErrorCode.CONFIG_INVALID, ["rank_pattern", "q_proj("]),
+    ({"alpha_pattern": {"q_proj": float("nan")}}, ErrorCode.INVALID_ALPHA, ["alpha_pattern"]),
+    ({"target_modules": ["q_proj", "foo_proj"]}, ErrorCode.UNKNOWN_TARGET_MODULE, ["foo_proj", "LlamaForCausalLM"]),
+    ({"target_modules": ["qkv_proj"]}, ErrorCode.UNKNOWN_TARGET_MODULE, ["qkv_proj"]),
+    ({"target_modules": ["q_proj", "embed_tokens"]}, ErrorCode.EMBEDDING_LORA_UNSUPPORTED, ["embed_tokens"]),
+    ({"target_modules": ["lm_head"]}, ErrorCode.EMBEDDING_LORA_UNSUPPORTED, ["lm_head"]),
+    ({"target_modules": r".*(embed_tokens|q_proj)"}, ErrorCode.EMBEDDING_LORA_UNSUPPORTED, ["embed_tokens"]),
+    ({"target_modules": r".*\.nothing"}, ErrorCode.UNKNOWN_TARGET_MODULE, ["nothing"]),
+    ({"target_modules": []}, ErrorCode.CONFIG_INVALID, ["target_modules"]),
+    ({"layers_to_transform": [0, 5]}, ErrorCode.LAYER_OUT_OF_RANGE, ["layer 5", "0..1"]),
+    ({"layers_to_transform": [0], "layers_pattern": "blocks"}, ErrorCode.OPTION_UNSUPPORTED, ["blocks"]),
+    ({"layer_replication": [[0, 2]]}, ErrorCode.OPTION_UNSUPPORTED, ["layer_replication"]),
+    ({"trainable_token_indices": [1, 2]}, ErrorCode.OPTION_UNSUPPORTED, ["trainable_token_indices"]),
+])
+def test_config_refusals(adapter_copy, llama_spec, changes, code, words):
+    adapter_copy.update_config(**changes)
+    _refused(adapter_copy.path, llama_spec, code, *words)
+
+
+def test_rank_limit_is_configurable(adapter_copy, llama_spec):
+    _refused(adapter_copy.path, llama_spec, ErrorCode.RANK_TOO_LARGE, "r is 8", "limit of 4",
+             limits=AdapterLimits(max_rank=4))
+    assert load_adapter(adapter_copy.path, llama_spec, AdapterLimits(max_rank=8)).rank == 8
+
+
+def test_rank_128_over_default_limit(tiny_llama_dir, llama_spec, tmp_path):
+    from loraplex.testing import make_peft_adapter
+
+    path = make_peft_adapter(tiny_llama_dir, tmp_path / "big", r=128, target_modules=["q_proj"])
+    _refused(path, llama_spec, ErrorCode.RANK_TOO_LARGE, "128", "64")
+
+
+def test_config_not_json(adapter_copy, llama_spec):
+    adapter_copy.config_path.write_text("{not json")
+    _refused(adapter_copy.path, llama_spec, ErrorCode.CONFIG_INVALID, "adapter_config.json", "JSON")
+
+
+def test_config_not_object(adapter_copy, llama_spec):
+    adapter_copy.config_path.write_text("[1, 2]")
+    _refused(adapter_copy.path, llama_spec, ErrorCode.CONFIG_INVALID, "JSON object")
+
+
+def test_config_too_large(adapter_copy, llama_spec):
+    adapter_copy.update_config(padding="x" * 4096)
+    _refused(adapter_copy.path, llama_spec, ErrorCode.CONFIG_INVALID, "over the limit",
+             limits=AdapterLimits(max_config_bytes=1024))
+
+
+def test_exclude_modules_and_all_linear(adapter_copy, llama_spec):
+    adapter_copy.update_config(target_modules="all-linear", exclude_modules=["down_proj"])
+    # the weights still hold down_proj, which the config now leaves out
+    _refused(adapter_copy.path, llama_spec, ErrorCode.UNKNOWN_TENSOR, "down_proj", "does not target")
+    adapter_copy.update_config(exclude_modules=None)
+    assert len(load_adapter(adapter_copy.path, llama_spec).weights) == 14
