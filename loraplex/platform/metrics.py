@@ -14,6 +14,7 @@ from collections import Counter, deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
+from fastapi import APIRouter, Request, Response
 from prometheus_client import CollectorRegistry, Histogram, disable_created_metrics
 from prometheus_client import Counter as PromCounter
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -26,7 +27,7 @@ disable_created_metrics()
 
 OTHER = "other"
 BASE_MODEL_LABEL = "base"
-STATUSES = frozenset({"ok", "error", "cancelled", "rejected", "timeout"})
+STATUSES = frozenset({"ok", "error", "cancelled", "aborted", "rejected"})
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56)
 
@@ -297,6 +298,7 @@ def get_metrics(app) -> PlatformMetrics:
     metrics = getattr(app.state, "metrics", None)
     if metrics is None:
         metrics = PlatformMetrics()
+        metrics.bind_engine(lambda: _engine_stats_of(app))
         app.state.metrics = metrics
     return metrics
 
@@ -306,3 +308,20 @@ def record_request(app, **fields) -> None:
     get_metrics(app).record_request(**fields)
 
 
+
+
+def _engine_stats_of(app) -> EngineStats | None:
+    services = getattr(app.state, "services", None)
+    engine = getattr(services, "engine", None)
+    return engine.stats() if engine is not None else None
+
+
+router = APIRouter(include_in_schema=False)
+
+
+@router.get("/metrics")
+def metrics_endpoint(request: Request) -> Response:
+    """Prometheus text format. Put it behind the network boundary: it names tenants and adapters."""
+    metrics = get_metrics(request.app)
+    body, content_type = metrics.exposition()
+    return Response(body, media_type=content_type)

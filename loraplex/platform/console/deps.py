@@ -1,0 +1,58 @@
+"""Console dependencies: a signed-in session for every page, plus a CSRF token for every state change."""
+
+from __future__ import annotations
+
+from typing import Annotated
+from urllib.parse import quote, urlsplit
+
+from fastapi import Depends, HTTPException, Request
+
+from loraplex.platform.console.session import SESSION_COOKIE, ConsoleContext, csrf_matches, load_session
+from loraplex.platform.deps import ServicesDep
+
+CSRF_HEADER = "x-csrf-token"
+CSRF_FIELD = "csrf_token"
+
+
+def _wants_page(request: Request) -> bool:
+    return request.method == "GET" and "/console/api/" not in request.url.path
+
+
+def get_console(request: Request, services: ServicesDep) -> ConsoleContext:
+    with services.sessions() as session:
+        context = load_session(session, services.settings, request.cookies.get(SESSION_COOKIE))
+    if context is None:
+        if _wants_page(request):
+            target = request.url.path + (f"?{request.url.query}" if request.url.query else "")
+            raise HTTPException(303, "sign in first", headers={"Location": f"/console/login?next={quote(target)}"})
+        raise HTTPException(401, "Sign in to the console first.")
+    return context
+
+
+ConsoleDep = Annotated[ConsoleContext, Depends(get_console)]
+
+
+def same_origin(request: Request) -> bool:
+    """A browser names the page that sent a post; refuse posts sent from another site's page."""
+    origin = request.headers.get("origin") or request.headers.get("referer")
+    if not origin or origin == "null":
+        return origin is None  # "null" comes from sandboxed or privacy-stripped contexts: refuse it
+    host = request.headers.get("host", "")
+    return urlsplit(origin).netloc == host
+
+
+async def get_console_post(request: Request, context: ConsoleDep) -> ConsoleContext:
+    if not same_origin(request):
+        raise HTTPException(403, "Cross-site request refused.")
+    token = request.headers.get(CSRF_HEADER)
+    content_type = request.headers.get("content-type", "")
+    if token is None and content_type.startswith(("application/x-www-form-urlencoded", "multipart/form-data")):
+        form = await request.form()  # Starlette caches it: the route reads the same parsed form
+        value = form.get(CSRF_FIELD)
+        token = value if isinstance(value, str) else None
+    if not csrf_matches(context.csrf_token, token):
+        raise HTTPException(403, "Missing or invalid CSRF token; reload the page and try again.")
+    return context
+
+
+ConsolePostDep = Annotated[ConsoleContext, Depends(get_console_post)]

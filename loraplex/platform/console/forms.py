@@ -1,0 +1,42 @@
+"""Reading HTML form fields into typed values with messages a person can act on."""
+
+from __future__ import annotations
+
+from starlette.datastructures import FormData
+
+from loraplex.platform.billing.money import parse_money
+
+
+class FormError(ValueError):
+    pass
+
+
+def text(form: FormData, name: str, *, required: bool = False) -> str | None:
+    value = form.get(name)
+    value = value.strip() if isinstance(value, str) else ""
+    if required and not value:
+        raise FormError(f"{name.replace('_', ' ')} is required")
+    return value or None
+
+
+def positive_int(form: FormData, name: str, *, required: bool = False) -> int | None:
+    value = text(form, name, required=required)
+    if value is None:
+        return None
+    try:
+        number = int(value.replace(",", "").replace("_", ""))
+    except ValueError as exc:
+        raise FormError(f"{name.replace('_', ' ')} must be a whole number, got {value!r}") from exc
+    if number < 1:
+        raise FormError(f"{name.replace('_', ' ')} must be at least 1")
+    return number
+
+
+def money(form: FormData, name: str) -> int | None:
+    value = text(form, name)
+    if value is None:
+        return None
+    try:
+        return parse_money(value)
+    except ValueError as exc:
+        raise FormError(f"{name.replace('_', ' ')}: {exc}") from exc

@@ -1,0 +1,35 @@
+"""The console's router: pages, their JSON helpers and the static assets, all under /console."""
+
+from __future__ import annotations
+
+import mimetypes
+
+from fastapi import APIRouter, HTTPException
+from fastapi.responses import FileResponse, RedirectResponse
+
+from loraplex.platform.console import auth_routes, dashboard, tenant_pages
+from loraplex.platform.console.templating import WEB_DIR
+
+router = APIRouter(prefix="/console", include_in_schema=False)
+STATIC_DIR = (WEB_DIR / "static").resolve()
+
+
+@router.get("")
+@router.get("/")
+def console_home() -> RedirectResponse:
+    return RedirectResponse("/console/dashboard", status_code=303)
+
+
+@router.get("/static/{path:path}")
+def static_asset(path: str) -> FileResponse:
+    target = (STATIC_DIR / path).resolve()
+    if not target.is_relative_to(STATIC_DIR) or not target.is_file():
+        raise HTTPException(404, "no such asset")
+    media_type = mimetypes.guess_type(target.name)[0] or "application/octet-stream"
+    return FileResponse(target, media_type=media_type, headers={
+        "cache-control": "no-cache", "x-content-type-options": "nosniff",
+    })
+
+
+for module in (auth_routes, dashboard, tenant_pages):
+    router.include_router(module.router)

@@ -1,0 +1,108 @@
+"""Console sign-in: a signed, httponly, SameSite=Strict cookie naming a server-side session row.
+
+The cookie carries only a random session id, signed with the service secret; the database keeps the
+session's hash, expiry and CSRF token, so logout and expiry hold on every API process at once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import secrets
+from dataclasses import dataclass
+from datetime import timedelta
+
+from itsdangerous import BadSignature, URLSafeTimedSerializer
+from sqlalchemy import select, update
+from sqlalchemy.orm import Session
+
+from loraplex.config import Settings
+from loraplex.platform.console.models import ConsoleSession
+from loraplex.platform.models import AdminKey, utcnow
+from loraplex.platform.security import ADMIN_KEY_PREFIX, hash_key
+
+SESSION_COOKIE = "lpx_console"
+LOGIN_COOKIE = "lpx_console_login"  # pre-session CSRF token for the sign-in form itself
+SESSION_TTL = timedelta(hours=12)
+LOGIN_TTL = timedelta(minutes=30)
+
+
+@dataclass(frozen=True)
+class ConsoleContext:
+    session_id: int
+    admin_key_id: int
+    csrf_token: str
+
+
+def _serializer(settings: Settings, purpose: str) -> URLSafeTimedSerializer:
+    return URLSafeTimedSerializer(settings.secret_key, salt=f"loraplex.console.{purpose}")
+
+
+def _sid_hash(sid: str) -> str:
+    return hashlib.sha256(sid.encode()).hexdigest()
+
+
+def verify_admin_credential(session: Session, settings: Settings, credential: str) -> AdminKey | None:
+    credential = (credential or "").strip()
+    if not credential.startswith(ADMIN_KEY_PREFIX):
+        return None
+    key = session.scalar(select(AdminKey).where(AdminKey.key_hash == hash_key(settings.secret_key, credential)))
+    if key is None or key.revoked_at is not None:
+        return None
+    return key
+
+
+def start_session(session: Session, settings: Settings, admin_key: AdminKey) -> str:
+    """Create a session row; returns the signed cookie value."""
+    sid = secrets.token_urlsafe(32)
+    session.add(ConsoleSession(
+        sid_hash=_sid_hash(sid), csrf_token=secrets.token_urlsafe(32), admin_key_id=admin_key.id,
+        expires_at=utcnow() + SESSION_TTL,
+    ))
+    session.flush()
+    return _serializer(settings, "session").dumps(sid)
+
+
+def load_session(session: Session, settings: Settings, cookie: str | None) -> ConsoleContext | None:
+    if not cookie:
+        return None
+    try:
+        sid = _serializer(settings, "session").loads(cookie, max_age=int(SESSION_TTL.total_seconds()))
+    except BadSignature:
+        return None
+    row = session.scalar(select(ConsoleSession).where(ConsoleSession.sid_hash == _sid_hash(str(sid))))
+    if row is None or row.ended_at is not None or row.expires_at <= utcnow():
+        return None
+    key = session.get(AdminKey, row.admin_key_id)
+    if key is None or key.revoked_at is not None:  # revoking the admin key signs its sessions out
+        return None
+    return ConsoleContext(session_id=row.id, admin_key_id=row.admin_key_id, csrf_token=row.csrf_token)
+
+
+def end_session(session: Session, session_id: int) -> None:
+    session.execute(update(ConsoleSession).where(ConsoleSession.id == session_id).values(ended_at=utcnow()))
+
+
+def new_login_token(settings: Settings) -> tuple[str, str]:
+    """(token for the form, signed value for the pre-session cookie)."""
+    token = secrets.token_urlsafe(24)
+    return token, _serializer(settings, "login").dumps(token)
+
+
+def check_login_token(settings: Settings, cookie: str | None, submitted: str | None) -> bool:
+    if not cookie or not submitted:
+        return False
+    try:
+        token = _serializer(settings, "login").loads(cookie, max_age=int(LOGIN_TTL.total_seconds()))
+    except BadSignature:
+        return False
+    return hmac.compare_digest(str(token), submitted)
+
+
+def csrf_matches(expected: str, submitted: str | None) -> bool:
+    return bool(submitted) and hmac.compare_digest(expected, submitted)
+
+
+def cookie_secure(settings: Settings) -> bool:
+    # Browsers drop Secure cookies on plain-http localhost, which is how development runs.
+    return settings.environment not in {"development", "test"}

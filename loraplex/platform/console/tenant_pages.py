@@ -1,0 +1,193 @@
+"""Tenants, plans, quotas, prices and API keys."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from fastapi.responses import HTMLResponse, RedirectResponse
+from pydantic import ValidationError
+from sqlalchemy import func, select
+
+from loraplex.platform.billing.money import format_micros
+from loraplex.platform.billing.prices import price_for_tenant, set_tenant_override, tenant_override
+from loraplex.platform.billing.pricing import PriceOverride
+from loraplex.platform.console import forms
+from loraplex.platform.console.deps import ConsoleDep, ConsolePostDep
+from loraplex.platform.console.templating import redirect, render
+from loraplex.platform.deps import ServicesDep
+from loraplex.platform.models import ALL_SCOPES, ApiKey, Plan, Tenant
+from loraplex.platform.schemas.tenants import KeyCreate, PlanCreate, TenantCreate, TenantUpdate
+from loraplex.platform.tenants import (
+    TenantError,
+    create_api_key,
+    create_plan,
+    create_tenant,
+    get_tenant,
+    key_public,
+    revoke_api_key,
+    tenant_public,
+    update_tenant,
+)
+
+router = APIRouter()
+
+QUOTA_FIELDS = (
+    ("requests_per_minute", "Requests per minute"),
+    ("tokens_per_minute", "Tokens per minute"),
+    ("max_concurrent", "Concurrent requests"),
+    ("monthly_token_budget", "Monthly token budget"),
+)
+PRICE_FIELDS = (("prompt", "Prompt tokens"), ("completion", "Completion tokens"),
+                ("adapter_surcharge", "Adapter surcharge"))
+
+
+def _problem(exc: Exception) -> str:
+    if isinstance(exc, ValidationError):
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first.get("loc", ()))
+        return f"{where}: {first.get('msg')}" if where else str(first.get("msg"))
+    return str(exc)
+
+
+@router.get("/tenants", response_class=HTMLResponse)
+def tenants_page(request: Request, context: ConsoleDep, services: ServicesDep) -> HTMLResponse:
+    with services.sessions() as session:
+        tenants = [tenant_public(t, services.settings) for t in session.scalars(select(Tenant).order_by(Tenant.name))]
+        plans = list(session.scalars(select(Plan).order_by(Plan.name)))
+        counts = dict(session.execute(
+            select(ApiKey.tenant_id, func.count(ApiKey.id)).where(ApiKey.revoked_at.is_(None)).group_by(ApiKey.tenant_id)
+        ).all())
+    return render(request, "tenants.html", context, tenants=tenants, plans=plans, key_counts=counts)
+
+
+@router.post("/tenants")
+async def tenants_create(request: Request, _context: ConsolePostDep, services: ServicesDep) -> RedirectResponse:
+    form = await request.form()
+    try:
+        data = TenantCreate(name=forms.text(form, "name", required=True), plan=forms.text(form, "plan"))
+        with services.sessions() as session:
+            tenant = create_tenant(session, data)
+            session.commit()
+            tenant_id = tenant.id
+    except (TenantError, ValidationError, forms.FormError) as exc:
+        return redirect(request, "/console/tenants", error=f"Could not create the tenant: {_problem(exc)}")
+    return redirect(request, f"/console/tenants/{tenant_id}", flash=f"Tenant {data.name} created.")
+
+
+@router.post("/plans")
+async def plans_create(request: Request, _context: ConsolePostDep, services: ServicesDep) -> RedirectResponse:
+    form = await request.form()
+    try:
+        data = PlanCreate(name=forms.text(form, "name", required=True),
+                          **{f: forms.positive_int(form, f, required=True) for f, _ in QUOTA_FIELDS})
+        with services.sessions() as session:
+            create_plan(session, data)
+            session.commit()
+    except (TenantError, ValidationError, forms.FormError) as exc:
+        return redirect(request, "/console/tenants", error=f"Could not add the plan: {_problem(exc)}")
+    return redirect(request, "/console/tenants", flash=f"Plan {data.name} added.")
+
+
+def _tenant_page(request: Request, context, services, tenant_id: int, *, new_key=None, status_code=200):
+    with services.sessions() as session:
+        try:
+            tenant = get_tenant(session, tenant_id)
+        except TenantError:
+            return render(request, "not_found.html", context, status_code=404, what=f"tenant {tenant_id}")
+        override = tenant_override(session, tenant.id)
+        price = price_for_tenant(session, tenant)
+        keys = [key_public(k) for k in session.scalars(
+            select(ApiKey).where(ApiKey.tenant_id == tenant.id).order_by(ApiKey.id.desc()))]
+        plans = list(session.scalars(select(Plan).order_by(Plan.name)))
+        public = tenant_public(tenant, services.settings)
+    override_values = {
+        f: format_micros(getattr(override, f)) if override and getattr(override, f) is not None else ""
+        for f, _ in PRICE_FIELDS
+    }
+    return render(
+        request, "tenant.html", context, status_code=status_code, tenant=public, keys=keys, plans=plans,
+        new_key=new_key, quota_fields=QUOTA_FIELDS, price_fields=PRICE_FIELDS, price=vars(price) | {"currency": price.currency},
+        override_values=override_values, scopes=ALL_SCOPES,
+    )
+
+
+@router.get("/tenants/{tenant_id}", response_class=HTMLResponse)
+def tenant_page(request: Request, context: ConsoleDep, services: ServicesDep, tenant_id: int) -> HTMLResponse:
+    return _tenant_page(request, context, services, tenant_id)
+
+
+@router.post("/tenants/{tenant_id}")
+async def tenant_update(request: Request, _context: ConsolePostDep, services: ServicesDep,
+                        tenant_id: int) -> RedirectResponse:
+    form = await request.form()
+    back = f"/console/tenants/{tenant_id}"
+    try:
+        # every quota field is sent: empty clears the override back to the plan's value
+        changes = {f: forms.positive_int(form, f) for f, _ in QUOTA_FIELDS}
+        data = TenantUpdate(plan=forms.text(form, "plan"), **changes)
+        with services.sessions() as session:
+            update_tenant(session, get_tenant(session, tenant_id), data)
+            session.commit()
+    except (TenantError, ValidationError, forms.FormError) as exc:
+        return redirect(request, back, error=f"Not saved: {_problem(exc)}")
+    return redirect(request, back, flash="Plan and quotas saved.")
+
+
+@router.post("/tenants/{tenant_id}/status")
+async def tenant_status(request: Request, _context: ConsolePostDep, services: ServicesDep,
+                        tenant_id: int) -> RedirectResponse:
+    form = await request.form()
+    back = f"/console/tenants/{tenant_id}"
+    try:
+        data = TenantUpdate(status=forms.text(form, "status", required=True))
+        with services.sessions() as session:
+            tenant = update_tenant(session, get_tenant(session, tenant_id), data)
+            session.commit()
+            name, status = tenant.name, tenant.status
+    except (TenantError, ValidationError, forms.FormError) as exc:
+        return redirect(request, back, error=f"Not changed: {_problem(exc)}")
+    verb = "suspended: its keys are refused from now on" if status == "suspended" else "active again"
+    return redirect(request, back, flash=f"Tenant {name} is {verb}.")
+
+
+@router.post("/tenants/{tenant_id}/prices")
+async def tenant_prices(request: Request, _context: ConsolePostDep, services: ServicesDep,
+                        tenant_id: int) -> RedirectResponse:
+    form = await request.form()
+    back = f"/console/tenants/{tenant_id}"
+    try:
+        override = PriceOverride(**{f: forms.money(form, f) for f, _ in PRICE_FIELDS})
+        with services.sessions() as session:
+            set_tenant_override(session, get_tenant(session, tenant_id).id, override)
+            session.commit()
+    except (TenantError, forms.FormError, ValueError) as exc:
+        return redirect(request, back, error=f"Prices not saved: {_problem(exc)}")
+    return redirect(request, back, flash="Prices saved.")
+
+
+@router.post("/tenants/{tenant_id}/keys", response_class=HTMLResponse)
+async def key_create(request: Request, context: ConsolePostDep, services: ServicesDep, tenant_id: int):
+    form = await request.form()
+    back = f"/console/tenants/{tenant_id}"
+    try:
+        data = KeyCreate(name=forms.text(form, "name") or "default",
+                         scopes=[s for s in form.getlist("scopes") if isinstance(s, str)])
+        with services.sessions() as session:
+            created = create_api_key(session, services.settings, get_tenant(session, tenant_id), data)
+            session.commit()
+    except (TenantError, ValidationError, forms.FormError) as exc:
+        return redirect(request, back, error=f"No key created: {_problem(exc)}")
+    # rendered directly, never redirected: the secret must not travel in a URL or be shown twice
+    return _tenant_page(request, context, services, tenant_id, new_key=created, status_code=201)
+
+
+@router.post("/keys/{key_id}/revoke")
+async def key_revoke(request: Request, _context: ConsolePostDep, services: ServicesDep,
+                     key_id: int) -> RedirectResponse:
+    with services.sessions() as session:
+        key = session.get(ApiKey, key_id)
+        if key is None:
+            return redirect(request, "/console/tenants", error=f"No API key with id {key_id}.")
+        revoke_api_key(session, key)
+        session.commit()
+        tenant_id, prefix = key.tenant_id, key.prefix
+    return redirect(request, f"/console/tenants/{tenant_id}", flash=f"Key {prefix}… revoked.")
