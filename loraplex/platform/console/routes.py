@@ -7,7 +7,7 @@ import mimetypes
 from fastapi import APIRouter, HTTPException
 from fastapi.responses import FileResponse, RedirectResponse
 
-from loraplex.platform.console import auth_routes, dashboard, tenant_pages
+from loraplex.platform.console import auth_routes, dashboard, tenant_pages, usage_pages
 from loraplex.platform.console.templating import WEB_DIR
 
 router = APIRouter(prefix="/console", include_in_schema=False)
@@ -31,5 +31,5 @@ def static_asset(path: str) -> FileResponse:
     })
 
 
-for module in (auth_routes, dashboard, tenant_pages):
+for module in (auth_routes, dashboard, tenant_pages, usage_pages):
     router.include_router(module.router)

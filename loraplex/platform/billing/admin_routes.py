@@ -1,0 +1,184 @@
+"""/admin/api/billing: prices, cross-tenant reports, statements, rollups. Amounts in integer micro-units."""
+
+from __future__ import annotations
+
+from datetime import date
+from typing import Annotated
+
+from fastapi import APIRouter, Query
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, Field
+from sqlalchemy import select
+
+from loraplex.platform.billing.export import rows_to_csv, statement_dict
+from loraplex.platform.billing.periods import days_in, parse_period, resolve_range
+from loraplex.platform.billing.prices import price_lists, set_plan_price, set_tenant_override, tenant_override
+from loraplex.platform.billing.pricing import Price, PriceOverride
+from loraplex.platform.billing.reports import usage_report
+from loraplex.platform.billing.responses import (
+    EndQuery,
+    FormatQuery,
+    GroupByQuery,
+    StartQuery,
+    date_range,
+    dimensions,
+    report_response,
+    statement_response,
+)
+from loraplex.platform.billing.rollups import rollup_day
+from loraplex.platform.billing.statements import finalize_period, get_statement, list_statements
+from loraplex.platform.deps import AdminDep, SessionDep
+from loraplex.platform.errors import bad_request, not_found
+from loraplex.platform.models import Tenant
+from loraplex.platform.tenants import get_tenant
+
+router = APIRouter(prefix="/admin/api/billing", tags=["admin billing"])
+Micros = Annotated[int, Field(ge=0, le=10**15, description="micro-units of the currency per million tokens")]
+
+
+class PriceBody(BaseModel):
+    prompt_price: Micros
+    completion_price: Micros
+    adapter_surcharge_price: Micros
+    currency: str = Field(default="USD", pattern=r"^[A-Z]{3}$")
+
+
+class OverrideBody(BaseModel):
+    prompt_price: Micros | None = None
+    completion_price: Micros | None = None
+    adapter_surcharge_price: Micros | None = None
+
+
+class PeriodBody(BaseModel):
+    period: str = Field(pattern=r"^\d{4}-\d{2}$", examples=["2026-10"])
+
+
+class RollupBody(BaseModel):
+    start: date
+    end: date | None = None
+
+
+def _price_json(price: Price | None) -> dict | None:
+    if price is None:
+        return None
+    return {"prompt_price": price.prompt, "completion_price": price.completion,
+            "adapter_surcharge_price": price.adapter_surcharge, "currency": price.currency}
+
+
+@router.get("/prices")
+def get_prices(*, _admin: AdminDep, session: SessionDep) -> JSONResponse:
+    return JSONResponse({"data": [
+        {"plan_id": p["plan_id"], "plan": p["plan"], "price": _price_json(p["price"])} for p in price_lists(session)
+    ]})
+
+
+@router.put("/prices/default")
+def put_default_price(*, _admin: AdminDep, session: SessionDep, body: PriceBody) -> JSONResponse:
+    return _set_price(session, None, body)
+
+
+@router.put("/prices/plans/{plan_id}")
+def put_plan_price(*, _admin: AdminDep, session: SessionDep, plan_id: int, body: PriceBody) -> JSONResponse:
+    return _set_price(session, plan_id, body)
+
+
+def _set_price(session, plan_id: int | None, body: PriceBody) -> JSONResponse:
+    price = Price(body.prompt_price, body.completion_price, body.adapter_surcharge_price, body.currency)
+    try:
+        set_plan_price(session, plan_id, price)
+    except LookupError as exc:
+        raise not_found(str(exc), param="plan_id") from exc
+    return JSONResponse({"plan_id": plan_id, "price": _price_json(price)})
+
+
+@router.get("/tenants/{tenant_id}/price-override")
+def get_override(*, _admin: AdminDep, session: SessionDep, tenant_id: int) -> JSONResponse:
+    tenant = get_tenant(session, tenant_id)
+    o = tenant_override(session, tenant.id) or PriceOverride()
+    return JSONResponse({"tenant_id": tenant.id, "prompt_price": o.prompt, "completion_price": o.completion,
+                         "adapter_surcharge_price": o.adapter_surcharge})
+
+
+@router.put("/tenants/{tenant_id}/price-override")
+def put_override(*, _admin: AdminDep, session: SessionDep, tenant_id: int, body: OverrideBody) -> JSONResponse:
+    tenant = get_tenant(session, tenant_id)
+    set_tenant_override(session, tenant.id, PriceOverride(body.prompt_price, body.completion_price,
+                                                          body.adapter_surcharge_price))
+    return JSONResponse({"tenant_id": tenant.id, **body.model_dump()})
+
+
+@router.get("/report")
+def report(
+    *, _admin: AdminDep, session: SessionDep, start: StartQuery = None, end: EndQuery = None,
+    tenant_id: Annotated[list[int] | None, Query(description="repeat to select several tenants")] = None,
+    group_by: GroupByQuery = "tenant", adapter: Annotated[str | None, Query()] = None,
+    api_key_id: Annotated[int | None, Query()] = None, format: FormatQuery = "json",
+) -> Response:
+    start, end = date_range(start, end)
+    dims = dimensions(group_by)
+    rows = usage_report(session, start, end, group_by=dims, tenant_ids=tenant_id, adapter=adapter,
+                        api_key_id=api_key_id)
+    return report_response(rows, dims, start, end, format, "usage-all-tenants")
+
+
+@router.get("/statements")
+def statements(
+    *, _admin: AdminDep, session: SessionDep, period: Annotated[str | None, Query()] = None,
+    tenant_id: Annotated[list[int] | None, Query()] = None, format: FormatQuery = "json",
+) -> Response:
+    """Final statements; with `period`, every selected tenant's statement for it (drafts where not final)."""
+    if period is not None:
+        _check_period(period)
+        tenants = _tenants(session, tenant_id)
+        views = [get_statement(session, t, period) for t in tenants]
+    else:
+        names = {t.id: t for t in _tenants(session, tenant_id)}
+        views = [get_statement(session, names[s.tenant_id], s.period)
+                 for s in list_statements(session, tenant_ids=tenant_id) if s.tenant_id in names]
+    if format == "csv":
+        rows = [{k: v for k, v in statement_dict(v).items() if k not in ("lines", "rounding", "total_amount_decimal")}
+                for v in views]
+        return Response(rows_to_csv(rows), media_type="text/csv; charset=utf-8",
+                        headers={"content-disposition": f'attachment; filename="statements-{period or "all"}.csv"'})
+    return JSONResponse({"object": "list", "data": [statement_dict(v) for v in views]})
+
+
+@router.get("/statements/{tenant_id}/{period}")
+def statement(*, _admin: AdminDep, session: SessionDep, tenant_id: int, period: str,
+              format: FormatQuery = "json") -> Response:
+    _check_period(period)
+    return statement_response(get_statement(session, get_tenant(session, tenant_id), period), format)
+
+
+@router.post("/statements/finalize")
+def finalize(*, _admin: AdminDep, session: SessionDep, body: PeriodBody) -> JSONResponse:
+    _check_period(body.period)
+    try:
+        count = finalize_period(session, body.period)
+    except ValueError as exc:
+        raise bad_request(str(exc), param="period") from exc
+    return JSONResponse({"period": body.period, "statements": count})
+
+
+@router.post("/rollups")
+def run_rollups(*, _admin: AdminDep, session: SessionDep, body: RollupBody) -> JSONResponse:
+    try:
+        start, end = resolve_range(body.start, body.end or body.start)
+    except ValueError as exc:
+        raise bad_request(str(exc), param="start") from exc
+    rows = {d.isoformat(): rollup_day(session, d) for d in days_in(start, end)}
+    return JSONResponse({"days": rows})
+
+
+def _check_period(period: str) -> None:
+    try:
+        parse_period(period)
+    except ValueError as exc:
+        raise bad_request(str(exc), param="period") from exc
+
+
+def _tenants(session, tenant_ids: list[int] | None) -> list[Tenant]:
+    stmt = select(Tenant).order_by(Tenant.name)
+    if tenant_ids:
+        stmt = stmt.where(Tenant.id.in_(tenant_ids))
+    return list(session.scalars(stmt))

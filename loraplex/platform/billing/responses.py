@@ -1,0 +1,64 @@
+"""Report and statement responses in JSON or CSV, with the query parameters finance filters by."""
+
+from __future__ import annotations
+
+from datetime import date
+from typing import Annotated, Literal
+
+from fastapi import Query
+from fastapi.responses import JSONResponse, Response
+
+from loraplex.platform.billing.export import rows_to_csv, statement_csv, statement_dict, with_decimal_amounts
+from loraplex.platform.billing.periods import resolve_range
+from loraplex.platform.billing.reports import DIMENSIONS, ReportRow
+from loraplex.platform.billing.statements import StatementView
+from loraplex.platform.errors import bad_request
+
+Format = Literal["json", "csv"]
+StartQuery = Annotated[date | None, Query(description="first UTC day, inclusive (default: first of this month)")]
+EndQuery = Annotated[date | None, Query(description="last UTC day, inclusive (default: today)")]
+GroupByQuery = Annotated[str, Query(description=f"comma-separated subset of {', '.join(DIMENSIONS)}")]
+FormatQuery = Annotated[Format, Query(description="json or csv")]
+
+
+def date_range(start: date | None, end: date | None) -> tuple[date, date]:
+    try:
+        return resolve_range(start, end)
+    except ValueError as exc:
+        raise bad_request(str(exc), param="start") from exc
+
+
+def dimensions(group_by: str, allowed: tuple[str, ...] = DIMENSIONS) -> tuple[str, ...]:
+    dims = tuple(d.strip() for d in group_by.split(",") if d.strip())
+    unknown = [d for d in dims if d not in allowed]
+    if unknown:
+        raise bad_request(f"cannot group by {unknown}; choose from {list(allowed)}", param="group_by")
+    return dims
+
+
+def report_response(
+    rows: list[ReportRow], dims: tuple[str, ...], start: date, end: date, fmt: Format, filename: str
+) -> Response:
+    data = [r.as_dict(dims) for r in rows]
+    if fmt == "csv":
+        return Response(rows_to_csv(data), media_type="text/csv; charset=utf-8", headers={
+            "content-disposition": f'attachment; filename="{filename}-{start}-{end}.csv"',
+        })
+    totals = {
+        "requests": sum(r.requests for r in rows),
+        "prompt_tokens": sum(r.prompt_tokens for r in rows),
+        "completion_tokens": sum(r.completion_tokens for r in rows),
+    }
+    return JSONResponse({
+        "object": "usage_report", "start": start.isoformat(), "end": end.isoformat(), "group_by": list(dims),
+        "totals": totals, "data": [with_decimal_amounts(d) for d in data],
+        "note": "amounts are estimates at current prices, rounded once per row; statements are the bill",
+    })
+
+
+def statement_response(view: StatementView, fmt: Format) -> Response:
+    if fmt == "csv":
+        return Response(statement_csv(view), media_type="text/csv; charset=utf-8", headers={
+            "content-disposition": f'attachment; filename="statement-{view.tenant}-{view.period}.csv"',
+        })
+    return JSONResponse(statement_dict(view))

@@ -1,0 +1,75 @@
+"""Tenant-facing billing: the caller's usage report and monthly statements, scoped by its API key."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Query
+from fastapi.responses import JSONResponse, Response
+
+from loraplex.platform.billing.export import statement_dict
+from loraplex.platform.billing.periods import parse_period, period_of, today_utc
+from loraplex.platform.billing.reports import usage_report
+from loraplex.platform.billing.responses import (
+    EndQuery,
+    FormatQuery,
+    GroupByQuery,
+    StartQuery,
+    date_range,
+    dimensions,
+    report_response,
+    statement_response,
+)
+from loraplex.platform.billing.statements import get_statement, list_statements
+from loraplex.platform.deps import SessionDep, UsageKeyDep
+from loraplex.platform.errors import bad_request
+from loraplex.platform.models import Tenant
+
+router = APIRouter(prefix="/v1", tags=["billing"])
+TENANT_DIMENSIONS = ("day", "key", "adapter")
+
+
+def tenant_usage(
+    session, tenant_id: int, *, start, end, group_by: str, adapter: str | None, api_key_id: int | None, fmt
+) -> Response:
+    """The body of GET /v1/usage: one tenant's usage, filtered and grouped (no tenant dimension)."""
+    start, end = date_range(start, end)
+    dims = dimensions(group_by, TENANT_DIMENSIONS)
+    rows = usage_report(session, start, end, group_by=dims, tenant_ids=[tenant_id],
+                        adapter=adapter, api_key_id=api_key_id)
+    return report_response(rows, dims, start, end, fmt, "usage")
+
+
+@router.get("/usage/report")
+def usage_report_route(
+    *, caller: UsageKeyDep, session: SessionDep, start: StartQuery = None, end: EndQuery = None,
+    group_by: GroupByQuery = "day,adapter", adapter: Annotated[str | None, Query()] = None,
+    api_key_id: Annotated[int | None, Query()] = None, format: FormatQuery = "json",
+) -> Response:
+    return tenant_usage(session, caller.tenant_id, start=start, end=end, group_by=group_by, adapter=adapter,
+                        api_key_id=api_key_id, fmt=format)
+
+
+@router.get("/billing/statements")
+def statements(*, caller: UsageKeyDep, session: SessionDep) -> JSONResponse:
+    """Final statements, newest first, plus the current month's draft."""
+    tenant = session.get(Tenant, caller.tenant_id)
+    current = period_of(today_utc())
+    rows = list_statements(session, tenant_ids=[caller.tenant_id])
+    data = [statement_dict(get_statement(session, tenant, current))] if current not in {r.period for r in rows} else []
+    data += [statement_dict(get_statement(session, tenant, r.period)) for r in rows]
+    for item in data:
+        item.pop("lines")
+    return JSONResponse({"object": "list", "data": data})
+
+
+@router.get("/billing/statements/{period}")
+def statement(*, caller: UsageKeyDep, session: SessionDep, period: str, format: FormatQuery = "json") -> Response:
+    try:
+        parse_period(period)
+    except ValueError as exc:
+        raise bad_request(str(exc), param="period") from exc
+    tenant = session.get(Tenant, caller.tenant_id)
+    return statement_response(get_statement(session, tenant, period), format)
+
+

@@ -1,0 +1,153 @@
+"""Usage (charts, tables, export) and billing (price lists, statements) pages."""
+
+from __future__ import annotations
+
+import json
+from datetime import date
+
+from fastapi import APIRouter, Request
+from fastapi.responses import HTMLResponse, RedirectResponse, Response
+from sqlalchemy import select
+
+from loraplex.platform.billing.periods import period_of, previous_period, resolve_range, today_utc
+from loraplex.platform.billing.prices import price_lists, set_plan_price
+from loraplex.platform.billing.pricing import Price
+from loraplex.platform.billing.reports import DIMENSIONS, usage_report
+from loraplex.platform.billing.responses import Format, report_response, statement_response
+from loraplex.platform.billing.statements import finalize_period, get_statement, is_closed
+from loraplex.platform.console import forms
+from loraplex.platform.console.deps import ConsoleDep, ConsolePostDep
+from loraplex.platform.console.templating import redirect, render
+from loraplex.platform.deps import ServicesDep
+from loraplex.platform.models import Tenant
+from loraplex.platform.tenants import TenantError, get_tenant
+
+router = APIRouter()
+
+
+def _parse_date(value: str | None) -> date | None:
+    return date.fromisoformat(value) if value else None
+
+
+def _filters(request: Request) -> tuple[date, date, int | None]:
+    q = request.query_params
+    start, end = resolve_range(_parse_date(q.get("start")), _parse_date(q.get("end")))
+    tenant = q.get("tenant_id")
+    return start, end, int(tenant) if tenant and tenant.isdigit() else None
+
+
+@router.get("/usage", response_class=HTMLResponse)
+def usage_page(request: Request, context: ConsoleDep, services: ServicesDep) -> HTMLResponse:
+    error = None
+    try:
+        start, end, tenant_id = _filters(request)
+    except ValueError as exc:
+        error = f"Bad date range: {exc}"
+        start, end = resolve_range(None, None)
+        tenant_id = None
+    tenant_ids = [tenant_id] if tenant_id else None
+    with services.sessions() as session:
+        tenants = list(session.scalars(select(Tenant).order_by(Tenant.name)))
+        by_day = usage_report(session, start, end, group_by=("day",), tenant_ids=tenant_ids)
+        by_adapter = usage_report(session, start, end, group_by=("adapter",), tenant_ids=tenant_ids)
+        by_tenant = usage_report(session, start, end, group_by=("tenant", "adapter"), tenant_ids=tenant_ids)
+    chart_data = {
+        "by_day": [{"day": r.day.isoformat(), "prompt_tokens": r.prompt_tokens, "completion_tokens": r.completion_tokens}
+                   for r in by_day],
+        "by_adapter": [{"adapter": r.adapter, "prompt_tokens": r.prompt_tokens, "completion_tokens": r.completion_tokens}
+                       for r in by_adapter],
+    }
+    query = f"start={start}&end={end}" + (f"&tenant_id={tenant_id}" if tenant_id else "")
+    return render(
+        request, "usage.html", context, tenants=tenants, start=start, end=end, tenant_id=tenant_id,
+        by_day=by_day, by_adapter=by_adapter, by_tenant=by_tenant, query=query, error=error,
+        # </script> cannot appear: json.dumps escapes "/" only if asked, so escape "<" instead
+        chart_json=json.dumps(chart_data).replace("<", "\\u003c"),
+        totals={
+            "requests": sum(r.requests for r in by_day), "prompt": sum(r.prompt_tokens for r in by_day),
+            "completion": sum(r.completion_tokens for r in by_day), "amount": sum(r.amount for r in by_tenant),
+        },
+    )
+
+
+@router.get("/usage/export")
+def usage_export(request: Request, _context: ConsoleDep, services: ServicesDep) -> Response:
+    q = request.query_params
+    try:
+        start, end, tenant_id = _filters(request)
+    except ValueError as exc:
+        return Response(f"bad date range: {exc}", status_code=400)
+    dims = tuple(d for d in (q.get("group_by") or "day,tenant,adapter").split(",") if d in DIMENSIONS)
+    fmt: Format = "csv" if q.get("format") == "csv" else "json"
+    with services.sessions() as session:
+        rows = usage_report(session, start, end, group_by=dims, tenant_ids=[tenant_id] if tenant_id else None)
+    return report_response(rows, dims, start, end, fmt, "usage")
+
+
+@router.get("/billing", response_class=HTMLResponse)
+def billing_page(request: Request, context: ConsoleDep, services: ServicesDep) -> HTMLResponse:
+    period = request.query_params.get("period") or period_of(today_utc())
+    with services.sessions() as session:
+        try:
+            tenants = list(session.scalars(select(Tenant).order_by(Tenant.name)))
+            views = [get_statement(session, t, period) for t in tenants]
+        except ValueError:
+            return redirect(request, "/console/billing", error=f"Not a period: {period!r} (use YYYY-MM).")
+        prices = price_lists(session)
+    periods = _recent_periods(12)
+    return render(request, "billing.html", context, period=period, periods=periods, statements=views,
+                  prices=prices, closed=is_closed(period), total=sum(v.total_amount for v in views))
+
+
+def _recent_periods(n: int) -> list[str]:
+    out, day = [], today_utc()
+    for _ in range(n):
+        out.append(period_of(day))
+        day = day.replace(day=1)
+        day = date.fromordinal(day.toordinal() - 1)
+    return out
+
+
+@router.post("/billing/prices")
+async def billing_prices(request: Request, _context: ConsolePostDep, services: ServicesDep) -> RedirectResponse:
+    form = await request.form()
+    plan = forms.text(form, "plan_id")
+    try:
+        values = [forms.money(form, f) for f in ("prompt", "completion", "adapter_surcharge")]
+        if any(v is None for v in values):
+            raise forms.FormError("all three prices are needed (0 is a price)")
+        price = Price(*values, currency=(forms.text(form, "currency") or "USD").upper())
+        with services.sessions() as session:
+            set_plan_price(session, int(plan) if plan else None, price)
+            session.commit()
+    except (forms.FormError, ValueError, LookupError) as exc:
+        return redirect(request, "/console/billing", error=f"Prices not saved: {exc}")
+    return redirect(request, "/console/billing", flash="Prices saved.")
+
+
+@router.post("/billing/finalize")
+async def billing_finalize(request: Request, _context: ConsolePostDep, services: ServicesDep) -> RedirectResponse:
+    form = await request.form()
+    period = forms.text(form, "period") or previous_period(today_utc())
+    try:
+        with services.sessions() as session:
+            count = finalize_period(session, period)
+            session.commit()
+    except ValueError as exc:
+        return redirect(request, f"/console/billing?period={period}", error=str(exc))
+    return redirect(request, f"/console/billing?period={period}", flash=f"{count} statements for {period} are final.")
+
+
+@router.get("/billing/statements/{tenant_id}/{period}")
+def statement_page(request: Request, context: ConsoleDep, services: ServicesDep, tenant_id: int, period: str):
+    fmt = request.query_params.get("format")
+    with services.sessions() as session:
+        try:
+            tenant = get_tenant(session, tenant_id)
+            view = get_statement(session, tenant, period)
+        except (TenantError, ValueError):
+            return render(request, "not_found.html", context, status_code=404,
+                          what=f"statement {period} of tenant {tenant_id}")
+    if fmt in ("csv", "json"):
+        return statement_response(view, fmt)
+    return render(request, "statement.html", context, s=view)
