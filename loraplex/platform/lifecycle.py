@@ -39,7 +39,34 @@ def build_services(settings: Settings, *, engine: EngineClient | None = None,
     services = Services(settings=settings, db=db, sessions=make_session_factory(db), limiter=limiter,
                         engine=engine, redis=redis)
     services.owns_engine = engine is None
+    services.usage = _usage_recorder(services)
     return services
+
+
+def _usage_recorder(services: Services):
+    from loraplex.platform.usage import UsageRecorder
+
+    settings = services.settings
+    if services.redis is not None:
+        from loraplex.platform.usage.redis_journal import RedisJournal
+
+        journal = RedisJournal(services.redis, settings.redis_prefix)
+    else:
+        from loraplex.platform.usage.file_journal import FileJournal
+
+        journal = FileJournal(settings.data_dir / "usage-journal")
+    return UsageRecorder(services.sessions, journal, batch_size=settings.usage_batch_size,
+                         interval=settings.usage_flush_interval)
+
+
+def _bind_metrics(services: Services, app: FastAPI) -> None:
+    try:
+        from loraplex.platform.metrics import get_metrics
+    except ImportError:
+        return
+    metrics = get_metrics(app)
+    metrics.bind_engine(lambda: services.engine.stats() if services.engine is not None else None)
+    services.on_request_finished = metrics.record_request
 
 
 async def start_services(services: Services, app: FastAPI) -> None:
@@ -54,6 +81,10 @@ async def start_services(services: Services, app: FastAPI) -> None:
         services.engine = await asyncio.to_thread(build_engine, settings)
     if services.engine is not None and services.owns_engine:
         await services.engine.start()
+    _bind_metrics(services, app)
+    # A journal left by an earlier (crashed) process is replayed before new traffic arrives.
+    await services.usage.flush()
+    services.background.append(asyncio.create_task(services.usage.run(), name="usage-flusher"))
     for hook in services.startup_hooks:
         await hook(services, app)
 
@@ -69,6 +100,10 @@ async def shutdown_services(services: Services) -> None:
     if services.background:
         await asyncio.gather(*services.background, return_exceptions=True)
     services.background.clear()
+    try:
+        await services.usage.close()
+    except Exception:
+        log.exception("final usage flush failed; the journal keeps the records for the next start")
     await services.limiter.close()
     if services.engine is not None and services.owns_engine:
         await services.engine.shutdown()

@@ -28,6 +28,7 @@ class Services:
     startup_hooks: list[Any] = field(default_factory=list)  # async (services, app) -> None
     shutdown_hooks: list[Any] = field(default_factory=list)  # async (services) -> None
     owns_engine: bool = False  # started and shut down with the app
+    on_request_finished: Any = None  # metrics hook: callable(endpoint, status, tenant, adapter, ...)
 
     @property
     def base_model_name(self) -> str:

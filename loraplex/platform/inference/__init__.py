@@ -1,0 +1,1 @@
+"""The OpenAI-compatible request path: admit (quota) -> run on the engine -> settle and record usage."""

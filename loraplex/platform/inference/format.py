@@ -1,0 +1,95 @@
+"""Engine outputs -> OpenAI response objects and SSE chunks (chat.completion and text_completion)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from loraplex.engine.outputs import CompletionOutput, TokenLogprobs
+
+
+def sse(obj: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+def usage_dict(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def finish_reason(o: CompletionOutput) -> str | None:
+    if o.finish_reason in ("stop", "length"):
+        return o.finish_reason
+    return "stop" if o.finish_reason else None
+
+
+def _bytes(token: str) -> list[int]:
+    return list(token.encode("utf-8", errors="replace"))
+
+
+def chat_logprobs(entries: list[TokenLogprobs] | None) -> dict[str, Any] | None:
+    if entries is None:
+        return None
+    return {"content": [
+        {"token": e.chosen.token, "logprob": e.chosen.logprob, "bytes": _bytes(e.chosen.token),
+         "top_logprobs": [{"token": t.token, "logprob": t.logprob, "bytes": _bytes(t.token)} for t in e.top]}
+        for e in entries
+    ]}
+
+
+def completion_logprobs(entries: list[TokenLogprobs] | None, offset: int = 0) -> dict[str, Any] | None:
+    if entries is None:
+        return None
+    offsets, pos = [], offset
+    for e in entries:
+        offsets.append(pos)
+        pos += len(e.chosen.token)
+    return {
+        "tokens": [e.chosen.token for e in entries],
+        "token_logprobs": [e.chosen.logprob for e in entries],
+        "top_logprobs": [{t.token: t.logprob for t in e.top} for e in entries],
+        "text_offset": offsets,
+    }
+
+
+def chat_response(response_id: str, created: int, model: str, outputs: list[CompletionOutput],
+                  usage: dict[str, int]) -> dict[str, Any]:
+    return {
+        "id": response_id, "object": "chat.completion", "created": created, "model": model,
+        "choices": [{"index": o.index,
+                     "message": {"role": "assistant", "content": o.text},
+                     "logprobs": chat_logprobs(o.logprobs),
+                     "finish_reason": finish_reason(o) or "stop"} for o in outputs],
+        "usage": usage,
+    }
+
+
+def chat_chunk(response_id: str, created: int, model: str, choices: list[dict[str, Any]],
+               include_usage: bool) -> dict[str, Any]:
+    chunk = {"id": response_id, "object": "chat.completion.chunk", "created": created, "model": model,
+             "choices": choices}
+    if include_usage:
+        chunk["usage"] = None
+    return chunk
+
+
+def completion_response(response_id: str, created: int, model: str,
+                        choices: list[tuple[int, CompletionOutput]], usage: dict[str, int]) -> dict[str, Any]:
+    return {
+        "id": response_id, "object": "text_completion", "created": created, "model": model,
+        "choices": [{"index": index, "text": o.text, "logprobs": completion_logprobs(o.logprobs),
+                     "finish_reason": finish_reason(o) or "stop"} for index, o in choices],
+        "usage": usage,
+    }
+
+
+def completion_chunk(response_id: str, created: int, model: str, choices: list[dict[str, Any]],
+                     include_usage: bool) -> dict[str, Any]:
+    chunk = {"id": response_id, "object": "text_completion", "created": created, "model": model,
+             "choices": choices}
+    if include_usage:
+        chunk["usage"] = None
+    return chunk

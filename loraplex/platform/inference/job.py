@@ -1,0 +1,192 @@
+"""One admitted inference request: quota reservation, engine streams, and exactly-once settlement.
+
+`run()` yields (prompt_index, RequestOutput). Whatever ends it (completion, engine error, client
+disconnect, cancellation), its cleanup aborts unfinished engine requests, settles the quota with the real
+token count and journals the usage record, shielded from cancellation, before the caller can respond.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import anyio
+
+from loraplex.engine.errors import EngineError
+from loraplex.engine.outputs import RequestOutput
+from loraplex.engine.sampling_params import SamplingParams
+from loraplex.platform.auth import TenantContext
+from loraplex.platform.errors import APIError, from_engine_error
+from loraplex.platform.quotas import QuotaExceeded, Reservation
+from loraplex.platform.registry import ModelTarget
+from loraplex.platform.services import Services
+from loraplex.platform.usage import UsageEvent
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class InferenceJob:
+    services: Services
+    tenant: TenantContext
+    request_id: str
+    endpoint: str  # chat.completions | completions
+    target: ModelTarget
+    prompts: list[list[int]]
+    params: SamplingParams
+    max_new_tokens: int
+    user: str | None = None
+    reservation: Reservation | None = None
+    started: float = field(default_factory=time.perf_counter)
+    first_token_at: float | None = None
+    generated: dict[int, int] = field(default_factory=dict)  # prompt index -> tokens generated so far
+    finished_ok: bool = False
+    failed: bool = False
+    _closed: bool = False
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(len(p) for p in self.prompts)
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(self.generated.values())
+
+    @property
+    def reserve_tokens(self) -> int:
+        return self.prompt_tokens + len(self.prompts) * self.params.n * self.max_new_tokens
+
+    @property
+    def rate_headers(self) -> dict[str, str]:
+        return dict(self.reservation.headers) if self.reservation else {}
+
+    def engine_request_id(self, index: int) -> str:
+        return self.request_id if len(self.prompts) == 1 else f"{self.request_id}-{index}"
+
+    async def admit(self) -> None:
+        try:
+            self.reservation = await self.services.limiter.acquire(
+                self.tenant.tenant_id, self.tenant.limits, self.request_id, self.reserve_tokens)
+        except QuotaExceeded as exc:
+            self._record_metrics("rejected", 0, None)
+            over_budget = exc.kind == "monthly_budget"
+            raise APIError(429, exc.message, type="insufficient_quota" if over_budget else exc.kind,
+                           code="insufficient_quota" if over_budget else "rate_limit_exceeded",
+                           headers=exc.headers) from exc
+
+    async def run(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        engine = self.services.require_engine()
+        streams = [engine.generate(p, self.params, self.engine_request_id(i), adapter=self.target.adapter,
+                                   tenant=str(self.tenant.tenant_id)) for i, p in enumerate(self.prompts)]
+        try:
+            merged = streams[0] if len(streams) == 1 else None
+            if merged is not None:
+                async for out in merged:
+                    self._observe(0, out)
+                    yield 0, out
+            else:
+                async for index, out in _merge(streams):
+                    self._observe(index, out)
+                    yield index, out
+            self.finished_ok = True
+        except EngineError as exc:
+            self.failed = True
+            raise from_engine_error(exc) from exc
+        except Exception:
+            self.failed = True
+            raise
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self._close(streams)
+
+    def _observe(self, index: int, out: RequestOutput) -> None:
+        n = out.num_generated_tokens
+        if n and self.first_token_at is None:
+            self.first_token_at = time.perf_counter()
+        self.generated[index] = n
+
+    async def _close(self, streams) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        engine = self.services.engine
+        for i, stream in enumerate(streams):
+            try:
+                await stream.aclose()
+            except Exception:
+                log.exception("closing engine stream %s failed", self.engine_request_id(i))
+            if not self.finished_ok and engine is not None:
+                try:
+                    await engine.abort(self.engine_request_id(i))
+                except Exception:
+                    log.exception("abort of %s failed", self.engine_request_id(i))
+        status = "ok" if self.finished_ok else ("error" if self.failed else "cancelled")
+        await self.finish(status)
+
+    async def finish(self, status: str) -> None:
+        """Settle the reservation and journal the usage record. Both happen once, whatever calls this."""
+        if self.reservation is None or self.reservation.settled:
+            return
+        used = self.prompt_tokens + self.completion_tokens
+        try:
+            await self.services.limiter.settle(self.reservation, used)
+        except Exception:
+            log.exception("quota settle failed for %s", self.request_id)
+        now = time.perf_counter()
+        ttft_ms = int((self.first_token_at - self.started) * 1000) if self.first_token_at else None
+        event = UsageEvent(
+            request_id=self.request_id, tenant_id=self.tenant.tenant_id, api_key_id=self.tenant.key_id,
+            model=self.target.model, adapter_name=self.target.adapter_name,
+            adapter_version=self.target.adapter.content_hash if self.target.adapter else None,
+            endpoint=self.endpoint, prompt_tokens=self.prompt_tokens, completion_tokens=self.completion_tokens,
+            ttft_ms=ttft_ms, latency_ms=int((now - self.started) * 1000), status=status, end_user=self.user,
+            created_at=UsageEvent.now_iso(),
+        )
+        if self.services.usage is not None:
+            await self.services.usage.record(event)
+        self._record_metrics(status, self.completion_tokens, ttft_ms / 1000 if ttft_ms is not None else None)
+
+    def _record_metrics(self, status: str, completion_tokens: int, ttft_s: float | None) -> None:
+        hook = self.services.on_request_finished
+        if hook is None:
+            return
+        try:
+            hook(endpoint=self.endpoint, status=status, tenant=self.tenant.tenant_name,
+                 adapter=self.target.adapter_name, prompt_tokens=self.prompt_tokens if status != "rejected" else 0,
+                 completion_tokens=completion_tokens, ttft_s=ttft_s, e2e_s=time.perf_counter() - self.started)
+        except Exception:
+            log.exception("metrics hook failed")
+
+
+async def _merge(streams) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Interleave several engine streams as their outputs arrive."""
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(index: int, stream) -> None:
+        try:
+            async for out in stream:
+                await queue.put((index, out))
+        except BaseException as exc:  # surfaced to the consumer below
+            await queue.put((index, exc))
+            return
+        await queue.put((index, done))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    remaining = len(tasks)
+    try:
+        while remaining:
+            index, item = await queue.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

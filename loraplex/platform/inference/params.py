@@ -1,0 +1,101 @@
+"""OpenAI request fields -> engine SamplingParams and prompt tokens; every refusal names its parameter."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from loraplex.engine.client import EngineClient
+from loraplex.engine.errors import InvalidRequestError
+from loraplex.engine.sampling_params import SamplingParams
+from loraplex.platform.errors import bad_request, from_engine_error
+from loraplex.platform.schemas.openai import ChatCompletionRequest, CompletionRequest
+
+
+def _sampling(req, *, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    try:
+        return SamplingParams(
+            n=req.n, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k if req.top_k else -1,
+            seed=req.seed, max_tokens=max_tokens, min_tokens=req.min_tokens, stop=req.stop,
+            ignore_eos=req.ignore_eos, presence_penalty=req.presence_penalty,
+            frequency_penalty=req.frequency_penalty, logprobs=logprobs,
+        )
+    except InvalidRequestError as exc:
+        raise from_engine_error(exc) from exc
+
+
+def chat_sampling(req: ChatCompletionRequest) -> SamplingParams:
+    if req.top_logprobs is not None and not req.logprobs:
+        raise bad_request("top_logprobs requires logprobs to be true", param="top_logprobs")
+    logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    return _sampling(req, max_tokens=req.max_completion_tokens or req.max_tokens, logprobs=logprobs)
+
+
+def completion_sampling(req: CompletionRequest) -> SamplingParams:
+    if req.best_of is not None and req.best_of != req.n:
+        raise bad_request("best_of other than n is not supported", param="best_of")
+    if req.suffix:
+        raise bad_request("suffix is not supported by this model", param="suffix")
+    if req.echo:
+        raise bad_request("echo is not supported", param="echo")
+    return _sampling(req, max_tokens=req.max_tokens, logprobs=req.logprobs)
+
+
+def chat_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
+    """Messages as the chat template wants them: content as plain text (text parts joined)."""
+    out = []
+    for i, m in enumerate(req.messages):
+        content = m.content
+        if isinstance(content, list):
+            texts = []
+            for j, part in enumerate(content):
+                if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise bad_request(f"only text content parts are supported, got {part.get('type')!r}",
+                                      param=f"messages[{i}].content[{j}]")
+                texts.append(part["text"])
+            content = "".join(texts)
+        out.append({"role": m.role, "content": content or ""})
+    return out
+
+
+def encode_chat(engine: EngineClient, req: ChatCompletionRequest) -> list[int]:
+    try:
+        return engine.encode_chat(chat_messages(req))
+    except InvalidRequestError as exc:
+        raise from_engine_error(exc) from exc
+
+
+def completion_prompts(engine: EngineClient, req: CompletionRequest) -> list[list[int]]:
+    """A completion request may carry one prompt or a batch (strings or token ids)."""
+    p = req.prompt
+    if isinstance(p, str):
+        prompts: list[Any] = [p]
+    elif p and all(isinstance(x, int) for x in p):
+        prompts = [p]
+    else:
+        prompts = list(p)
+    if not prompts:
+        raise bad_request("prompt must not be empty", param="prompt")
+    out = []
+    for item in prompts:
+        ids = engine.encode(item) if isinstance(item, str) else list(item)
+        if not ids:
+            raise bad_request("prompt must not be empty", param="prompt")
+        out.append(ids)
+    return out
+
+
+def check_context(engine: EngineClient, prompt_len: int, params: SamplingParams, param: str) -> int:
+    """The number of completion tokens each choice may produce; refuses prompts that cannot fit."""
+    limit = engine.max_model_len
+    if prompt_len >= limit:
+        raise bad_request(f"This model's maximum context length is {limit} tokens. However, your prompt has "
+                          f"{prompt_len} tokens. Please reduce the length of the {param}.", param=param,
+                          code="context_length_exceeded")
+    if params.max_tokens is None:
+        return limit - prompt_len
+    if prompt_len + params.max_tokens > limit:
+        raise bad_request(f"This model's maximum context length is {limit} tokens. However, you requested "
+                          f"{prompt_len + params.max_tokens} tokens ({prompt_len} in the prompt, "
+                          f"{params.max_tokens} for the completion). Please reduce the length of the {param} "
+                          "or the completion.", param="max_tokens", code="context_length_exceeded")
+    return params.max_tokens

@@ -1,0 +1,189 @@
+"""Chat and text completions: resolve the model, admit under quota, run, and shape the answer."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from loraplex.engine.outputs import CompletionOutput, RequestOutput
+from loraplex.platform.auth import TenantContext
+from loraplex.platform.errors import not_found
+from loraplex.platform.inference import format as fmt
+from loraplex.platform.inference.job import InferenceJob
+from loraplex.platform.inference.params import (
+    chat_sampling,
+    check_context,
+    completion_prompts,
+    completion_sampling,
+    encode_chat,
+)
+from loraplex.platform.inference.streaming import ClientDisconnected, EventStreamResponse, unless_disconnected
+from loraplex.platform.registry import ModelNotFound, ModelTarget, resolve_model
+from loraplex.platform.schemas.openai import ChatCompletionRequest, CompletionRequest
+from loraplex.platform.services import Services
+
+
+async def resolve_target(services: Services, tenant: TenantContext, model: str) -> ModelTarget:
+    base = services.base_model_name
+    if model == base:  # the common case needs no database round trip
+        return ModelTarget(model=model)
+
+    def lookup() -> ModelTarget:
+        with services.sessions() as session:
+            return resolve_model(session, tenant.tenant_id, model, base,
+                                 services.settings.resolved_adapter_store_dir.resolve())
+
+    try:
+        return await asyncio.to_thread(lookup)
+    except ModelNotFound as exc:
+        raise not_found(str(exc), param="model", code="model_not_found") from exc
+
+
+async def chat_completion(services: Services, tenant: TenantContext, request: Request,
+                          body: ChatCompletionRequest) -> Response:
+    engine = services.require_engine()
+    params = chat_sampling(body)
+    target = await resolve_target(services, tenant, body.model)
+    prompt = encode_chat(engine, body)
+    max_new = check_context(engine, len(prompt), params, "messages")
+    job = InferenceJob(services, tenant, request.state.request_id, "chat.completions", target, [prompt], params,
+                       max_new, user=body.user)
+    await job.admit()
+    response_id = "chatcmpl-" + job.request_id.removeprefix("req_")
+    created = int(time.time())
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        outputs = job.run()
+        first = await _prime(outputs)
+        return EventStreamResponse(_chat_events(job, outputs, first, response_id, created, body.model,
+                                                include_usage), headers=job.rate_headers)
+    try:
+        last = await unless_disconnected(request, _collect(job))
+    except ClientDisconnected:
+        return Response(status_code=499)
+    outs = last[0].outputs if 0 in last else []
+    usage = fmt.usage_dict(job.prompt_tokens, job.completion_tokens)
+    return JSONResponse(fmt.chat_response(response_id, created, body.model, outs, usage), headers=job.rate_headers)
+
+
+async def text_completion(services: Services, tenant: TenantContext, request: Request,
+                          body: CompletionRequest) -> Response:
+    engine = services.require_engine()
+    params = completion_sampling(body)
+    target = await resolve_target(services, tenant, body.model)
+    prompts = completion_prompts(engine, body)
+    max_new = min(check_context(engine, len(p), params, "prompt") for p in prompts)
+    job = InferenceJob(services, tenant, request.state.request_id, "completions", target, prompts, params,
+                       max_new, user=body.user)
+    await job.admit()
+    response_id = "cmpl-" + job.request_id.removeprefix("req_")
+    created = int(time.time())
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        outputs = job.run()
+        first = await _prime(outputs)
+        return EventStreamResponse(_completion_events(job, outputs, first, response_id, created, body.model,
+                                                      include_usage), headers=job.rate_headers)
+    try:
+        last = await unless_disconnected(request, _collect(job))
+    except ClientDisconnected:
+        return Response(status_code=499)
+    n = params.n
+    choices: list[tuple[int, CompletionOutput]] = []
+    for index in sorted(last):
+        choices.extend((index * n + o.index, o) for o in last[index].outputs)
+    usage = fmt.usage_dict(job.prompt_tokens, job.completion_tokens)
+    return JSONResponse(fmt.completion_response(response_id, created, body.model, choices, usage),
+                        headers=job.rate_headers)
+
+
+async def _collect(job: InferenceJob) -> dict[int, RequestOutput]:
+    last: dict[int, RequestOutput] = {}
+    async for index, out in job.run():
+        last[index] = out
+    return last
+
+
+async def _prime(outputs: AsyncIterator) -> tuple[int, RequestOutput] | None:
+    """Wait for the first output before answering, so a request the engine refuses gets a proper status."""
+    try:
+        return await anext(outputs)
+    except StopAsyncIteration:
+        return None
+    except BaseException:
+        await outputs.aclose()
+        raise
+
+
+async def _replay(first, outputs: AsyncIterator) -> AsyncIterator[tuple[int, RequestOutput]]:
+    if first is not None:
+        yield first
+        async for item in outputs:
+            yield item
+
+
+async def _chat_events(job: InferenceJob, outputs, first, response_id: str, created: int, model: str,
+                       include_usage: bool) -> AsyncIterator[bytes]:
+    try:
+        n = job.params.n
+        roles = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                  "finish_reason": None} for i in range(n)]
+        yield fmt.sse(fmt.chat_chunk(response_id, created, model, roles, include_usage))
+        finished: set[int] = set()
+        async for _index, out in _replay(first, outputs):
+            choices = []
+            for o in out.outputs:
+                if o.index in finished:
+                    continue
+                reason = fmt.finish_reason(o)
+                if not (o.delta_text or reason or o.delta_logprobs):
+                    continue
+                if reason:
+                    finished.add(o.index)
+                choices.append({"index": o.index, "delta": {"content": o.delta_text} if o.delta_text else {},
+                                "logprobs": fmt.chat_logprobs(o.delta_logprobs), "finish_reason": reason})
+            if choices:
+                yield fmt.sse(fmt.chat_chunk(response_id, created, model, choices, include_usage))
+        if include_usage:
+            yield fmt.sse({"id": response_id, "object": "chat.completion.chunk", "created": created,
+                           "model": model, "choices": [],
+                           "usage": fmt.usage_dict(job.prompt_tokens, job.completion_tokens)})
+        yield fmt.SSE_DONE
+    finally:
+        await outputs.aclose()
+
+
+async def _completion_events(job: InferenceJob, outputs, first, response_id: str, created: int, model: str,
+                             include_usage: bool) -> AsyncIterator[bytes]:
+    try:
+        n = job.params.n
+        finished: set[int] = set()
+        offsets: dict[int, int] = {}
+        async for index, out in _replay(first, outputs):
+            choices = []
+            for o in out.outputs:
+                choice_index = index * n + o.index
+                if choice_index in finished:
+                    continue
+                reason = fmt.finish_reason(o)
+                if not (o.delta_text or reason or o.delta_logprobs):
+                    continue
+                if reason:
+                    finished.add(choice_index)
+                offset = offsets.get(choice_index, 0)
+                offsets[choice_index] = offset + len(o.delta_text)
+                choices.append({"index": choice_index, "text": o.delta_text,
+                                "logprobs": fmt.completion_logprobs(o.delta_logprobs, offset),
+                                "finish_reason": reason})
+            if choices:
+                yield fmt.sse(fmt.completion_chunk(response_id, created, model, choices, include_usage))
+        if include_usage:
+            yield fmt.sse({"id": response_id, "object": "text_completion", "created": created, "model": model,
+                           "choices": [], "usage": fmt.usage_dict(job.prompt_tokens, job.completion_tokens)})
+        yield fmt.SSE_DONE
+    finally:
+        await outputs.aclose()

@@ -1,0 +1,24 @@
+"""/v1/chat/completions and /v1/completions."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+
+from loraplex.platform.deps import InferenceKeyDep, ServicesDep
+from loraplex.platform.inference.service import chat_completion, text_completion
+from loraplex.platform.schemas.openai import ChatCompletionRequest, CompletionRequest
+
+router = APIRouter(prefix="/v1", tags=["openai"])
+
+
+@router.post("/chat/completions", response_model=None)
+async def create_chat_completion(*, tenant: InferenceKeyDep, services: ServicesDep, request: Request,
+                                 body: ChatCompletionRequest) -> Response:
+    return await chat_completion(services, tenant, request, body)
+
+
+@router.post("/completions", response_model=None)
+async def create_completion(*, tenant: InferenceKeyDep, services: ServicesDep, request: Request,
+                            body: CompletionRequest) -> Response:
+    return await text_completion(services, tenant, request, body)

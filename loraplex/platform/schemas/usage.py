@@ -1,0 +1,23 @@
+from __future__ import annotations
+
+from datetime import date
+from typing import Literal
+
+from pydantic import BaseModel
+
+
+class UsageBucket(BaseModel):
+    date: date
+    adapter: str | None  # None: the base model
+    adapter_version: str | None
+    requests: int
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class UsageReport(BaseModel):
+    object: Literal["list"] = "list"
+    start: date
+    end: date
+    data: list[UsageBucket]

@@ -1,0 +1,39 @@
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from datetime import UTC, datetime
+
+
+@dataclass(frozen=True)
+class UsageEvent:
+    request_id: str
+    tenant_id: int
+    api_key_id: int | None
+    model: str
+    adapter_name: str | None
+    adapter_version: str | None
+    endpoint: str
+    prompt_tokens: int
+    completion_tokens: int
+    ttft_ms: int | None
+    latency_ms: int
+    status: str  # ok | cancelled | error
+    end_user: str | None
+    created_at: str  # ISO 8601, UTC
+
+    @staticmethod
+    def now_iso() -> str:
+        return datetime.now(UTC).isoformat()
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, line: str | bytes) -> UsageEvent:
+        return cls(**json.loads(line))
+
+    def to_row(self) -> dict:
+        row = asdict(self)
+        row["created_at"] = datetime.fromisoformat(self.created_at)
+        return row

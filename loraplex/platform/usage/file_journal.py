@@ -1,0 +1,102 @@
+"""A per-process append-only journal file for the embedded default.
+
+Each process writes its own file and holds an exclusive flock on it, so the flusher of any process can
+tell a live journal (locked) from one a crashed process left behind (unlocked) and replay the latter.
+A write reaches the OS before the response completes, so a process crash loses nothing that finished.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import threading
+import uuid
+from pathlib import Path
+
+from loraplex.platform.usage.event import UsageEvent
+
+log = logging.getLogger(__name__)
+
+
+class FileJournal:
+    def __init__(self, directory: Path):
+        self.dir = Path(directory)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.Lock()
+        self._fd: int | None = None
+        self._path: Path | None = None
+        self._dirty = False
+        self._open_new()
+
+    def _open_new(self) -> None:
+        self._path = self.dir / f"journal-{os.getpid()}-{uuid.uuid4().hex[:8]}.jsonl"
+        self._fd = os.open(self._path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        self._dirty = False
+
+    def append(self, event: UsageEvent) -> None:
+        data = (event.to_json() + "\n").encode()
+        with self._lock:
+            if self._fd is None:
+                raise RuntimeError("usage journal is closed")
+            os.write(self._fd, data)  # one write() of a whole line: O_APPEND keeps lines intact
+            self._dirty = True
+
+    def seal(self) -> None:
+        """Close the current file (it becomes replayable) and start a new one."""
+        with self._lock:
+            if self._fd is None or not self._dirty:
+                return
+            old_fd = self._fd
+            self._open_new()
+        os.close(old_fd)  # releases the flock: the old file is now fair game for replay
+
+    def replayable(self) -> list[tuple[Path, int, list[UsageEvent]]]:
+        """Journals no live process holds, each locked for the caller: (path, fd, events)."""
+        out = []
+        for path in sorted(self.dir.glob("journal-*.jsonl")):
+            if path == self._path:
+                continue
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except FileNotFoundError:
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                continue
+            if not path.exists():  # replayed and removed by another flusher meanwhile
+                os.close(fd)
+                continue
+            out.append((path, fd, _read_events(path)))
+        return out
+
+    @staticmethod
+    def done(path: Path, fd: int) -> None:
+        path.unlink(missing_ok=True)
+        os.close(fd)
+
+    @staticmethod
+    def release(fd: int) -> None:
+        os.close(fd)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._fd is not None:
+                os.close(self._fd)
+                self._fd = None
+
+
+def _read_events(path: Path) -> list[UsageEvent]:
+    events = []
+    for line in path.read_bytes().splitlines():
+        if not line.strip():
+            continue
+        try:
+            events.append(UsageEvent.from_json(line))
+        except (ValueError, TypeError):
+            # Only a write torn by a crash can be partial, and then its response never completed.
+            log.warning("skipping unreadable usage journal line in %s", path.name)
+    return events

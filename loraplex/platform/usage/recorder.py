@@ -1,0 +1,88 @@
+"""UsageRecorder: `record()` on the request path (a journal append), `flush()` in the background."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from sqlalchemy.orm import Session, sessionmaker
+
+from loraplex.platform.usage.event import UsageEvent
+from loraplex.platform.usage.file_journal import FileJournal
+from loraplex.platform.usage.redis_journal import RedisJournal
+from loraplex.platform.usage.sink import insert_events
+
+log = logging.getLogger(__name__)
+
+
+class UsageRecorder:
+    def __init__(self, sessions: sessionmaker[Session], journal: FileJournal | RedisJournal, *,
+                 batch_size: int = 500, interval: float = 1.0):
+        self.sessions = sessions
+        self.journal = journal
+        self.batch_size = batch_size
+        self.interval = interval
+        self._flush_lock = asyncio.Lock()
+
+    async def record(self, event: UsageEvent) -> None:
+        if isinstance(self.journal, RedisJournal):
+            await self.journal.append(event)
+        else:
+            self.journal.append(event)
+
+    async def flush(self) -> int:
+        """Move journaled events into the database; returns how many rows were new."""
+        async with self._flush_lock:
+            if isinstance(self.journal, RedisJournal):
+                return await self._flush_redis()
+            return await self._flush_files()
+
+    async def _flush_files(self) -> int:
+        journal: FileJournal = self.journal
+        journal.seal()
+        inserted = 0
+        for path, fd, events in await asyncio.to_thread(journal.replayable):
+            try:
+                for start in range(0, len(events), self.batch_size):
+                    inserted += await asyncio.to_thread(insert_events, self.sessions,
+                                                        events[start:start + self.batch_size])
+            except BaseException:
+                journal.release(fd)
+                raise
+            journal.done(path, fd)
+        return inserted
+
+    async def _flush_redis(self) -> int:
+        journal: RedisJournal = self.journal
+        inserted = 0
+        while True:
+            taken = await journal.take(self.batch_size)
+            if taken is None:
+                return inserted  # another process is flushing
+            receipt, events = taken
+            try:
+                inserted += await asyncio.to_thread(insert_events, self.sessions, events)
+            except BaseException:
+                await journal.release(receipt)
+                raise
+            await journal.ack(receipt)
+            if len(events) < self.batch_size:
+                return inserted
+
+    async def run(self) -> None:
+        """The background loop; errors are logged and retried, never lost (the journal keeps them)."""
+        while True:
+            await asyncio.sleep(self.interval)
+            try:
+                await self.flush()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("usage flush failed; will retry")
+
+    async def close(self) -> None:
+        try:
+            await self.flush()
+        finally:
+            if isinstance(self.journal, FileJournal):
+                self.journal.close()

@@ -1,0 +1,58 @@
+"""The production journal: a Redis list every API process appends to before it responds.
+
+One flusher at a time (a Redis lock with a token) reads a batch from the head, inserts it, and trims the
+list only while it still holds the lock; a flusher that dies after inserting leaves the batch in place and
+the next one re-inserts it, which the request-id key makes harmless.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+from loraplex.platform.usage.event import UsageEvent
+
+_TRIM_IF_OWNER = """
+if redis.call('GET', KEYS[2]) == ARGV[1] then
+  redis.call('LTRIM', KEYS[1], tonumber(ARGV[2]), -1)
+  redis.call('DEL', KEYS[2])
+  return 1
+end
+return 0
+"""
+
+
+class RedisJournal:
+    def __init__(self, redis, prefix: str, lock_ms: int = 60_000):
+        self.redis = redis
+        self.key = f"{prefix}:usage:journal"
+        self.lock_key = f"{prefix}:usage:flush-lock"
+        self.lock_ms = lock_ms
+        self._trim = redis.register_script(_TRIM_IF_OWNER)
+
+    async def append(self, event: UsageEvent) -> None:
+        await self.redis.rpush(self.key, event.to_json())
+
+    async def take(self, batch_size: int) -> tuple[str, list[UsageEvent]] | None:
+        token = uuid.uuid4().hex
+        if not await self.redis.set(self.lock_key, token, nx=True, px=self.lock_ms):
+            return None
+        raw = await self.redis.lrange(self.key, 0, batch_size - 1)
+        events = []
+        for item in raw:
+            try:
+                events.append(UsageEvent.from_json(item))
+            except (ValueError, TypeError):
+                continue
+        return token + f":{len(raw)}", events
+
+    async def ack(self, receipt: str) -> bool:
+        token, count = receipt.rsplit(":", 1)
+        return bool(await self._trim(keys=[self.key, self.lock_key], args=[token, int(count)]))
+
+    async def release(self, receipt: str) -> None:
+        token = receipt.rsplit(":", 1)[0]
+        if (await self.redis.get(self.lock_key)) in (token, token.encode()):
+            await self.redis.delete(self.lock_key)
+
+    async def pending(self) -> int:
+        return await self.redis.llen(self.key)

@@ -1,0 +1,40 @@
+"""The caller's usage by day and adapter version, straight from the usage records."""
+
+from __future__ import annotations
+
+from datetime import UTC, date, datetime, time, timedelta
+
+from sqlalchemy import func
+from sqlalchemy.orm import Session
+
+from loraplex.platform.models import UsageRecord
+from loraplex.platform.schemas.usage import UsageBucket
+from loraplex.platform.scoping import TenantScope
+
+
+def _day(session: Session):
+    if session.get_bind().dialect.name == "postgresql":
+        return func.date(func.timezone("UTC", UsageRecord.created_at))
+    return func.date(UsageRecord.created_at)
+
+
+def usage_by_day(session: Session, tenant_id: int, start: date, end: date) -> list[UsageBucket]:
+    """Inclusive date range, UTC days."""
+    lo = datetime.combine(start, time.min, tzinfo=UTC)
+    hi = datetime.combine(end + timedelta(days=1), time.min, tzinfo=UTC)
+    day = _day(session).label("day")
+    stmt = (
+        TenantScope(session, tenant_id)
+        .select(UsageRecord, UsageRecord.created_at >= lo, UsageRecord.created_at < hi)
+        .with_only_columns(day, UsageRecord.adapter_name, UsageRecord.adapter_version, func.count(),
+                           func.sum(UsageRecord.prompt_tokens), func.sum(UsageRecord.completion_tokens))
+        .group_by(day, UsageRecord.adapter_name, UsageRecord.adapter_version)
+        .order_by(day, UsageRecord.adapter_name, UsageRecord.adapter_version)
+    )
+    out = []
+    for d, name, version, count, prompt, completion in session.execute(stmt):
+        d = d if isinstance(d, date) else date.fromisoformat(d)
+        out.append(UsageBucket(date=d, adapter=name, adapter_version=version, requests=count,
+                               prompt_tokens=prompt or 0, completion_tokens=completion or 0,
+                               total_tokens=(prompt or 0) + (completion or 0)))
+    return out

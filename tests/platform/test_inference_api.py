@@ -1,0 +1,125 @@
+"""The OpenAI-compatible endpoints against the fake engine, through the ASGI app."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+
+def _chat(client, tenant, **body):
+    payload = {"model": "fake-base", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5}
+    payload.update(body)
+    return client.post("/v1/chat/completions", headers=tenant.headers, json=payload)
+
+
+def _events(text: str) -> list:
+    out = []
+    for line in text.splitlines():
+        if line.startswith("data: "):
+            data = line[6:]
+            out.append(data if data == "[DONE]" else json.loads(data))
+    return out
+
+
+def test_chat_completion_counts_usage(client, make_tenant, fake_engine):
+    tenant = make_tenant()
+    r = _chat(client, tenant, max_tokens=7, n=2, seed=3)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["object"] == "chat.completion" and len(body["choices"]) == 2
+    assert all(c["finish_reason"] == "length" for c in body["choices"])
+    prompt_len = len(fake_engine.requests[-1]["prompt_ids"])
+    assert body["usage"] == {"prompt_tokens": prompt_len, "completion_tokens": 14, "total_tokens": prompt_len + 14}
+    assert r.headers["x-request-id"].startswith("req_")
+    assert r.headers["x-ratelimit-limit-requests"] == "600"
+    assert fake_engine.requests[-1]["params"].seed == 3
+
+
+def test_streaming_chat_ends_with_done_and_usage(client, make_tenant):
+    tenant = make_tenant()
+    r = _chat(client, tenant, stream=True, stream_options={"include_usage": True}, max_completion_tokens=4)
+    assert r.status_code == 200
+    assert r.headers["content-type"].startswith("text/event-stream")
+    events = _events(r.text)
+    assert events[-1] == "[DONE]"
+    usage_chunk = events[-2]
+    assert usage_chunk["choices"] == [] and usage_chunk["usage"]["completion_tokens"] == 4
+    text = "".join(e["choices"][0]["delta"].get("content", "") for e in events[:-2] if e["choices"])
+    non_stream = _chat(client, tenant, max_completion_tokens=4).json()
+    assert text == non_stream["choices"][0]["message"]["content"]
+    assert all(e["usage"] is None for e in events[:-2])
+
+
+def test_completions_with_logprobs_and_stop(client, make_tenant):
+    tenant = make_tenant()
+    r = client.post("/v1/completions", headers=tenant.headers,
+                    json={"model": "fake-base", "prompt": "hello", "max_tokens": 6, "logprobs": 2})
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert len(choice["logprobs"]["tokens"]) == 6 and len(choice["logprobs"]["top_logprobs"][0]) == 2
+    stop = choice["text"][2]
+    r = client.post("/v1/completions", headers=tenant.headers,
+                    json={"model": "fake-base", "prompt": "hello", "max_tokens": 6, "stop": [stop]})
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "stop" and stop not in choice["text"]
+
+
+def test_completion_batch_of_prompts(client, make_tenant):
+    tenant = make_tenant()
+    r = client.post("/v1/completions", headers=tenant.headers,
+                    json={"model": "fake-base", "prompt": ["one", "two"], "max_tokens": 3, "n": 2})
+    body = r.json()
+    assert sorted(c["index"] for c in body["choices"]) == [0, 1, 2, 3]
+    assert body["usage"]["completion_tokens"] == 12
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"temperature": -1}, "temperature"),
+    ({"top_p": 0}, "top_p"),
+    ({"n": 0}, "n"),
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"top_logprobs": 3}, "top_logprobs"),
+    ({"max_tokens": 10_000}, "max_tokens"),
+    ({"messages": []}, "messages"),
+    ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
+])
+def test_invalid_parameters_are_400_with_param(client, make_tenant, body, param):
+    tenant = make_tenant()
+    r = _chat(client, tenant, **body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error" and err["param"] == param
+
+
+def test_malformed_json_is_400(client, make_tenant):
+    tenant = make_tenant()
+    r = client.post("/v1/chat/completions", headers={**tenant.headers, "content-type": "application/json"},
+                    content=b"{not json")
+    assert r.status_code == 400 and r.headers["x-request-id"]
+
+
+def test_unknown_model_is_404(client, make_tenant):
+    tenant = make_tenant()
+    r = _chat(client, tenant, model="nope")
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+
+
+def test_key_without_inference_scope_is_403(client, make_tenant):
+    tenant = make_tenant(scopes=["usage"])
+    r = _chat(client, tenant)
+    assert r.status_code == 403 and r.json()["error"]["code"] == "missing_scope"
+
+
+def test_usage_endpoint_groups_by_day_and_adapter(client, make_tenant, app):
+    tenant = make_tenant()
+    for _ in range(3):
+        assert _chat(client, tenant, max_tokens=2).status_code == 200
+    other = make_tenant()
+    _chat(client, other, max_tokens=2)
+    client.portal.call(app.state.services.usage.flush)
+    r = client.get("/v1/usage", headers=tenant.headers)
+    assert r.status_code == 200, r.text
+    data = r.json()["data"]
+    assert len(data) == 1 and data[0]["requests"] == 3 and data[0]["completion_tokens"] == 6
+    assert data[0]["adapter"] is None
