@@ -88,23 +88,21 @@ def read_tensors(path: Path, limits: AdapterLimits) -> tuple[dict[str, torch.Ten
     The file is read once into memory the tensors then share (no memory map: a map would tie the tensors
     to a file that may be replaced or deleted, and fault pages in later, at serving time)."""
     header, data_start, metadata = read_header(path, limits)
+    data = torch.empty(path.stat().st_size - data_start, dtype=torch.uint8)
     with open(path, "rb") as f:
         f.seek(data_start)
-        data = bytearray(f.read())
+        if f.readinto(data.numpy()) != data.numel():
+            raise _corrupt(path.name, "file shrank while being read")
     tensors = {}
     for key, info in header.items():
         start, stop = info["data_offsets"]
         dtype = ALLOWED_DTYPES[info["dtype"]]
-        count = math.prod(info["shape"])
-        if count == 0:
-            tensors[key] = torch.empty(info["shape"], dtype=dtype)
-        elif start % dtype.itemsize == 0:
-            tensors[key] = torch.frombuffer(data, dtype=dtype, offset=start, count=count).view(info["shape"])
-        else:
-            # A hand-made file may place a tensor at an offset that is not aligned for its dtype: copy the
-            # bytes into aligned memory first. (safetensors is little-endian, as is every machine we serve on.)
-            raw = torch.frombuffer(data, dtype=torch.uint8, offset=start, count=stop - start).clone()
-            tensors[key] = raw.view(dtype).view(info["shape"])
+        raw = data[start:stop]
+        if start % dtype.itemsize:
+            # A hand-made file may place a tensor at an offset that is not aligned for its dtype: copy its
+            # bytes to aligned memory. (safetensors is little-endian, as is every machine we serve on.)
+            raw = raw.clone()
+        tensors[key] = raw.view(dtype).view(info["shape"])
     return tensors, metadata
 
 
