@@ -101,24 +101,42 @@ def _download_from_hub(repo_id: str, cache_dir: Path, progress: bool) -> Path:
     return path
 
 
+def read_model_config(model_dir: str | Path) -> dict:
+    """config.json as a dict, checked like `load_model_config` but without importing transformers (which
+    costs about a second), so an engine that needs only the numbers loads fast."""
+    path = Path(model_dir) / "config.json"
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"cannot read the model config {path}: {exc}") from exc
+    if not isinstance(config, dict):
+        raise ModelLoadError(f"{path} is not a JSON object")
+    model_type = config.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ModelLoadError(
+            f"{model_dir}: architecture {model_type!r} is not supported "
+            f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
+        )
+    act = config.get("hidden_act", "silu")
+    if act != "silu":
+        raise ModelLoadError(f"{model_dir}: activation {act!r} is not supported (only silu)")
+    required = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+    missing = [key for key in required if not isinstance(config.get(key), int)]
+    if missing:
+        raise ModelLoadError(f"{path} lacks integer {', '.join(missing)}")
+    return config
+
+
 def load_model_config(model_dir: str | Path):
     """The model's transformers config; refuses architectures the engine does not implement."""
     from transformers import AutoConfig
 
     model_dir = Path(model_dir)
+    read_model_config(model_dir)
     try:
-        config = AutoConfig.from_pretrained(str(model_dir))
-    except Exception as exc:  # malformed JSON, unknown model_type, missing file
+        return AutoConfig.from_pretrained(str(model_dir))
+    except Exception as exc:  # values transformers rejects
         raise ModelLoadError(f"cannot read the model config in {model_dir}: {exc}") from exc
-    if config.model_type not in SUPPORTED_MODEL_TYPES:
-        raise ModelLoadError(
-            f"{model_dir}: architecture {config.model_type!r} is not supported "
-            f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
-        )
-    act = getattr(config, "hidden_act", "silu")
-    if act != "silu":
-        raise ModelLoadError(f"{model_dir}: activation {act!r} is not supported (only silu)")
-    return config
 
 
 def safetensors_files(model_dir: str | Path) -> list[Path]:

@@ -1,4 +1,4 @@
-"""The engine's view of a model's tokenizer: a Hugging Face fast tokenizer plus EOS ids and chat template."""
+"""The engine's view of a model's tokenizer: a Hugging Face fast tokenizer, its EOS ids and chat template."""
 
 from __future__ import annotations
 
@@ -13,42 +13,63 @@ from loraplex.engine.errors import InvalidRequestError, ModelLoadError
 CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 
 
+SPECIAL_TOKEN_ATTRIBUTES = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
+
+
 class Tokenizer:
-    def __init__(self, hf_tokenizer, eos_token_ids: Iterable[int]):
-        self.hf = hf_tokenizer
-        # the Rust tokenizer directly: per-token decode calls skip the Python wrapper's overhead
-        self.backend = hf_tokenizer.backend_tokenizer
+    """Built on the `tokenizers` library directly (transformers is not imported to load a model; the chat
+    template is rendered by transformers' sandboxed renderer, imported on first use)."""
+
+    def __init__(
+        self,
+        backend,
+        eos_token_ids: Iterable[int],
+        *,
+        special_tokens: dict[str, str] | None = None,
+        chat_template: str | None = None,
+    ):
+        self.backend = backend  # a tokenizers.Tokenizer
+        self.special_tokens = dict(special_tokens or {})  # bos_token, eos_token, ...: what templates see
+        self.chat_template = chat_template
         self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys(int(i) for i in eos_token_ids))
-        self.vocab_size: int = len(hf_tokenizer)
-        self.special_ids: frozenset[int] = frozenset(hf_tokenizer.all_special_ids)
+        self.vocab_size: int = backend.get_vocab_size(with_added_tokens=True)
+        self.special_ids: frozenset[int] = frozenset(
+            i for i, token in backend.get_added_tokens_decoder().items() if token.special
+        )
         self.token_text = lru_cache(maxsize=1 << 16)(self._token_text)
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path) -> Tokenizer:
-        from transformers import AutoTokenizer
+        from tokenizers import Tokenizer as Backend
 
         model_dir = Path(model_dir)
-        try:
-            hf = AutoTokenizer.from_pretrained(str(model_dir))
-        except Exception as exc:  # missing files, unknown tokenizer class, malformed json
-            raise ModelLoadError(f"cannot load the tokenizer in {model_dir}: {exc}") from exc
-        if not getattr(hf, "is_fast", False) or getattr(hf, "backend_tokenizer", None) is None:
-            raise ModelLoadError(f"{model_dir}: only fast (tokenizers-backed) tokenizers are supported")
-        return cls(hf, _eos_ids(model_dir, hf))
-
-    @property
-    def chat_template(self) -> str | None:
-        return getattr(self.hf, "chat_template", None)
+        tokenizer_config = _read_json(model_dir / "tokenizer_config.json")
+        special = _special_tokens(tokenizer_config, _read_json(model_dir / "special_tokens_map.json"))
+        if (model_dir / "tokenizer.json").is_file():
+            try:
+                backend = Backend.from_file(str(model_dir / "tokenizer.json"))
+            except Exception as exc:  # tokenizers raises its own Exception subclass for bad files
+                raise ModelLoadError(f"cannot load {model_dir / 'tokenizer.json'}: {exc}") from exc
+        else:
+            backend = _convert_with_transformers(model_dir)
+        eos_ids = _eos_ids(model_dir)
+        if special.get("eos_token") is not None and backend.token_to_id(special["eos_token"]) is not None:
+            eos_ids.append(backend.token_to_id(special["eos_token"]))
+        return cls(backend, eos_ids, special_tokens=special, chat_template=_chat_template(model_dir, tokenizer_config))
 
     @property
     def pad_token_id(self) -> int | None:
-        return self.hf.pad_token_id
+        pad = self.special_tokens.get("pad_token")
+        return None if pad is None else self.backend.token_to_id(pad)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self.backend.token_to_id(token)
 
     def id_to_token(self, token_id: int) -> str:
         """The vocabulary entry itself (e.g. 'Ġworld' for byte-level BPE)."""
@@ -72,13 +93,19 @@ class Tokenizer:
                 "this model has no chat template; send a plain prompt instead", param="messages"
             )
         normalized = [_normalize_message(i, m) for i, m in enumerate(_check_messages(messages))]
+        # transformers' renderer: a hardened Jinja sandbox, because chat templates are untrusted code
+        from transformers.utils.chat_template_utils import render_jinja_template
+
         try:
-            text = self.hf.apply_chat_template(
-                normalized, add_generation_prompt=add_generation_prompt, tokenize=False
+            rendered, _ = render_jinja_template(
+                conversations=[normalized],
+                chat_template=self.chat_template,
+                add_generation_prompt=add_generation_prompt,
+                **self.special_tokens,
             )
         except Exception as exc:  # templates raise their own errors (e.g. "roles must alternate")
             raise InvalidRequestError(f"the chat template rejected these messages: {exc}", param="messages") from exc
-        return text
+        return rendered[0]
 
 
 def _check_messages(messages: Any) -> list[Any]:
@@ -114,23 +141,64 @@ def _normalize_message(index: int, message: Any) -> dict[str, Any]:
     return normalized
 
 
-def _eos_ids(model_dir: Path, hf) -> list[int]:
-    """EOS ids from generation_config.json (an int or a list), config.json, and the tokenizer itself."""
-    ids: list[int] = []
+def _read_json(path: Path) -> dict:
+    if not path.is_file():
+        return {}
+    try:
+        value = json.loads(path.read_text())
+    except ValueError as exc:
+        raise ModelLoadError(f"{path} is not valid JSON: {exc}") from exc
+    return value if isinstance(value, dict) else {}
+
+
+def _token_content(value: Any) -> str | None:
+    # tokenizer_config.json spells a special token as a string or as a serialised AddedToken
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _special_tokens(tokenizer_config: dict, special_tokens_map: dict) -> dict[str, str]:
+    special = {}
+    for attr in SPECIAL_TOKEN_ATTRIBUTES:
+        content = _token_content(tokenizer_config.get(attr)) or _token_content(special_tokens_map.get(attr))
+        if content is not None:
+            special[attr] = content
+    return special
+
+
+def _chat_template(model_dir: Path, tokenizer_config: dict) -> str | None:
+    if (model_dir / "chat_template.jinja").is_file():
+        return (model_dir / "chat_template.jinja").read_text()
+    template = _read_json(model_dir / "chat_template.json").get("chat_template")
+    if template is None:
+        template = tokenizer_config.get("chat_template")
+    if isinstance(template, list):  # named templates: [{"name": "default", "template": ...}, ...]
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default") or next(iter(named.values()), None)
+    return template if isinstance(template, str) and template else None
+
+
+def _convert_with_transformers(model_dir: Path):
+    """Models without tokenizer.json (a SentencePiece model only): let transformers convert it."""
+    from transformers import AutoTokenizer
+
+    try:
+        hf = AutoTokenizer.from_pretrained(str(model_dir))
+    except Exception as exc:  # missing files, unknown tokenizer class, malformed json
+        raise ModelLoadError(f"cannot load the tokenizer in {model_dir}: {exc}") from exc
+    backend = getattr(hf, "backend_tokenizer", None)
+    if backend is None:
+        raise ModelLoadError(f"{model_dir}: only tokenizers with a fast (Rust) implementation are supported")
+    return backend
+
+
+def _eos_ids(model_dir: Path) -> list[int]:
+    """EOS ids from generation_config.json (an int or a list), else config.json."""
     for name in ("generation_config.json", "config.json"):
-        path = model_dir / name
-        if not path.is_file():
-            continue
-        try:
-            value = json.loads(path.read_text()).get("eos_token_id")
-        except (ValueError, AttributeError) as exc:
-            raise ModelLoadError(f"{path} is not valid JSON: {exc}") from exc
+        value = _read_json(model_dir / name).get("eos_token_id")
         if isinstance(value, int):
-            ids.append(value)
-        elif isinstance(value, list):
-            ids.extend(int(v) for v in value)
-        if ids:
-            break  # the generation config, when it names EOS, is the model author's final word
-    if hf.eos_token_id is not None:
-        ids.append(int(hf.eos_token_id))
-    return ids
+            return [value]
+        if isinstance(value, list) and value:
+            return [int(v) for v in value]
+    return []

@@ -12,7 +12,7 @@ import torch
 from loraplex.engine import fetch, model_loader
 from loraplex.engine.errors import ModelLoadError
 from loraplex.engine.gguf import COMPLETE_MARKER
-from loraplex.engine.model_loader import iter_weights, load_model_config, resolve_model_dir
+from loraplex.engine.model_loader import iter_weights, load_model_config, read_model_config, resolve_model_dir
 
 
 def _copy(model_dir: Path, tmp_path: Path) -> Path:
@@ -40,6 +40,8 @@ def test_config_and_weights_match_transformers(request, fixture, model_type, tie
     config = load_model_config(model_dir)
     assert config.model_type == model_type
     assert config.tie_word_embeddings is tied
+    plain = read_model_config(model_dir)
+    assert (plain["model_type"], plain["hidden_size"]) == (model_type, config.hidden_size)
 
     weights = dict(iter_weights(model_dir))
     reference = _hf_state_dict(model_dir)
@@ -109,6 +111,17 @@ def test_unsupported_architecture(tiny_llama_dir, tmp_path):
     (model / "config.json").write_text(json.dumps(config))
     with pytest.raises(ModelLoadError, match="'gpt2' is not supported"):
         load_model_config(model)
+    with pytest.raises(ModelLoadError, match="'gpt2' is not supported"):
+        read_model_config(model)
+
+
+def test_config_without_dimensions(tiny_llama_dir, tmp_path):
+    model = _copy(tiny_llama_dir, tmp_path)
+    config = json.loads((model / "config.json").read_text())
+    del config["hidden_size"]
+    (model / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match="hidden_size"):
+        read_model_config(model)
 
 
 def test_malformed_config(tiny_llama_dir, tmp_path):
@@ -207,7 +220,13 @@ def test_demo_model_fetches_and_generates():
     assert config.tie_word_embeddings is True
     tokenizer = Tokenizer.from_pretrained(model_dir)
     assert tokenizer.vocab_size == 49152
-    assert tokenizer.eos_token_ids == (tokenizer.hf.convert_tokens_to_ids("<|im_end|>"),)
+    assert tokenizer.special_tokens["eos_token"] == "<|im_end|>"
+    from transformers import AutoTokenizer
+
+    reference = AutoTokenizer.from_pretrained(str(model_dir))
+    for text in ["Hello, world! 12345", "Grüße 東京 🙂\n\n  code:\tdef f(x): return x"]:
+        assert tokenizer.encode(text) == reference.encode(text)
+    assert tokenizer.eos_token_ids == (tokenizer.token_to_id("<|im_end|>"),)
     assert sum(t.numel() for _, t in iter_weights(model_dir)) == 134_515_008
 
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)

@@ -24,7 +24,43 @@ def test_encode_decode_round_trip(tokenizer):
     ids = tokenizer.encode(UNICODE)
     assert tokenizer.decode(ids) == UNICODE
     assert all(0 <= i < tokenizer.vocab_size for i in ids)
-    assert tokenizer.vocab_size == len(tokenizer.hf)
+
+
+def test_matches_transformers(tiny_qwen2_dir):
+    from transformers import AutoTokenizer
+
+    ours, theirs = Tokenizer.from_pretrained(tiny_qwen2_dir), AutoTokenizer.from_pretrained(str(tiny_qwen2_dir))
+    assert ours.vocab_size == len(theirs)
+    # the tokenizer.json's special flag decides what decoding skips; transformers lists only named ones
+    assert ours.special_ids >= set(theirs.all_special_ids)
+    for text in [UNICODE, "<|im_start|>user\nhi<|im_end|>", "  two  spaces\n\nand lines "]:
+        ids = ours.encode(text)
+        assert ids == theirs.encode(text)
+        for skip in (True, False):
+            assert ours.decode(ids, skip_special_tokens=skip) == theirs.decode(ids, skip_special_tokens=skip)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": UNICODE}]
+    expected = theirs.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert ours.apply_chat_template(messages) == theirs.encode(expected, add_special_tokens=False)
+
+
+def test_template_from_tokenizer_config(tiny_llama_dir, tmp_path):
+    model = Path(shutil.copytree(tiny_llama_dir, tmp_path / "m"))
+    template = (model / "chat_template.jinja").read_text()
+    (model / "chat_template.jinja").unlink()
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    config["chat_template"] = [{"name": "tool_use", "template": "x"}, {"name": "default", "template": template}]
+    (model / "tokenizer_config.json").write_text(json.dumps(config))
+    assert Tokenizer.from_pretrained(model).chat_template == template
+
+
+def test_missing_tokenizer_is_a_load_error(tiny_llama_dir, tmp_path):
+    from loraplex.engine.errors import ModelLoadError
+
+    model = Path(shutil.copytree(tiny_llama_dir, tmp_path / "m"))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (model / name).unlink()
+    with pytest.raises(ModelLoadError, match="tokenizer"):
+        Tokenizer.from_pretrained(model)
 
 
 def test_token_strings_for_logprobs(tokenizer):
@@ -33,7 +69,7 @@ def test_token_strings_for_logprobs(tokenizer):
     assert pieces[0].startswith("Ġ")  # byte-level BPE spells the space as Ġ in the vocabulary
     texts = [tokenizer.token_text(i) for i in ids]
     assert texts[0].startswith(" ") and "".join(texts) == " brown"
-    im_end = tokenizer.hf.convert_tokens_to_ids("<|im_end|>")
+    im_end = tokenizer.token_to_id("<|im_end|>")
     assert tokenizer.token_text(im_end) == "<|im_end|>"
     with pytest.raises(InvalidRequestError):
         tokenizer.id_to_token(tokenizer.vocab_size + 10)
@@ -41,7 +77,7 @@ def test_token_strings_for_logprobs(tokenizer):
 
 def test_eos_ids_come_from_generation_config_and_tokenizer(tiny_llama_dir, tmp_path):
     model = Path(shutil.copytree(tiny_llama_dir, tmp_path / "m"))
-    im_end = Tokenizer.from_pretrained(model).hf.convert_tokens_to_ids("<|im_end|>")
+    im_end = Tokenizer.from_pretrained(model).token_to_id("<|im_end|>")
     assert Tokenizer.from_pretrained(model).eos_token_ids == (im_end,)
 
     generation = json.loads((model / "generation_config.json").read_text())
@@ -61,7 +97,7 @@ def test_chat_template(tokenizer):
     no_prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=False)
     assert tokenizer.decode(no_prompt, skip_special_tokens=False) == expected
     # special tokens in the template are single tokens, not spelled out
-    assert ids.count(tokenizer.hf.convert_tokens_to_ids("<|im_start|>")) == 3
+    assert ids.count(tokenizer.token_to_id("<|im_start|>")) == 3
 
 
 @pytest.mark.parametrize(
@@ -83,10 +119,10 @@ def test_bad_messages(tokenizer, messages, match):
 
 def test_template_errors_and_missing_template(tiny_llama_dir):
     strict = Tokenizer.from_pretrained(tiny_llama_dir)
-    strict.hf.chat_template = "{{ raise_exception('roles must alternate') }}"
+    strict.chat_template = "{{ raise_exception('roles must alternate') }}"
     with pytest.raises(InvalidRequestError, match="roles must alternate"):
         strict.apply_chat_template([{"role": "user", "content": "hi"}])
-    strict.hf.chat_template = None
+    strict.chat_template = None
     with pytest.raises(InvalidRequestError, match="no chat template"):
         strict.apply_chat_template([{"role": "user", "content": "hi"}])
 
@@ -108,7 +144,7 @@ def test_detokenizer_never_splits_characters(tokenizer, chunk):
 
 
 def test_detokenizer_special_tokens(tokenizer):
-    im_end = tokenizer.hf.convert_tokens_to_ids("<|im_end|>")
+    im_end = tokenizer.token_to_id("<|im_end|>")
     ids = tokenizer.encode("Hi there") + [im_end]
     skipping = IncrementalDetokenizer(tokenizer, skip_special_tokens=True)
     assert "".join(_stream(skipping, ids)) == "Hi there"
