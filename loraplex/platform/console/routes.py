@@ -31,5 +31,6 @@ def static_asset(path: str) -> FileResponse:
     })
 
 
-for module in (auth_routes, dashboard, tenant_pages, usage_pages):
+PAGE_MODULES = (auth_routes, dashboard, tenant_pages, usage_pages)
+for module in PAGE_MODULES:
     router.include_router(module.router)

@@ -1,0 +1,158 @@
+"""Console security: every route needs a session, every state change needs the session's CSRF token."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from console_helpers import FORM_TOKEN, Console
+from fastapi.routing import APIRoute
+from sqlalchemy import func, select
+
+from loraplex.platform.console import routes as console_routes
+from loraplex.platform.db import Base
+from loraplex.platform.models import ApiKey, Tenant
+
+PUBLIC = {("GET", "/console/login"), ("POST", "/console/login"), ("GET", "/console"), ("GET", "/console/"),
+          ("GET", "/console/static/{path:path}")}
+SAMPLE_PARAMS = {"tenant_id": "1", "key_id": "1", "period": "2026-11", "name": "sql", "path": "css/console.css"}
+
+
+def _console_routes() -> list[tuple[str, str]]:
+    out = []
+    for route in console_routes.router.routes:
+        if isinstance(route, APIRoute):
+            out.extend((m, route.path) for m in route.methods)
+    for module in console_routes.PAGE_MODULES:
+        for route in module.router.routes:
+            if isinstance(route, APIRoute):
+                out.extend((m, "/console" + route.path) for m in route.methods)
+    return sorted(set(out))
+
+
+def _fill(path: str) -> str:
+    return re.sub(r"\{(\w+)(?::\w+)?\}", lambda m: SAMPLE_PARAMS[m.group(1)], path)
+
+
+def _state(console: Console) -> dict:
+    """Row counts of every table plus the mutable columns a console action could flip."""
+    with console.sessions() as s:
+        counts = {t.name: s.scalar(select(func.count()).select_from(t)) for t in Base.metadata.sorted_tables
+                  if t.name not in ("console_sessions",)}
+        tenants = [(t.name, t.status, t.plan_id, t.requests_per_minute) for t in s.scalars(select(Tenant))]
+        keys = [(k.id, k.revoked_at) for k in s.scalars(select(ApiKey))]
+    return {"counts": counts, "tenants": tenants, "keys": keys}
+
+
+@pytest.fixture
+def console(app, client, admin_key, make_tenant) -> Console:
+    make_tenant("acme")  # tenant 1 with key 1: targets for every action
+    return Console(client=client, app=app, admin_key=admin_key)
+
+
+def test_the_route_list_covers_every_area():
+    paths = {p for _, p in _console_routes()}
+    for expected in ("/console/tenants", "/console/keys/{key_id}/revoke", "/console/usage", "/console/billing",
+                     "/console/api/dashboard", "/console/logout"):
+        assert expected in paths
+
+
+def test_every_console_route_refuses_a_caller_without_a_session(console):
+    before = _state(console)
+    checked = 0
+    for method, path in _console_routes():
+        if (method, path) in PUBLIC:
+            continue
+        url = _fill(path)
+        r = console.client.request(method, url, data={"csrf_token": "x", "name": "evil", "status": "suspended"},
+                                   follow_redirects=False)
+        assert r.status_code in (303, 401), f"{method} {url} answered {r.status_code}"
+        if r.status_code == 303:
+            assert r.headers["location"].startswith("/console/login")
+        checked += 1
+    assert checked >= 15
+    assert _state(console) == before
+
+
+def test_every_post_without_the_csrf_token_is_refused(console):
+    console.sign_in()
+    before = _state(console)
+    posts = [p for m, p in _console_routes() if m == "POST" and ("POST", p) not in PUBLIC]
+    assert len(posts) >= 8
+    for path in posts:
+        url = _fill(path)
+        body = {"name": "evil", "status": "suspended", "period": "2026-10", "prompt": "1", "completion": "1",
+                "adapter_surcharge": "1"}
+        missing = console.client.post(url, data=body, follow_redirects=False)
+        assert missing.status_code == 403, f"POST {url} without token answered {missing.status_code}"
+        wrong = console.client.post(url, data={**body, "csrf_token": "not-the-token"}, follow_redirects=False)
+        assert wrong.status_code == 403
+        header = console.client.post(url, json={"x": 1}, headers={"X-CSRF-Token": "nope"}, follow_redirects=False)
+        assert header.status_code == 403
+    assert _state(console) == before
+
+
+def test_a_post_from_another_site_is_refused_even_with_the_token(console):
+    console.sign_in()
+    r = console.client.post("/console/tenants", data={"csrf_token": console.csrf, "name": "x1"},
+                            headers={"Origin": "https://evil.example"}, follow_redirects=False)
+    assert r.status_code == 403
+    ok = console.client.post("/console/tenants", data={"csrf_token": console.csrf, "name": "x2"},
+                             headers={"Origin": "http://testserver"}, follow_redirects=False)
+    assert ok.status_code == 303
+
+
+def test_sign_in_needs_the_admin_key_and_its_own_csrf_token(console):
+    page = console.client.get("/console/login")
+    token = FORM_TOKEN.search(page.text).group(1)
+    assert console.client.post("/console/login", data={"credential": console.admin_key},
+                               follow_redirects=False).status_code == 403
+    bad = console.client.post("/console/login", data={"csrf_token": token, "credential": "lpx_admin_wrong"},
+                              follow_redirects=False)
+    assert bad.status_code == 401
+    assert "lpx_console" not in bad.cookies
+    token = FORM_TOKEN.search(bad.text).group(1)  # a refused sign-in hands out a fresh form token
+    tenant_key = console.client.post("/console/login", data={"csrf_token": token, "credential": "lpx_abc"},
+                                     follow_redirects=False)
+    assert tenant_key.status_code == 401
+
+
+def test_session_cookie_is_httponly_strict_and_signed(console):
+    page = console.client.get("/console/login")
+    token = FORM_TOKEN.search(page.text).group(1)
+    r = console.client.post("/console/login", data={"csrf_token": token, "credential": console.admin_key},
+                            follow_redirects=False)
+    cookie = [v for k, v in r.headers.multi_items() if k == "set-cookie" and v.startswith("lpx_console=")][0]
+    assert "HttpOnly" in cookie and "SameSite=strict" in cookie and "Path=/console" in cookie
+    value = cookie.split(";")[0].split("=", 1)[1]
+    console.client.cookies.clear()
+    console.client.cookies.set("lpx_console", value[:-2] + ("AA" if not value.endswith("AA") else "BB"))
+    assert console.client.get("/console/api/dashboard").status_code == 401
+    console.client.cookies.set("lpx_console", value)
+    assert console.client.get("/console/api/dashboard").status_code == 200
+
+
+def test_logout_ends_the_session_everywhere(console):
+    console.sign_in()
+    cookie = console.client.cookies.get("lpx_console")
+    r = console.post("/console/logout")
+    assert r.status_code == 303
+    console.client.cookies.set("lpx_console", cookie)  # a copy of the cookie kept elsewhere
+    assert console.client.get("/console/api/dashboard").status_code == 401
+    assert console.client.get("/console/tenants", follow_redirects=False).status_code == 303
+
+
+def test_pages_carry_a_strict_content_security_policy(console):
+    console.sign_in()
+    r = console.client.get("/console/tenants")
+    assert "script-src 'self'" in r.headers["content-security-policy"]
+    assert r.headers["x-frame-options"] == "DENY"
+    assert "<script>" not in r.text  # no inline script: the policy would block it
+
+
+def test_sign_in_redirects_only_inside_the_console(console):
+    page = console.client.get("/console/login?next=https://evil.example/")
+    token = FORM_TOKEN.search(page.text).group(1)
+    r = console.client.post("/console/login", data={"csrf_token": token, "credential": console.admin_key,
+                                                    "next": "//evil.example/x"}, follow_redirects=False)
+    assert r.headers["location"] == "/console/dashboard"

@@ -1,0 +1,103 @@
+"""Console pages do what their buttons say: tenants, quotas, keys, prices, usage, billing, dashboard."""
+
+from __future__ import annotations
+
+import re
+
+import anyio
+import pytest
+from console_helpers import Console
+from sqlalchemy import select
+
+from loraplex.platform.billing.models import TenantPriceOverride
+from loraplex.platform.models import ApiKey, Tenant
+
+
+@pytest.fixture
+def console(app, client, admin_key) -> Console:
+    c = Console(client=client, app=app, admin_key=admin_key)
+    c.sign_in()
+    return c
+
+
+def _tenant(console: Console, name: str) -> Tenant:
+    with console.sessions() as s:
+        return s.scalars(select(Tenant).where(Tenant.name == name)).one()
+
+
+def test_create_tenant_edit_quotas_and_suspend(console):
+    r = console.post("/console/plans", {"name": "pro", "requests_per_minute": "100", "tokens_per_minute": "1000",
+                                        "max_concurrent": "4", "monthly_token_budget": "100000"})
+    assert r.status_code == 303
+    r = console.post("/console/tenants", {"name": "acme", "plan": "pro"})
+    assert r.status_code == 303
+    tenant = _tenant(console, "acme")
+    assert tenant.plan.name == "pro"
+    page = console.client.get(r.headers["location"])
+    assert "Tenant acme created." in page.text
+
+    r = console.post(f"/console/tenants/{tenant.id}", {"plan": "pro", "requests_per_minute": "7",
+                                                       "tokens_per_minute": "", "max_concurrent": "",
+                                                       "monthly_token_budget": ""})
+    assert r.status_code == 303
+    assert _tenant(console, "acme").requests_per_minute == 7
+    bad = console.post(f"/console/tenants/{tenant.id}", {"requests_per_minute": "-3"})
+    assert "must be at least 1" in console.client.get(bad.headers["location"]).text
+    dup = console.post("/console/tenants", {"name": "acme"})
+    assert "already exists" in console.client.get(dup.headers["location"]).text
+
+    console.post(f"/console/tenants/{tenant.id}/status", {"status": "suspended"})
+    assert _tenant(console, "acme").status == "suspended"
+    console.post(f"/console/tenants/{tenant.id}/status", {"status": "active"})
+    assert _tenant(console, "acme").status == "active"
+
+
+def test_a_new_key_is_shown_once_and_works_until_revoked(console):
+    console.post("/console/tenants", {"name": "acme"})
+    tenant = _tenant(console, "acme")
+    r = console.client.post(f"/console/tenants/{tenant.id}/keys",
+                            data={"csrf_token": console.csrf, "name": "ci", "scopes": ["inference", "usage"]})
+    assert r.status_code == 201
+    secret = re.search(r'id="new-key-value">(lpx_[^<]+)<', r.text).group(1)
+    assert secret not in console.client.get(f"/console/tenants/{tenant.id}").text
+    headers = {"Authorization": f"Bearer {secret}"}
+    assert console.client.get("/v1/models", headers=headers).status_code == 200
+    with console.sessions() as s:
+        key = s.scalars(select(ApiKey).where(ApiKey.tenant_id == tenant.id)).one()
+        assert key.scope_set == {"inference", "usage"}
+    console.post(f"/console/keys/{key.id}/revoke")
+    assert console.client.get("/v1/models", headers=headers).status_code == 401
+
+
+def test_tenant_price_override_round_trips_in_micro_units(console):
+    console.post("/console/tenants", {"name": "acme"})
+    tenant = _tenant(console, "acme")
+    console.post(f"/console/tenants/{tenant.id}/prices", {"prompt": "0.123456", "completion": "", "adapter_surcharge": "2"})
+    with console.sessions() as s:
+        row = s.get(TenantPriceOverride, tenant.id)
+        assert (row.prompt_price, row.completion_price, row.adapter_surcharge_price) == (123_456, None, 2_000_000)
+    bad = console.post(f"/console/tenants/{tenant.id}/prices", {"prompt": "0.1234567"})
+    assert "more than 6 decimals" in console.client.get(bad.headers["location"]).text
+
+
+def test_usage_and_billing_pages_show_inference_done_through_the_api(console, make_tenant):
+    console.post("/console/billing/prices", {"plan_id": "", "prompt": "1", "completion": "2",
+                                             "adapter_surcharge": "0", "currency": "USD"})
+    tk = make_tenant("globex")
+    r = console.client.post("/v1/chat/completions", headers=tk.headers, json={
+        "model": "fake-base", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 5})
+    assert r.status_code == 200, r.text
+    usage = r.json()["usage"]
+    services = console.app.state.services
+    anyio.run(services.usage.flush)
+    page = console.client.get("/console/usage")
+    assert page.status_code == 200 and "globex" in page.text
+    data = console.client.get(f"/console/usage/export?format=json&tenant_id={tk.tenant_id}").json()
+    assert data["totals"]["prompt_tokens"] == usage["prompt_tokens"]
+    assert data["totals"]["completion_tokens"] == usage["completion_tokens"]
+    csv_text = console.client.get("/console/usage/export?format=csv").text
+    assert csv_text.splitlines()[0].startswith("day,tenant_id,tenant,adapter,requests")
+    billing = console.client.get("/console/billing")
+    assert billing.status_code == 200 and "globex" in billing.text
+    dashboard = console.client.get("/console/api/dashboard").json()
+    assert dashboard["window"]["requests"] >= 1
