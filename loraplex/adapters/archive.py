@@ -128,6 +128,9 @@ def _make_dirs(dest: Path, target: Path) -> None:
         current = current / part
         if current.is_symlink():
             raise AdapterValidationError(f"archive path {rel} runs through a link", ErrorCode.ARCHIVE_LINK)
+        if current.exists() and not current.is_dir():
+            raise AdapterValidationError(f"archive member {rel} is both a file and a folder",
+                                         ErrorCode.ARCHIVE_UNSAFE_PATH)
         current.mkdir(exist_ok=True)
 
 

@@ -17,6 +17,9 @@ from .spec import BaseModelSpec
 
 _EMBEDDING_NAMES = ("embed_tokens", "lm_head", "wte", "embed_out")
 _ALL_LINEAR = "all-linear"
+# PiSSA, OLoRA and CorDA subtract their initial A/B from the base weights; LoftQ replaces them with a
+# quantized copy. Such adapters are only correct on that modified base.
+_BASE_CHANGING_INITS = ("pissa", "olora", "corda", "loftq")
 # Options that change what the adapter computes and that canonical A/B weights cannot express.
 _UNSUPPORTED_OPTIONS = {
     "layer_replication": "layer replication",
@@ -103,6 +106,12 @@ def _refuse_unsupported(config: dict) -> None:
     if config.get("lora_bias"):
         raise AdapterValidationError("adapter_config.json: lora_bias is true; a bias on lora_B is not supported",
                                      ErrorCode.BIAS_UNSUPPORTED)
+    init = config.get("init_lora_weights")
+    if isinstance(init, str) and init.lower().startswith(_BASE_CHANGING_INITS):
+        raise AdapterValidationError(
+            f"adapter_config.json: init_lora_weights is {init!r}; that initialisation changes the base model's "
+            f"weights, so the adapter only works on that changed model. Convert it to a plain LoRA first (PEFT: "
+            f"save_pretrained(..., path_initial_model_for_weight_conversion=...))", ErrorCode.OPTION_UNSUPPORTED)
     for key, what in _UNSUPPORTED_OPTIONS.items():
         if config.get(key):
             raise AdapterValidationError(f"adapter_config.json: {key}={config[key]!r}; {what} is not supported",

@@ -117,11 +117,33 @@ def test_not_an_archive(llama_spec, tmp_path):
     _refused(tmp_path / "broken.tgz", llama_spec, ErrorCode.ARCHIVE_CORRUPT, "broken.tgz")
 
 
-def test_symlink_in_folder(llama_adapter_dir, llama_spec, tmp_path):
+def test_links_in_a_trusted_folder_are_followed_to_files(llama_adapter_dir, llama_spec, tmp_path):
+    # the Hugging Face cache keeps snapshots as links to blobs; a folder path comes from a trusted caller
+    folder = tmp_path / "snapshot"
+    folder.mkdir()
+    for name in FILES:
+        (folder / name).symlink_to(llama_adapter_dir / name)
+    assert load_adapter(folder, llama_spec) == load_adapter(llama_adapter_dir, llama_spec)
+
+
+def test_fifo_in_folder(llama_adapter_dir, llama_spec, tmp_path):
+    import os
+
     folder = tmp_path / "a"
     shutil.copytree(llama_adapter_dir, folder)
-    (folder / "secret").symlink_to("/etc/passwd")
-    _refused(folder, llama_spec, ErrorCode.ARCHIVE_LINK, "secret", "link")
+    os.mkfifo(folder / "pipe")
+    _refused(folder, llama_spec, ErrorCode.ARCHIVE_SPECIAL_FILE, "pipe", "not a regular file")
+
+
+def test_file_and_folder_with_one_name(tmp_path):
+    archive = tmp_path / "clash.zip"
+    with zipfile.ZipFile(archive, "w") as zf:
+        zf.writestr("a", b"file")
+        zf.writestr("a/b", b"file below a file")
+    (tmp_path / "dest").mkdir()
+    with pytest.raises(AdapterValidationError) as info:
+        safe_extract(archive, tmp_path / "dest")
+    assert info.value.code == ErrorCode.ARCHIVE_UNSAFE_PATH and "both a file and a folder" in str(info.value)
 
 
 # --- unsafe members: each refused, nothing written outside the destination --------------------------

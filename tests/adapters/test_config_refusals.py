@@ -50,6 +50,9 @@ def test_good_adapter_loads(adapter_copy, llama_spec):
     ({"layers_to_transform": [0], "layers_pattern": "blocks"}, ErrorCode.OPTION_UNSUPPORTED, ["blocks"]),
     ({"layer_replication": [[0, 2]]}, ErrorCode.OPTION_UNSUPPORTED, ["layer_replication"]),
     ({"trainable_token_indices": [1, 2]}, ErrorCode.OPTION_UNSUPPORTED, ["trainable_token_indices"]),
+    ({"init_lora_weights": "pissa_niter_4"}, ErrorCode.OPTION_UNSUPPORTED, ["pissa_niter_4", "base model"]),
+    ({"init_lora_weights": "olora"}, ErrorCode.OPTION_UNSUPPORTED, ["olora"]),
+    ({"init_lora_weights": "loftq"}, ErrorCode.OPTION_UNSUPPORTED, ["loftq"]),
 ])
 def test_config_refusals(adapter_copy, llama_spec, changes, code, words):
     adapter_copy.update_config(**changes)

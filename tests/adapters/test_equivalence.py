@@ -52,3 +52,27 @@ def test_canonical_delta_equals_peft_delta(base_fixture, kwargs, request, tmp_pa
         assert delta.abs().max() > 1e-3  # the adapter really changes this module
         torch.testing.assert_close(w.delta(), delta, rtol=1e-5, atol=1e-6)
     assert set(adapter.target_modules) <= set(MODULES)
+
+
+def test_made_adapters_change_the_model(tiny_llama_dir, llama_adapter_dir):
+    """make_peft_adapter's random B must move the logits enough for token comparisons to mean something."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    ids = torch.tensor([[5, 17, 42, 99, 7, 3]])
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_llama_dir), dtype=torch.float32)
+    with torch.no_grad():
+        base = model(ids).logits
+        adapted = PeftModel.from_pretrained(model, str(llama_adapter_dir))(ids).logits
+    assert (adapted - base).abs().max() > 0.5
+    assert not torch.equal(adapted.argmax(-1), base.argmax(-1))
+
+
+def test_limits_are_checked_and_follow_settings():
+    from loraplex.adapters import AdapterLimits
+    from loraplex.config import Settings
+
+    with pytest.raises(ValueError, match="max_rank"):
+        AdapterLimits(max_rank=0)
+    limits = AdapterLimits.from_settings(Settings(max_lora_rank=32, max_upload_bytes=1000, max_adapter_members=5))
+    assert (limits.max_rank, limits.max_archive_bytes, limits.max_members) == (32, 1000, 5)
