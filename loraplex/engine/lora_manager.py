@@ -26,7 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
-from loraplex.engine.lora_layers import LoraProjection, LoraStep
+from loraplex.engine.errors import AdapterLoadError
+from loraplex.engine.lora_layers import LoraProjection, LoraStep, model_projections
 from loraplex.engine.lora_request import LoRARequest
 from loraplex.kernels.lora import LoraBatch, LoraSlotWeights
 
@@ -122,6 +123,42 @@ class LoraManager:
         self._pinned: set[str] = set()
         self._requests: dict[str, LoRARequest] = {}
         self.loads_total = self.evictions_total = self.hits_total = self.misses_total = 0
+        self.source = None  # an AdapterSource when built for an engine: resolves user paths
+
+    @classmethod
+    def for_engine(cls, model: torch.nn.Module, model_dir, config, *, device, dtype) -> LoraManager:
+        """The engine's adapter cache: slots for every LoRA-aware projection of `model`, loading from the
+        configured store (canonical entries) or the adapters' own files."""
+        from loraplex.adapters import AdapterLimits, BaseModelSpec, LocalAdapterStore
+        from loraplex.engine.lora_source import AdapterSource
+
+        store = LocalAdapterStore(config.adapter_store) if config.adapter_store else None
+        source = AdapterSource(
+            BaseModelSpec.from_model_dir(model_dir), store, AdapterLimits(max_rank=config.max_lora_rank)
+        )
+        manager = cls(
+            model_projections(model), source.load, max_loras=config.max_loras,
+            max_cpu_loras=max(config.max_cpu_loras, config.max_loras), max_rank=config.max_lora_rank,
+            dtype=dtype, device=device,
+        )
+        manager.source = source
+        return manager
+
+    def resolve(self, adapter) -> LoRARequest:
+        """A LoRARequest for a PEFT folder/archive path (validated now; refused with AdapterLoadError)."""
+        if isinstance(adapter, LoRARequest):
+            return adapter
+        if self.source is None:
+            raise AdapterLoadError("this adapter cache cannot resolve paths (no adapter source)")
+        try:
+            lora, canonical = self.source.resolve(adapter)
+        except ValueError as exc:
+            raise AdapterLoadError(f"adapter {str(adapter)!r} refused: {exc}") from exc
+        if canonical is not None and not self.is_resident(lora.key):
+            from loraplex.engine.lora_source import module_weights
+
+            self.put_host(lora, module_weights(canonical))
+        return lora
 
     # ---- loading (background) -------------------------------------------------------------------------
 
@@ -147,11 +184,13 @@ class LoraManager:
             host = to_host_adapter(
                 lora, weights, self.projections, self.max_rank, pin=self.device.type == "cuda"
             )
-        except BaseException as exc:
+        except Exception as exc:
+            error = AdapterLoadError(f"adapter {lora.name!r} could not be loaded: {exc}")
+            error.__cause__ = exc
             with self._lock:
-                self._errors[lora.key] = exc
+                self._errors[lora.key] = error
                 self._loading.pop(lora.key, None)
-            raise
+            raise error from exc
         with self._lock:
             self._host[lora.key] = host
             self._host.move_to_end(lora.key)

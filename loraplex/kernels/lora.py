@@ -15,7 +15,7 @@ never over tokens.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -34,6 +34,8 @@ class LoraBatch:
     slot_ids_t: torch.Tensor
     starts_t: torch.Tensor
     counts_t: torch.Tensor
+    # per-step values a kernel derives from the grouping, computed by the first layer that needs them
+    scratch: dict = field(default_factory=dict)
 
     @property
     def num_lora_tokens(self) -> int:
@@ -109,6 +111,7 @@ class LoraSlotWeights:
         self.rank_totals_t = torch.zeros(num_slots, dtype=torch.int32, device=device)
         self.out_sizes_t = torch.tensor(self.out_slices, dtype=torch.int32, device=device)
         self.out_offsets_t = torch.tensor(self.out_offsets, dtype=torch.int32, device=device)
+        self.out_meta = torch.tensor(list(zip(self.out_offsets, self.out_slices, strict=True)), dtype=torch.int64)
 
     @property
     def num_slices(self) -> int:
@@ -206,4 +209,6 @@ def add_lora(y: torch.Tensor, x: torch.Tensor, w: LoraSlotWeights, batch: LoraBa
 
         add_lora_triton(y, x, w, batch)
     else:
-        add_lora_torch(y, x, w, batch)
+        from loraplex.kernels.lora_cpu import add_lora_cpu
+
+        add_lora_cpu(y, x, w, batch)

@@ -7,6 +7,7 @@ import threading
 import pytest
 import torch
 
+from loraplex.engine.errors import AdapterLoadError
 from loraplex.engine.lora_layers import LoraProjection
 from loraplex.engine.lora_manager import LoraManager
 from loraplex.engine.lora_request import LoRARequest
@@ -125,9 +126,9 @@ def test_load_runs_in_the_background_and_errors_reach_the_scheduler():
     assert m.ready(a) and store.calls == ["a"]
     missing = LoRARequest(name="zz", content_hash="zz", path="zz")
     assert m.ready(missing) is False
-    with pytest.raises(FileNotFoundError):
+    with pytest.raises(AdapterLoadError):
         m.request_load(missing).result(5)
-    with pytest.raises(FileNotFoundError, match="no adapter zz"):
+    with pytest.raises(AdapterLoadError, match="no adapter zz"):
         m.ready(missing)
 
 
@@ -158,9 +159,9 @@ def test_remove_refuses_while_in_use_and_validates_shapes():
     assert m.remove("a") is True and not m.is_resident("a") and not m.ready(a)
     bad = LoRARequest(name="bad", content_hash="bad", path="bad")
     store.adapters["bad"] = {(0, "q_proj"): (torch.zeros(4, 12), torch.zeros(16, 4))}
-    with pytest.raises(ValueError, match="do not match the model"):
+    with pytest.raises(AdapterLoadError, match="do not match the model"):
         m.request_load(bad).result(5)
     big = LoRARequest(name="big", content_hash="big", path="big")
     store.adapters["big"] = {(0, "o_proj"): (torch.zeros(16, 16), torch.zeros(16, 16))}
-    with pytest.raises(ValueError, match="max_lora_rank"):
+    with pytest.raises(AdapterLoadError, match="max_lora_rank"):
         m.request_load(big).result(5)
