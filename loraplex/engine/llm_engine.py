@@ -74,6 +74,12 @@ class LLMEngine:
         self.tokenizer = Tokenizer.from_pretrained(self.model_dir)
         self.model = load_model(self.model_dir, self.arch, self.dtype, self.device)
         self.limits = self._derive_limits()
+        if adapter_slots is None and config.max_loras > 0:
+            from loraplex.engine.lora_manager import LoraManager
+
+            adapter_slots = LoraManager.for_engine(
+                self.model, self.model_dir, config, device=self.device, dtype=self.dtype
+            )
         self.adapter_slots = adapter_slots
         self.block_manager = BlockManager(
             self.limits.num_kv_blocks, config.block_size, enable_prefix_caching=config.enable_prefix_caching
