@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 
 import anyio
@@ -10,7 +11,7 @@ from console_helpers import Console
 from sqlalchemy import select
 
 from loraplex.platform.billing.models import TenantPriceOverride
-from loraplex.platform.models import ApiKey, Tenant
+from loraplex.platform.models import ApiKey, Tenant, UsageRecord
 
 
 @pytest.fixture
@@ -101,3 +102,29 @@ def test_usage_and_billing_pages_show_inference_done_through_the_api(console, ma
     assert billing.status_code == 200 and "globex" in billing.text
     dashboard = console.client.get("/console/api/dashboard").json()
     assert dashboard["window"]["requests"] >= 1
+
+
+def test_playground_streams_as_the_tenant_and_is_billed_to_it(console, make_tenant):
+    tk = make_tenant("initech")
+    models = console.client.get(f"/console/api/models?tenant_id={tk.tenant_id}").json()["models"]
+    assert models[0]["id"] == "fake-base"
+    body = {"tenant_id": tk.tenant_id, "model": "fake-base", "max_tokens": 6,
+            "messages": [{"role": "user", "content": "hi there"}]}
+    r = console.client.post("/console/api/playground/chat", json=body, headers={"X-CSRF-Token": console.csrf})
+    assert r.status_code == 200, r.text
+    assert r.headers["content-type"].startswith("text/event-stream")
+    events = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    usage = [json.loads(e)["usage"] for e in events[:-1] if json.loads(e).get("usage")][-1]
+    assert usage["completion_tokens"] == 6
+    anyio.run(console.app.state.services.usage.flush)
+    with console.sessions() as s:
+        record = s.scalars(select(UsageRecord).where(UsageRecord.tenant_id == tk.tenant_id)).one()
+        assert (record.end_user, record.api_key_id, record.completion_tokens) == ("console", 0, 6)
+    assert console.client.post("/console/api/playground/chat", json=body).status_code == 403
+    console.post(f"/console/tenants/{tk.tenant_id}/status", {"status": "suspended"})
+    suspended = console.client.post("/console/api/playground/chat", json=body, headers={"X-CSRF-Token": console.csrf})
+    assert suspended.status_code == 403
+    missing = console.client.post("/console/api/playground/chat", json={**body, "model": "nope"},
+                                  headers={"X-CSRF-Token": console.csrf})
+    assert missing.status_code in (403, 404)

@@ -46,7 +46,9 @@ async def get_console_post(request: Request, context: ConsoleDep) -> ConsoleCont
         raise HTTPException(403, "Cross-site request refused.")
     token = request.headers.get(CSRF_HEADER)
     content_type = request.headers.get("content-type", "")
-    if token is None and content_type.startswith(("application/x-www-form-urlencoded", "multipart/form-data")):
+    # Only plain forms are parsed here: a multipart body (an upload) must bring the header, so that it is
+    # refused before a single byte is spooled and the upload handler can still stream it under its limit.
+    if token is None and content_type.startswith("application/x-www-form-urlencoded"):
         form = await request.form()  # Starlette caches it: the route reads the same parsed form
         value = form.get(CSRF_FIELD)
         token = value if isinstance(value, str) else None
