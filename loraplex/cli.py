@@ -15,6 +15,7 @@ _SUBCOMMANDS = {
     "worker": "loraplex.platform.commands:worker",
     "admin": "loraplex.platform.commands:admin",
     "bench": "loraplex.engine.commands:bench",
+    "adapter": "loraplex.adapters.commands:adapter",
 }
 
 

@@ -94,7 +94,8 @@ def _checked_pair(a_item, b_item, layer: int, module: str, settings: LoraSetting
         raise AdapterValidationError(
             f"{_WEIGHTS}: layer {layer} {module} has rank {a.shape[0]} in its tensors but {rank} in "
             f"adapter_config.json (r / rank_pattern)", ErrorCode.RANK_MISMATCH)
-    a32 = a.to(torch.float32).contiguous()
+    # A may be a view into the buffer holding the whole PEFT file; a copy lets that buffer go.
+    a32 = a.to(torch.float32, copy=True).contiguous()
     b32 = (b.to(torch.float32) * settings.scale_for(path)).contiguous()
     for key, t in ((a_key, a32), (b_key, b32)):
         if not torch.isfinite(t).all():

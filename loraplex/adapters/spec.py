@@ -76,12 +76,6 @@ class BaseModelSpec:
         slices = self.peft_modules[peft_module]
         return ModuleShape(self.modules[slices[0].module].in_features, slices[-1].stop)
 
-    @property
-    def fingerprint(self) -> str:
-        """Stable text naming the shapes an adapter must match; stored with canonical weights."""
-        dims = ",".join(f"{m}={s.in_features}x{s.out_features}" for m, s in self.modules.items())
-        return f"{self.architecture};layers={self.num_layers};{dims}"
-
     @classmethod
     def from_model_dir(cls, model_dir: str | Path) -> BaseModelSpec:
         path = Path(model_dir) / "config.json"

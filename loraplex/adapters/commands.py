@@ -1,0 +1,54 @@
+"""`loraplex adapter ...`: check a PEFT adapter against a base model, and manage a local store."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+
+from .errors import AdapterValidationError
+from .limits import AdapterLimits
+from .loader import load_adapter
+from .spec import BaseModelSpec
+from .store import LocalAdapterStore
+
+
+@click.group()
+def adapter() -> None:
+    """Validate adapters and manage the adapter store."""
+
+
+@adapter.command()
+@click.argument("path", type=click.Path(path_type=Path))
+@click.option("--model", "model_dir", required=True, type=click.Path(exists=True, file_okay=False, path_type=Path),
+              help="Base model folder (its config.json decides the shapes an adapter must fit).")
+@click.option("--max-rank", default=AdapterLimits.max_rank, show_default=True, help="Largest accepted rank.")
+@click.option("--store", "store_dir", type=click.Path(file_okay=False, path_type=Path),
+              help="Also put the canonical weights into this local store.")
+def validate(path: Path, model_dir: Path, max_rank: int, store_dir: Path | None) -> None:
+    """Validate the adapter at PATH (folder, file pair, .zip, .tar.gz); print its version as JSON."""
+    try:
+        spec = BaseModelSpec.from_model_dir(model_dir)
+        canonical = load_adapter(path, spec, AdapterLimits(max_rank=max_rank))
+    except AdapterValidationError as exc:
+        raise click.ClickException(f"refused ({exc.code.value}): {exc}") from exc
+    report = {
+        "content_hash": canonical.content_hash,
+        "architecture": canonical.architecture,
+        "rank": canonical.rank,
+        "target_modules": list(canonical.target_modules),
+        "layers": len(canonical.layers),
+        "bytes": canonical.nbytes,
+    }
+    if store_dir is not None:
+        report["stored_at"] = LocalAdapterStore(store_dir).put(canonical)
+    click.echo(json.dumps(report, indent=2))
+
+
+@adapter.command("list")
+@click.option("--store", "store_dir", required=True, type=click.Path(exists=True, file_okay=False, path_type=Path))
+def list_versions(store_dir: Path) -> None:
+    """List the content hashes held by a local store."""
+    for content_hash in LocalAdapterStore(store_dir).list():
+        click.echo(content_hash)

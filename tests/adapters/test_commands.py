@@ -1,0 +1,28 @@
+"""`loraplex adapter validate` and `loraplex adapter list`."""
+
+from __future__ import annotations
+
+import json
+
+from click.testing import CliRunner
+
+from loraplex.cli import main
+
+
+def test_validate_prints_version_and_stores(llama_adapter_dir, tiny_llama_dir, tmp_path):
+    store = tmp_path / "store"
+    result = CliRunner().invoke(main, ["adapter", "validate", str(llama_adapter_dir), "--model",
+                                       str(tiny_llama_dir), "--store", str(store)])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output)
+    assert report["rank"] == 8 and report["layers"] == 2 and len(report["target_modules"]) == 7
+    assert report["stored_at"].endswith(report["content_hash"] + ".safetensors")
+    listed = CliRunner().invoke(main, ["adapter", "list", "--store", str(store)])
+    assert listed.output.split() == [report["content_hash"]]
+
+
+def test_validate_refusal_names_the_problem(llama_adapter_dir, tiny_llama_dir):
+    result = CliRunner().invoke(main, ["adapter", "validate", str(llama_adapter_dir), "--model",
+                                       str(tiny_llama_dir), "--max-rank", "4"])
+    assert result.exit_code == 1
+    assert "refused (rank_too_large)" in result.output and "limit of 4" in result.output
