@@ -383,6 +383,7 @@ class LoraManager:
                 "lora_evictions_total": self.evictions_total,
                 "lora_hits_total": self.hits_total,
                 "lora_misses_total": self.misses_total,
+                "lora_pinned": sorted(self._pinned),  # surfaces in EngineStats.extra for the console
             }
 
     def close(self) -> None:
