@@ -26,6 +26,8 @@ class AdapterSource:
         self.spec = spec
         self.store = store
         self.limits = limits or AdapterLimits()
+        # path -> (file fingerprint, request): a batch naming one folder 32 times validates it once
+        self._resolved: dict[str, tuple[tuple, LoRARequest]] = {}
 
     def resolve(self, adapter: str | Path | LoRARequest) -> tuple[LoRARequest, CanonicalAdapter | None]:
         """A LoRARequest for a PEFT folder/archive (validated and hashed now; the weights come back too so
@@ -33,12 +35,19 @@ class AdapterSource:
         if isinstance(adapter, LoRARequest):
             return adapter, None
         path = Path(adapter)
+        stamp = _fingerprint(path)
+        known = self._resolved.get(str(path))
+        if known is not None and stamp is not None and known[0] == stamp:
+            return known[1], None
         canonical = load_adapter(path, self.spec, self.limits)
         where = str(path)
         if self.store is not None:
             where = self.store.put(canonical)
         name = path.name[: -len(".tar.gz")] if path.name.endswith(".tar.gz") else path.stem or path.name
-        return LoRARequest(name=name, content_hash=canonical.content_hash, path=where), canonical
+        lora = LoRARequest(name=name, content_hash=canonical.content_hash, path=where)
+        if stamp is not None:
+            self._resolved[str(path)] = (stamp, lora)
+        return lora, canonical
 
     def load(self, lora: LoRARequest) -> dict:
         """The adapter cache's load function: per (layer, module) (A, B). Refuses a path whose content no
@@ -54,3 +63,13 @@ class AdapterSource:
                 ErrorCode.STORE_CORRUPT,
             )
         return module_weights(canonical)
+
+
+def _fingerprint(path: Path) -> tuple | None:
+    """Names, sizes and modification times of the path (and a folder's top-level files): any rewrite of
+    the adapter changes it, so a changed adapter is validated and hashed again."""
+    try:
+        entries = sorted(path.iterdir()) if path.is_dir() else [path]
+        return tuple((e.name, e.stat().st_size, e.stat().st_mtime_ns) for e in entries if e.is_file())
+    except OSError:
+        return None

@@ -1,0 +1,125 @@
+"""The adapter cache inside the engine: slots held while running, prefix caching per adapter and tenant,
+the async front door's adapter calls and the CLI flag."""
+
+from __future__ import annotations
+
+import pytest
+
+from loraplex.engine.config import EngineConfig
+from loraplex.engine.errors import AdapterLoadError
+from loraplex.engine.llm import LLM
+from loraplex.engine.sampling_params import SamplingParams
+from loraplex.testing import make_peft_adapter
+
+PARAMS = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+LONG_PROMPT = [(7 * i + 3) % 300 + 5 for i in range(40)]  # two full 16-token blocks and a tail
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_llama_dir, tmp_path_factory):
+    root = tmp_path_factory.mktemp("engine_adapters")
+    mods = [("q_proj", "v_proj"), ("k_proj", "v_proj", "o_proj"), ("gate_proj", "down_proj"), ("up_proj",)]
+    return [
+        str(make_peft_adapter(tiny_llama_dir, root / f"e{i}", r=4 * (i + 1), target_modules=m, seed=20 + i))
+        for i, m in enumerate(mods)
+    ]
+
+
+def _tokens(outs):
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def test_adapter_never_evicted_while_a_request_uses_it(tiny_llama_dir, adapters):
+    llm = LLM(str(tiny_llama_dir), max_loras=2, max_cpu_loras=2, num_kv_blocks=256)
+    engine, cache = llm.engine, llm.engine.adapter_slots
+    cleared = []
+    original_clear = cache._clear
+
+    def clear(slot):
+        running = [s for s in engine.scheduler.running if s.lora is not None and s.holds_adapter_slot]
+        assert all(cache.slot_of(s.adapter_key) != slot for s in running), "evicted an adapter in use"
+        cleared.append(slot)
+        original_clear(slot)
+
+    cache._clear = clear
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    for i in range(12):
+        engine.add_request(f"r{i}", LONG_PROMPT[: 10 + i], params, lora=llm.resolve_adapter(adapters[i % 4]))
+    while engine.has_unfinished_requests():
+        engine.step()
+        for seq in engine.scheduler.running:
+            if seq.holds_adapter_slot:
+                assert cache._slot_key[cache.slot_of(seq.adapter_key)] == seq.adapter_key
+                assert cache.refcount(seq.adapter_key) >= 1
+    assert cleared, "the test should force evictions"
+    assert all(cache.refcount(k) == 0 for k in (llm.resolve_adapter(a).key for a in adapters))
+
+
+def test_prefix_cached_under_one_adapter_is_not_reused_under_another(tiny_llama_dir, adapters):
+    llm = LLM(str(tiny_llama_dir), max_loras=4, num_kv_blocks=256)
+    bm = llm.engine.block_manager
+    prompt = {"prompt_token_ids": LONG_PROMPT}
+
+    def hits_of(**kw):
+        before = bm.prefix_hits
+        out = _tokens(llm.generate([prompt], PARAMS, use_tqdm=False, **kw))[0]
+        return bm.prefix_hits - before, out
+
+    _, first_a = hits_of(adapter=adapters[0])
+    hits, again_a = hits_of(adapter=adapters[0])
+    assert hits >= 32 and again_a == first_a  # the same adapter reuses its cached prefix
+    for kw in ({"adapter": adapters[1]}, {}, {"adapter": adapters[0], "tenant": "other-tenant"}):
+        hits, out = hits_of(**kw)
+        assert hits == 0, kw
+        fresh = LLM(str(tiny_llama_dir), max_loras=4, num_kv_blocks=256, enable_prefix_caching=False)
+        assert out == _tokens(fresh.generate([prompt], PARAMS, use_tqdm=False, **kw))[0]
+
+
+def test_bad_adapter_is_refused_and_others_go_on(tiny_llama_dir, adapters, tmp_path):
+    llm = LLM(str(tiny_llama_dir), max_loras=2, num_kv_blocks=128)
+    (tmp_path / "adapter_model.bin").write_bytes(b"not a pickle we would open")
+    with pytest.raises(AdapterLoadError, match="pickle"):
+        llm.generate(["hi"], PARAMS, adapter=str(tmp_path), use_tqdm=False)
+    with pytest.raises(AdapterLoadError, match="does not exist"):
+        llm.generate(["hi"], PARAMS, adapter=str(tmp_path / "missing"), use_tqdm=False)
+    assert len(llm.generate(["hi", "there"], PARAMS, adapter=[adapters[0], None], use_tqdm=False)) == 2
+
+
+async def test_async_engine_prefetch_remove_and_stats(tiny_llama_dir, adapters):
+    from loraplex.engine.async_engine import AsyncEngine
+
+    engine = AsyncEngine(EngineConfig(model=str(tiny_llama_dir), max_loras=2, num_kv_blocks=128))
+    await engine.start()
+    try:
+        cache = engine.engine.adapter_slots
+        lora = cache.resolve(adapters[2])
+        await engine.prefetch_adapter(lora, pin=True)
+        stats = engine.stats()
+        assert lora.key in stats.lora_resident and stats.lora_slots_total == 2 and stats.lora_slots_used == 1
+        final = None
+        async for out in engine.generate(LONG_PROMPT[:12], PARAMS, "req-1", adapter=lora):
+            final = out
+        assert final.finished and len(final.outputs[0].token_ids) == 6
+        assert engine.stats().lora_hits_total >= 1
+        await engine.remove_adapter(lora.key)
+        stats = engine.stats()
+        assert lora.key not in stats.lora_resident and lora.key not in stats.lora_host_cached
+    finally:
+        await engine.shutdown()
+
+
+def test_cli_generate_with_adapter(tiny_llama_dir, adapters):
+    from click.testing import CliRunner
+
+    from loraplex.cli import main
+
+    args = ["generate", "--model", str(tiny_llama_dir), "--max-tokens", "5", "Hello world"]
+    base = CliRunner().invoke(main, args)
+    tuned = CliRunner().invoke(main, [*args, "--adapter", adapters[1]])
+    assert base.exit_code == 0 and tuned.exit_code == 0, (base.output, tuned.output)
+    llm = LLM(str(tiny_llama_dir), max_loras=1, num_kv_blocks=64)
+    expected = llm.generate(["Hello world"], SamplingParams(temperature=0.0, max_tokens=5), adapter=adapters[1],
+                            use_tqdm=False)[0].outputs[0].text
+    assert tuned.output.strip() == expected.strip()
+    missing = CliRunner().invoke(main, [*args, "--adapter", "/nonexistent/adapter"])
+    assert missing.exit_code != 0 and "does not exist" in missing.output
