@@ -40,6 +40,9 @@ def build_services(settings: Settings, *, engine: EngineClient | None = None,
                         engine=engine, redis=redis)
     services.owns_engine = engine is None
     services.usage = _usage_recorder(services)
+    from loraplex.platform.tasks.dispatch import TaskDispatcher
+
+    services.tasks = TaskDispatcher(settings)
     return services
 
 
@@ -82,11 +85,24 @@ async def start_services(services: Services, app: FastAPI) -> None:
     if services.engine is not None and services.owns_engine:
         await services.engine.start()
     _bind_metrics(services, app)
+    from loraplex.platform.tasks.context import TaskContext, set_context
+
+    # Tasks run in this process (embedded) or the engine queue is consumed here: both use this engine.
+    set_context(TaskContext(settings, services.sessions, services.engine, asyncio.get_running_loop()))
+    if services.tasks.eager and settings.warm_adapters_interval > 0:
+        services.background.append(asyncio.create_task(_warm_loop(services), name="warm-adapters"))
     # A journal left by an earlier (crashed) process is replayed before new traffic arrives.
     await services.usage.flush()
     services.background.append(asyncio.create_task(services.usage.run(), name="usage-flusher"))
     for hook in services.startup_hooks:
         await hook(services, app)
+
+
+async def _warm_loop(services: Services) -> None:
+    """The embedded default's stand-in for Celery beat: keep the busiest adapters of the last hour warm."""
+    while True:
+        await asyncio.sleep(services.settings.warm_adapters_interval)
+        services.tasks.send("loraplex.warm_popular_adapters")
 
 
 async def shutdown_services(services: Services) -> None:
@@ -100,6 +116,8 @@ async def shutdown_services(services: Services) -> None:
     if services.background:
         await asyncio.gather(*services.background, return_exceptions=True)
     services.background.clear()
+    # Task threads may be waiting on this loop (prefetch into the engine): keep it running meanwhile.
+    await asyncio.to_thread(services.tasks.shutdown)
     try:
         await services.usage.close()
     except Exception:

@@ -28,7 +28,7 @@ def migrated_sqlite_template(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def make_settings(data_dir: Path, **overrides) -> Settings:
-    values = dict(environment="test", secret_key=TEST_SECRET, data_dir=data_dir,
+    values = dict(environment="test", secret_key=TEST_SECRET, data_dir=data_dir, warm_adapters_interval=0,
                   database_url=f"sqlite:///{data_dir / 'loraplex.db'}", auto_migrate=False,
                   embedded_engine=False, redis_url=None, usage_flush_interval=0.05)
     values.update(overrides)
@@ -44,8 +44,9 @@ def data_dir(tmp_path: Path, migrated_sqlite_template: Path) -> Path:
 
 
 @pytest.fixture
-def settings(data_dir: Path) -> Settings:
-    return make_settings(data_dir)
+def settings(data_dir: Path, tiny_llama_dir: Path) -> Settings:
+    # the fake engine serves "fake-base"; uploads are validated against the tiny model's shapes
+    return make_settings(data_dir, model=str(tiny_llama_dir))
 
 
 @pytest.fixture
@@ -106,3 +107,29 @@ def make_tenant(app, client) -> Callable[..., TenantKey]:
             return TenantKey(tenant.id, tenant.name, created.id, created.key)
 
     return make
+
+
+@pytest.fixture(scope="session")
+def peft_adapter_dir(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from loraplex.testing import make_peft_adapter
+
+    return make_peft_adapter(tiny_llama_dir, tmp_path_factory.mktemp("peft"), r=4,
+                             target_modules=("q_proj", "v_proj"), seed=7)
+
+
+@pytest.fixture(scope="session")
+def peft_adapter_zip(peft_adapter_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    import zipfile
+
+    path = tmp_path_factory.mktemp("peftzip") / "adapter.zip"
+    with zipfile.ZipFile(path, "w") as zf:
+        for f in sorted(peft_adapter_dir.iterdir()):
+            if f.is_file():
+                zf.write(f, f"my-adapter/{f.name}")
+    return path
+
+
+def upload(client, tenant: TenantKey, name: str, files: list[tuple[str, bytes]], *, wait: bool = True):
+    """POST /v1/adapters with the given (filename, content) pairs."""
+    return client.post("/v1/adapters", params={"wait": str(wait).lower()}, headers=tenant.headers,
+                       data={"name": name}, files=[("file", (fn, content)) for fn, content in files])

@@ -1,0 +1,134 @@
+"""The adapter registry: uploads become versions, versions get validated, names get deleted."""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import shutil
+from pathlib import Path
+
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session
+
+from loraplex.config import Settings
+from loraplex.platform.errors import bad_request, not_found
+from loraplex.platform.models import Adapter, AdapterVersion, VersionStatus
+from loraplex.platform.schemas.adapters import AdapterPublic, AdapterVersionPublic
+from loraplex.platform.scoping import TenantScope
+from loraplex.platform.uploads import ParsedUpload
+
+ADAPTER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+ARCHIVE_SUFFIXES = (".zip", ".tar.gz", ".tgz", ".tar")
+PEFT_FILES = {"adapter_config.json", "adapter_model.safetensors"}
+TERMINAL = {VersionStatus.ready.value, VersionStatus.failed.value}
+
+
+def uploads_root(settings: Settings) -> Path:
+    return settings.data_dir / "uploads"
+
+
+def version_upload_dir(settings: Settings, version_id: int) -> Path:
+    return uploads_root(settings) / str(version_id)
+
+
+def upload_source(settings: Settings, version: AdapterVersion) -> Path:
+    """What load_adapter reads: the archive itself, or the folder holding the two PEFT files."""
+    folder = version_upload_dir(settings, version.id)
+    if version.upload_filename in PEFT_FILES or version.upload_filename == "peft-files":
+        return folder
+    return folder / version.upload_filename
+
+
+def check_form(upload: ParsedUpload) -> tuple[str, str | None, str, str]:
+    """(name, description, upload filename, upload sha256) from a parsed form, or a 400 naming the field."""
+    name = upload.fields.get("name", "").strip()
+    if not name:
+        raise bad_request("The form field 'name' is required.", param="name")
+    if not ADAPTER_NAME.match(name):
+        raise bad_request("An adapter name is 1-64 letters, digits, '.', '_' or '-' (no '@'), starting with a "
+                          "letter or digit.", param="name")
+    description = upload.fields.get("description") or None
+    files = upload.files
+    if not files:
+        raise bad_request("No file was uploaded: send a .zip or .tar.gz archive, or adapter_config.json and "
+                          "adapter_model.safetensors.", param="file")
+    if len(files) == 1:
+        f = files[0]
+        if not f.filename.lower().endswith(ARCHIVE_SUFFIXES) and f.filename not in PEFT_FILES:
+            # pickles and other formats are refused by the validator with its own reason; let it speak
+            return name, description, f.filename, f.sha256
+        if f.filename in PEFT_FILES:
+            missing = sorted(PEFT_FILES - {f.filename})
+            raise bad_request(f"{f.filename} needs its companion file {missing[0]}.", param="file")
+        return name, description, f.filename, f.sha256
+    names = {f.filename for f in files}
+    if names != PEFT_FILES or len(files) != 2:
+        raise bad_request("Send one archive, or exactly the two PEFT files adapter_config.json and "
+                          f"adapter_model.safetensors (got: {', '.join(sorted(names))}).", param="file")
+    combined = hashlib.sha256("".join(sorted(f.sha256 for f in files)).encode()).hexdigest()
+    return name, description, "peft-files", combined
+
+
+def register_upload(session: Session, scope: TenantScope, settings: Settings, upload: ParsedUpload
+                    ) -> tuple[AdapterVersion, bool]:
+    """Create the version row (and the adapter on first upload) and move the files under its id.
+    Returns (version, created); an identical re-upload returns the existing live version."""
+    name, description, filename, sha = check_form(upload)
+    adapter = scope.one_or_none(Adapter, Adapter.name == name)
+    if adapter is None:
+        adapter = scope.add(Adapter(name=name, description=description))
+        session.flush()
+    else:
+        same = scope.session.scalars(scope.select(
+            AdapterVersion, AdapterVersion.adapter_id == adapter.id, AdapterVersion.upload_sha256 == sha,
+            AdapterVersion.status != VersionStatus.failed.value)).first()
+        if same is not None:
+            upload.discard()
+            return same, False
+        if description:
+            adapter.description = description
+    version = scope.add(AdapterVersion(adapter_id=adapter.id, status=VersionStatus.pending.value,
+                                       upload_sha256=sha, upload_filename=filename,
+                                       upload_bytes=sum(f.size for f in upload.files)))
+    session.flush()
+    target = version_upload_dir(settings, version.id)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(target, ignore_errors=True)
+    upload.directory.rename(target)
+    return version, True
+
+
+def adapter_public(adapter: Adapter) -> AdapterPublic:
+    versions = sorted(adapter.versions, key=lambda v: v.id)
+    ready = [v for v in versions if v.status == VersionStatus.ready.value]
+    return AdapterPublic(
+        id=adapter.name, name=adapter.name, description=adapter.description,
+        status=versions[-1].status if versions else VersionStatus.pending.value,
+        latest_version=ready[-1].version if ready else None, created_at=adapter.created_at,
+        versions=[AdapterVersionPublic.model_validate(v) for v in versions],
+    )
+
+
+def get_adapter(scope: TenantScope, name: str) -> Adapter:
+    adapter = scope.one_or_none(Adapter, Adapter.name == name)
+    if adapter is None:
+        raise not_found(f"No adapter named '{name}'.", param="name", code="adapter_not_found")
+    return adapter
+
+
+def delete_adapter(session: Session, settings: Settings, adapter: Adapter) -> list[str]:
+    """Delete the adapter and its versions; returns content hashes no longer used by any tenant (the
+    caller drops them from the engine and the store after the commit)."""
+    hashes = {v.content_hash for v in adapter.versions if v.content_hash}
+    version_ids = [v.id for v in adapter.versions]
+    session.delete(adapter)
+    session.flush()
+    for vid in version_ids:
+        shutil.rmtree(version_upload_dir(settings, vid), ignore_errors=True)
+    orphaned = []
+    for h in sorted(hashes):
+        still_used = session.scalar(select(func.count()).select_from(AdapterVersion)
+                                    .where(AdapterVersion.content_hash == h))
+        if not still_used:
+            orphaned.append(h)
+    return orphaned

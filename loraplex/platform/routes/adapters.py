@@ -1,0 +1,132 @@
+"""/v1/adapters: upload (multipart, streamed under a size limit), list, read, delete."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+
+from fastapi import APIRouter, Query, Request
+from fastapi.responses import JSONResponse
+
+from loraplex.platform.adapter_registry import (
+    TERMINAL,
+    adapter_public,
+    delete_adapter,
+    get_adapter,
+    register_upload,
+    uploads_root,
+)
+from loraplex.platform.auth import TenantContext
+from loraplex.platform.db import session_scope
+from loraplex.platform.deps import AdaptersKeyDep, ServicesDep, TenantScopeDep
+from loraplex.platform.errors import APIError
+from loraplex.platform.models import Adapter, AdapterVersion, VersionStatus
+from loraplex.platform.schemas.adapters import (
+    AdapterDeleted,
+    AdapterList,
+    AdapterPublic,
+    AdapterVersionPublic,
+)
+from loraplex.platform.scoping import TenantScope
+from loraplex.platform.services import Services
+from loraplex.platform.uploads import parse_upload, too_large
+
+router = APIRouter(prefix="/v1/adapters", tags=["adapters"])
+MULTIPART_OVERHEAD = 64 * 1024  # boundaries and part headers on top of the file bytes
+
+
+@router.post("", response_model=None, status_code=201, responses={202: {"model": AdapterVersionPublic}})
+async def upload_adapter(*, tenant: AdaptersKeyDep, services: ServicesDep, request: Request,
+                         wait: bool = Query(default=False, description="wait for validation to finish")
+                         ) -> JSONResponse:
+    limit = services.settings.max_upload_bytes
+    declared = request.headers.get("content-length")
+    if declared and declared.isdigit() and int(declared) > limit + MULTIPART_OVERHEAD:
+        raise too_large(limit)
+    staging = uploads_root(services.settings) / f"incoming-{uuid.uuid4().hex}"
+    upload = await parse_upload(request.stream(), request.headers.get("content-type", ""), staging, limit)
+    try:
+        version_id, created = await asyncio.to_thread(_register, services, tenant, upload)
+    except BaseException:
+        upload.discard()
+        raise
+    if created:
+        await services.tasks.send_async("loraplex.validate_adapter", version_id)
+    version = await _wait_for(services, version_id, services.settings.upload_wait_seconds if wait else 0.0)
+    if version.status == VersionStatus.failed.value:
+        if wait:
+            await asyncio.to_thread(_forget_failed, services, version_id)
+        raise APIError(422, f"The adapter was refused: {version.error}", param="file",
+                       code=version.error_code or "invalid_adapter")
+    status = 201 if version.status == VersionStatus.ready.value else 202
+    return JSONResponse(version.model_dump(mode="json"), status_code=status)
+
+
+def _register(services: Services, tenant: TenantContext, upload) -> tuple[int, bool]:
+    with session_scope(services.sessions) as session:
+        version, created = register_upload(session, TenantScope(session, tenant.tenant_id), services.settings,
+                                           upload)
+        return version.id, created
+
+
+async def _wait_for(services: Services, version_id: int, timeout: float) -> AdapterVersionPublic:
+    deadline = time.monotonic() + timeout
+    while True:
+        version = await asyncio.to_thread(_read_version, services, version_id)
+        if version.status in TERMINAL or time.monotonic() >= deadline:
+            return version
+        await asyncio.sleep(0.05)
+
+
+def _read_version(services: Services, version_id: int) -> AdapterVersionPublic:
+    with services.sessions() as session:
+        return AdapterVersionPublic.model_validate(session.get(AdapterVersion, version_id))
+
+
+def _forget_failed(services: Services, version_id: int) -> None:
+    """A synchronous refusal leaves nothing behind: the caller has the reason in the response."""
+    with session_scope(services.sessions) as session:
+        version = session.get(AdapterVersion, version_id)
+        if version is None:
+            return
+        adapter = version.adapter
+        session.delete(version)
+        session.flush()
+        if not adapter.versions:
+            session.delete(adapter)
+
+
+@router.get("", response_model=AdapterList)
+def list_adapters(*, _tenant: AdaptersKeyDep, scope: TenantScopeDep) -> AdapterList:
+    return AdapterList(data=[adapter_public(a) for a in scope.all(Adapter, order_by=Adapter.name)])
+
+
+@router.get("/{name}", response_model=AdapterPublic)
+def read_adapter(*, _tenant: AdaptersKeyDep, scope: TenantScopeDep, name: str) -> AdapterPublic:
+    return adapter_public(get_adapter(scope, name))
+
+
+@router.delete("/{name}", response_model=AdapterDeleted)
+async def remove_adapter(*, tenant: AdaptersKeyDep, services: ServicesDep, name: str) -> AdapterDeleted:
+    def delete() -> list[str]:
+        with session_scope(services.sessions) as session:
+            scope = TenantScope(session, tenant.tenant_id)
+            return delete_adapter(session, services.settings, get_adapter(scope, name))
+
+    orphaned = await asyncio.to_thread(delete)
+    await drop_versions(services, orphaned)
+    return AdapterDeleted(id=name)
+
+
+async def drop_versions(services: Services, content_hashes: list[str]) -> None:
+    """Out of the engine at once (this process's), then out of the store; other engine processes get a task."""
+    from loraplex.adapters import LocalAdapterStore
+
+    store = LocalAdapterStore(services.settings.resolved_adapter_store_dir)
+    for content_hash in content_hashes:
+        if services.engine is not None:
+            await services.engine.remove_adapter(content_hash)
+        if not services.tasks.eager:
+            await services.tasks.send_async("loraplex.remove_adapter", content_hash)
+        await asyncio.to_thread(store.delete, content_hash)

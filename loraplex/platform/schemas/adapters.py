@@ -1,0 +1,49 @@
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict
+
+
+class AdapterVersionPublic(BaseModel):
+    model_config = ConfigDict(from_attributes=True)
+
+    id: int
+    version: str | None  # what goes after '@' in a model name, once validated
+    content_hash: str | None
+    status: Literal["pending", "validating", "ready", "failed"]
+    error: str | None
+    error_code: str | None
+    rank: int | None
+    target_modules: str | None
+    upload_filename: str
+    upload_bytes: int
+    created_at: datetime
+    ready_at: datetime | None
+
+
+class AdapterPublic(BaseModel):
+    object: Literal["adapter"] = "adapter"
+    id: str  # the name, as OpenAI names models by id
+    name: str
+    description: str | None
+    status: str  # of the newest version
+    latest_version: str | None  # newest ready version
+    created_at: datetime
+    versions: list[AdapterVersionPublic]
+
+
+class AdapterList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[AdapterPublic]
+
+
+class AdapterDeleted(BaseModel):
+    id: str
+    object: Literal["adapter"] = "adapter"
+    deleted: bool = True
+
+
+class PrefetchRequest(BaseModel):
+    pin: bool = False

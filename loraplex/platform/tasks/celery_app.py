@@ -1,0 +1,74 @@
+"""The Celery app. Redis is the broker in production; the embedded default runs the same tasks in-process.
+
+prefetch/remove go to the engine's own queue: only the process holding the engine can touch its memory.
+"""
+
+from __future__ import annotations
+
+from celery import Celery
+
+from loraplex.config import Settings
+from loraplex.platform.tasks import jobs
+from loraplex.platform.tasks.context import get_context
+
+app = Celery("loraplex", set_as_current=False)
+
+_COMMON = dict(acks_late=True, reject_on_worker_lost=True)
+
+
+def configure(settings: Settings) -> Celery:
+    app.conf.update(
+        broker_url=settings.redis_url or "memory://",
+        result_backend=None,
+        task_ignore_result=True,
+        task_always_eager=settings.tasks_eager,
+        task_acks_late=True,
+        task_reject_on_worker_lost=True,
+        worker_prefetch_multiplier=1,
+        task_default_queue="loraplex",
+        task_routes={
+            "loraplex.prefetch_adapter": {"queue": settings.engine_queue},
+            "loraplex.remove_adapter": {"queue": settings.engine_queue},
+        },
+        broker_transport_options={"visibility_timeout": 3600},
+        broker_connection_retry_on_startup=True,
+        worker_hijack_root_logger=False,
+        beat_schedule={
+            "warm-busiest-adapters": {"task": "loraplex.warm_popular_adapters",
+                                      "schedule": settings.warm_adapters_interval},
+            "rollup-usage": {"task": "loraplex.rollup_usage", "schedule": 3600.0},
+        },
+    )
+    return app
+
+
+@app.task(name="loraplex.validate_adapter", bind=True, max_retries=3, **_COMMON)
+def validate_adapter(self, version_id: int) -> str:
+    status = jobs.validate_adapter(get_context(), version_id)
+    if status == "ready":
+        # eager (embedded): runs right here, on the in-process engine; else queued for the engine process
+        prefetch_adapter.apply_async(args=[version_id])
+    return status
+
+
+@app.task(name="loraplex.prefetch_adapter", **_COMMON)
+def prefetch_adapter(version_id: int, pin: bool = False) -> bool:
+    return jobs.prefetch_adapter(get_context(), version_id, pin)
+
+
+@app.task(name="loraplex.remove_adapter", **_COMMON)
+def remove_adapter(content_hash: str) -> bool:
+    return jobs.remove_adapter(get_context(), content_hash)
+
+
+@app.task(name="loraplex.warm_popular_adapters", **_COMMON)
+def warm_popular_adapters() -> int:
+    version_ids = jobs.busiest_versions(get_context())
+    for vid in version_ids:
+        prefetch_adapter.apply_async(args=[vid])
+    return len(version_ids)
+
+
+@app.task(name="loraplex.rollup_usage", **_COMMON)
+def rollup_usage(day: str | None = None) -> int:
+    return jobs.rollup_usage(get_context(), day)

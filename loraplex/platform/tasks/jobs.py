@@ -1,0 +1,130 @@
+"""Task bodies as plain functions of (context, ids), so the Celery wrappers stay one line each."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from datetime import UTC, date, datetime, timedelta
+
+from sqlalchemy import func, select
+
+from loraplex.engine.lora_request import LoRARequest
+from loraplex.platform.models import Adapter, AdapterVersion, UsageRecord, VersionStatus, utcnow
+from loraplex.platform.registry import store_path
+from loraplex.platform.tasks.context import TaskContext
+
+log = logging.getLogger(__name__)
+
+
+def validate_adapter(ctx: TaskContext, version_id: int) -> str:
+    """pending -> validating -> ready | failed(reason). Returns the final status."""
+    from loraplex.adapters import AdapterLimits, AdapterValidationError, load_adapter
+    from loraplex.platform.adapter_registry import upload_source, version_upload_dir
+
+    with ctx.sessions() as session:
+        version = session.get(AdapterVersion, version_id)
+        if version is None:
+            return "missing"  # deleted before we got to it
+        if version.status in (VersionStatus.ready.value, VersionStatus.failed.value):
+            return version.status
+        version.status = VersionStatus.validating.value
+        session.commit()
+        source = upload_source(ctx.settings, version)
+    try:
+        adapter = load_adapter(source, ctx.base_spec, AdapterLimits.from_settings(ctx.settings))
+        ctx.store.put(adapter)
+    except AdapterValidationError as exc:
+        _finish(ctx, version_id, status=VersionStatus.failed, error=str(exc), error_code=exc.code.value)
+        return VersionStatus.failed.value
+    except FileNotFoundError:
+        _finish(ctx, version_id, status=VersionStatus.failed, error="the uploaded files are gone",
+                error_code="not_found")
+        return VersionStatus.failed.value
+    status = _finish(ctx, version_id, status=VersionStatus.ready, content_hash=adapter.content_hash,
+                     rank=adapter.rank, target_modules=",".join(adapter.target_modules))
+    shutil.rmtree(version_upload_dir(ctx.settings, version_id), ignore_errors=True)
+    return status
+
+
+def _finish(ctx: TaskContext, version_id: int, *, status: VersionStatus, **fields) -> str:
+    from loraplex.platform.adapter_registry import version_upload_dir
+
+    with ctx.sessions() as session:
+        version = session.get(AdapterVersion, version_id)
+        if version is None:  # deleted while we validated: drop what we made
+            return "missing"
+        version.status = status.value
+        for key, value in fields.items():
+            setattr(version, key, value)
+        if status == VersionStatus.ready:
+            version.ready_at = utcnow()
+        session.commit()
+    if status == VersionStatus.failed:
+        shutil.rmtree(version_upload_dir(ctx.settings, version_id), ignore_errors=True)
+    return status.value
+
+
+def lora_request_for(ctx: TaskContext, version_id: int) -> LoRARequest | None:
+    with ctx.sessions() as session:
+        row = session.execute(
+            select(AdapterVersion.content_hash, Adapter.name)
+            .join(Adapter, Adapter.id == AdapterVersion.adapter_id)
+            .where(AdapterVersion.id == version_id, AdapterVersion.status == VersionStatus.ready.value)
+        ).first()
+    if row is None:
+        return None
+    content_hash, name = row
+    return LoRARequest(name=name, content_hash=content_hash,
+                       path=store_path(ctx.settings.resolved_adapter_store_dir.resolve(), content_hash))
+
+
+def prefetch_adapter(ctx: TaskContext, version_id: int, pin: bool = False) -> bool:
+    """Warm a ready version into this process's engine (device slot, else host cache)."""
+    lora = lora_request_for(ctx, version_id)
+    if lora is None:
+        return False
+    if ctx.engine is None:
+        raise RuntimeError("prefetch_adapter runs only in a process that holds an engine "
+                           f"(it is routed to the '{ctx.settings.engine_queue}' queue)")
+    ctx.call_engine(lambda engine: engine.prefetch_adapter(lora, pin=pin))
+    return True
+
+
+def remove_adapter(ctx: TaskContext, content_hash: str) -> bool:
+    if ctx.engine is None:
+        return False
+    ctx.call_engine(lambda engine: engine.remove_adapter(content_hash))
+    return True
+
+
+def busiest_versions(ctx: TaskContext, *, within: timedelta = timedelta(hours=1), limit: int | None = None
+                     ) -> list[int]:
+    """Ready version ids by requests in the last `within`, busiest first."""
+    since = datetime.now(UTC) - within
+    limit = limit or ctx.settings.max_loras
+    with ctx.sessions() as session:
+        counts = (select(UsageRecord.adapter_version.label("h"), func.count().label("n"))
+                  .where(UsageRecord.created_at >= since, UsageRecord.adapter_version.is_not(None))
+                  .group_by(UsageRecord.adapter_version).subquery())
+        stmt = (select(func.max(AdapterVersion.id), counts.c.n)
+                .join(counts, counts.c.h == AdapterVersion.content_hash)
+                .where(AdapterVersion.status == VersionStatus.ready.value)
+                .group_by(AdapterVersion.content_hash, counts.c.n)
+                .order_by(counts.c.n.desc()).limit(limit))
+        return [vid for vid, _n in session.execute(stmt)]
+
+
+def rollup_usage(ctx: TaskContext, day: str | None = None) -> int:
+    """Rebuild daily rollups (billing) for `day`, or for yesterday and today."""
+    try:
+        from loraplex.platform.billing.rollups import rollup_day
+    except ModuleNotFoundError as exc:
+        raise RuntimeError("usage rollups need the billing module (loraplex.platform.billing)") from exc
+    today = datetime.now(UTC).date()
+    days = [date.fromisoformat(day)] if day else [today - timedelta(days=1), today]
+    rows = 0
+    with ctx.sessions() as session:
+        for d in days:
+            rows += rollup_day(session, d)
+        session.commit()
+    return rows

@@ -1,0 +1,205 @@
+"""Adapter upload, validation, listing, use in inference, deletion; tenants never see each other's."""
+
+from __future__ import annotations
+
+import io
+import json
+import tarfile
+import zipfile
+from pathlib import Path
+
+import pytest
+from conftest import upload
+
+from loraplex.adapters import BaseModelSpec, load_adapter
+
+
+def _zip(members: dict[str, bytes]) -> bytes:
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as zf:
+        for name, data in members.items():
+            zf.writestr(name, data)
+    return buf.getvalue()
+
+
+def _peft_files(d: Path) -> dict[str, bytes]:
+    return {"adapter_config.json": (d / "adapter_config.json").read_bytes(),
+            "adapter_model.safetensors": (d / "adapter_model.safetensors").read_bytes()}
+
+
+def _nothing_stored(app, client, tenant) -> None:
+    assert client.get("/v1/adapters", headers=tenant.headers).json()["data"] == []
+    settings = app.state.services.settings
+    store = settings.resolved_adapter_store_dir
+    assert not store.exists() or not any(store.glob("*.safetensors"))
+    uploads = settings.data_dir / "uploads"
+    assert not uploads.exists() or not any(uploads.iterdir())
+
+
+def test_upload_zip_becomes_ready_and_serves(app, client, make_tenant, fake_engine, peft_adapter_zip,
+                                             peft_adapter_dir, tiny_llama_dir):
+    tenant = make_tenant()
+    r = upload(client, tenant, "support-bot", [("adapter.zip", peft_adapter_zip.read_bytes())])
+    assert r.status_code == 201, r.text
+    version = r.json()
+    expected = load_adapter(peft_adapter_dir, BaseModelSpec.from_model_dir(tiny_llama_dir)).content_hash
+    assert version["status"] == "ready" and version["content_hash"] == expected
+    assert version["version"] == expected[:12] and version["rank"] == 4
+
+    listed = client.get("/v1/adapters", headers=tenant.headers).json()["data"]
+    assert [a["name"] for a in listed] == ["support-bot"] and listed[0]["latest_version"] == expected[:12]
+    models = [m["id"] for m in client.get("/v1/models", headers=tenant.headers).json()["data"]]
+    assert models == ["fake-base", "support-bot", f"support-bot@{expected[:12]}"]
+
+    for model in ("support-bot", f"support-bot@{expected[:12]}"):
+        r = client.post("/v1/chat/completions", headers=tenant.headers, json={
+            "model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3})
+        assert r.status_code == 200, r.text
+        lora = fake_engine.requests[-1]["adapter"]
+        assert lora.content_hash == expected and Path(lora.path).is_file()
+    app.state.services.tasks.join()
+    assert (expected, False) in fake_engine.prefetched  # warmed into the engine once ready
+
+    # the same bytes again: no new version
+    r = upload(client, tenant, "support-bot", [("adapter.zip", peft_adapter_zip.read_bytes())])
+    assert r.json()["id"] == version["id"]
+
+
+def test_upload_two_peft_files_without_waiting(client, make_tenant, peft_adapter_dir, app):
+    tenant = make_tenant()
+    r = upload(client, tenant, "pair", list(_peft_files(peft_adapter_dir).items()), wait=False)
+    assert r.status_code in (201, 202), r.text
+    app.state.services.tasks.join()
+    detail = client.get("/v1/adapters/pair", headers=tenant.headers).json()
+    assert detail["status"] == "ready" and detail["versions"][0]["upload_filename"] == "peft-files"
+
+
+def _bad_adapters(d: Path, tmp: Path) -> dict[str, tuple[list[tuple[str, bytes]], str]]:
+    files = _peft_files(d)
+    config = json.loads(files["adapter_config.json"])
+
+    def with_config(**changes) -> bytes:
+        return json.dumps({**config, **changes}).encode()
+
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(d / "adapter_model.safetensors"))
+    key = next(k for k in tensors if "lora_A" in k)
+    nan = {k: v.clone() for k, v in tensors.items()}
+    nan[key][0, 0] = float("nan")
+    save_file(nan, str(tmp / "nan.safetensors"))
+    wrong = {k: v.clone() for k, v in tensors.items()}
+    wrong[key] = wrong[key][:, :-1].contiguous()
+    save_file(wrong, str(tmp / "wrong.safetensors"))
+
+    tar_buf = io.BytesIO()
+    with tarfile.open(fileobj=tar_buf, mode="w:gz") as tf:
+        link = tarfile.TarInfo("adapter_config.json")
+        link.type, link.linkname = tarfile.SYMTYPE, "/etc/passwd"
+        tf.addfile(link)
+    return {
+        "pickle": ([("adapter_model.bin", b"\x80\x04K\x01.")], "pickle_file"),
+        "traversal": ([("a.zip", _zip({"../adapter_config.json": files["adapter_config.json"]}))],
+                      "archive_unsafe_path"),
+        "symlink": ([("a.tar.gz", tar_buf.getvalue())], "archive_link"),
+        "bad_json": ([("a.zip", _zip({"adapter_config.json": b"{nope",
+                                      "adapter_model.safetensors": files["adapter_model.safetensors"]}))],
+                     "config_invalid"),
+        "no_weights": ([("a.zip", _zip({"adapter_config.json": files["adapter_config.json"]}))],
+                       "missing_weights"),
+        "rank": ([("adapter_config.json", with_config(r=4096)),
+                  ("adapter_model.safetensors", files["adapter_model.safetensors"])], "rank_too_large"),
+        "module": ([("adapter_config.json", with_config(target_modules=["lm_head_x"])),
+                    ("adapter_model.safetensors", files["adapter_model.safetensors"])], "unknown_target_module"),
+        "nan": ([("adapter_config.json", files["adapter_config.json"]),
+                 ("adapter_model.safetensors", (tmp / "nan.safetensors").read_bytes())], "non_finite"),
+        "shape": ([("adapter_config.json", files["adapter_config.json"]),
+                   ("adapter_model.safetensors", (tmp / "wrong.safetensors").read_bytes())], "shape_mismatch"),
+        "garbage_safetensors": ([("adapter_config.json", files["adapter_config.json"]),
+                                 ("adapter_model.safetensors", b"\x08" + b"\x00" * 7 + b"not json")], "safetensors_corrupt"),
+    }
+
+
+CASES = ["pickle", "traversal", "symlink", "bad_json", "no_weights", "rank", "module", "nan", "shape",
+         "garbage_safetensors"]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_bad_adapter_is_refused_with_reason_and_nothing_stored(app, client, make_tenant, peft_adapter_dir,
+                                                               tmp_path, case):
+    tenant = make_tenant()
+    files, code = _bad_adapters(peft_adapter_dir, tmp_path)[case]
+    r = upload(client, tenant, "bad", files)
+    assert r.status_code == 422, r.text
+    err = r.json()["error"]
+    assert err["code"] == code, err
+    assert err["message"].startswith("The adapter was refused: ") and len(err["message"]) > 30
+    _nothing_stored(app, client, tenant)
+
+
+def test_failed_version_keeps_reason_when_not_waiting(app, client, make_tenant, peft_adapter_dir, tmp_path):
+    tenant = make_tenant()
+    files, code = _bad_adapters(peft_adapter_dir, tmp_path)["nan"]
+    r = upload(client, tenant, "later", files, wait=False)
+    assert r.status_code in (202, 422)
+    app.state.services.tasks.join()
+    detail = client.get("/v1/adapters/later", headers=tenant.headers).json()
+    assert detail["status"] == "failed" and detail["versions"][0]["error_code"] == code
+    assert "non-finite" in detail["versions"][0]["error"] or "NaN" in detail["versions"][0]["error"]
+    uploads = app.state.services.settings.data_dir / "uploads"
+    assert not any(uploads.iterdir())
+
+
+@pytest.mark.parametrize("form,param", [
+    ({"data": {}, "files": [("file", ("a.zip", b"x"))]}, "name"),
+    ({"data": {"name": "bad@name"}, "files": [("file", ("a.zip", b"x"))]}, "name"),
+    ({"data": {"name": "ok"}}, "file"),
+    ({"data": {"name": "ok"}, "files": [("file", ("adapter_config.json", b"{}"))]}, "file"),
+])
+def test_malformed_upload_forms_are_400(client, make_tenant, form, param):
+    tenant = make_tenant()
+    r = client.post("/v1/adapters", headers=tenant.headers, **form)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param
+
+
+def test_declared_oversized_upload_is_refused_before_reading(client, make_tenant, app):
+    tenant = make_tenant()
+    limit = app.state.services.settings.max_upload_bytes
+    r = client.post("/v1/adapters", headers={**tenant.headers, "content-length": str(limit * 2),
+                                             "content-type": "multipart/form-data; boundary=x"}, content=b"")
+    assert r.status_code == 413 and r.json()["error"]["code"] == "upload_too_large"
+
+
+def test_tenants_never_see_each_others_adapters(app, client, make_tenant, peft_adapter_zip, fake_engine):
+    owner, other = make_tenant(), make_tenant()
+    r = upload(client, owner, "private", [("adapter.zip", peft_adapter_zip.read_bytes())])
+    version = r.json()["version"]
+    assert client.get("/v1/adapters/private", headers=other.headers).status_code == 404
+    assert client.get("/v1/adapters", headers=other.headers).json()["data"] == []
+    for model in ("private", f"private@{version}"):
+        r = client.post("/v1/chat/completions", headers=other.headers, json={
+            "model": model, "messages": [{"role": "user", "content": "hi"}]})
+        assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+    assert client.delete("/v1/adapters/private", headers=other.headers).status_code == 404
+    # the same name is free for the other tenant
+    assert upload(client, other, "private", [("adapter.zip", peft_adapter_zip.read_bytes())]).status_code == 201
+
+
+def test_delete_removes_from_engine_and_store(app, client, make_tenant, peft_adapter_zip, fake_engine):
+    tenant = make_tenant()
+    content_hash = upload(client, tenant, "gone", [("a.zip", peft_adapter_zip.read_bytes())]).json()["content_hash"]
+    store = app.state.services.settings.resolved_adapter_store_dir
+    assert (store / f"{content_hash}.safetensors").exists()
+    r = client.delete("/v1/adapters/gone", headers=tenant.headers)
+    assert r.status_code == 200 and r.json() == {"id": "gone", "object": "adapter", "deleted": True}
+    assert content_hash in fake_engine.removed
+    assert not (store / f"{content_hash}.safetensors").exists()
+    r = client.post("/v1/chat/completions", headers=tenant.headers,
+                    json={"model": "gone", "messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 404
+
+
+def test_adapter_routes_need_the_adapters_scope(client, make_tenant):
+    tenant = make_tenant(scopes=["inference"])
+    assert client.get("/v1/adapters", headers=tenant.headers).status_code == 403

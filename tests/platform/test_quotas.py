@@ -1,0 +1,109 @@
+"""The limiter contract, run against the in-process limiter and the Redis Lua script alike."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import uuid
+
+import pytest
+
+from loraplex.platform.quotas import QuotaExceeded, QuotaLimits
+from loraplex.platform.quotas.memory import MemoryQuotaLimiter
+
+REDIS_URL = os.environ.get("LORAPLEX_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+T0 = 1_800_000_000.0  # a fixed instant, aligned to a minute window
+LIMITS = QuotaLimits(requests_per_minute=3, tokens_per_minute=100, max_concurrent=2, monthly_token_budget=250)
+
+
+async def _redis_or_skip():
+    import redis.asyncio as aioredis
+
+    client = aioredis.from_url(REDIS_URL)
+    try:
+        await client.ping()
+    except Exception:
+        await client.aclose()
+        pytest.skip("no Redis on this machine")
+    return client
+
+
+@pytest.fixture(params=["memory", "redis"])
+async def limiter(request):
+    if request.param == "memory":
+        yield MemoryQuotaLimiter()
+        return
+    from loraplex.platform.quotas.redis import RedisQuotaLimiter
+
+    client = await _redis_or_skip()
+    prefix = f"lpxtest-{uuid.uuid4().hex[:8]}"
+    yield RedisQuotaLimiter(client, prefix=prefix)
+    keys = [k async for k in client.scan_iter(f"{prefix}:*")]
+    if keys:
+        await client.delete(*keys)
+    await client.aclose()
+
+
+async def test_requests_per_minute_and_headers(limiter):
+    for i in range(3):
+        r = await limiter.acquire(1, LIMITS, f"r{i}", 1, now=T0 + i)
+        await limiter.settle(r, 1)
+        assert r.headers["x-ratelimit-remaining-requests"] == str(2 - i)
+    with pytest.raises(QuotaExceeded) as info:
+        await limiter.acquire(1, LIMITS, "r3", 1, now=T0 + 10)
+    exc = info.value
+    assert exc.kind == "requests"
+    assert exc.headers["x-ratelimit-limit-requests"] == "3"
+    assert exc.headers["x-ratelimit-remaining-requests"] == "0"
+    assert exc.headers["x-ratelimit-reset-requests"] == "50s"
+    assert exc.headers["retry-after"] == "50"
+    # the next window starts fresh; another tenant never shared this one
+    await limiter.acquire(1, LIMITS, "r4", 1, now=T0 + 60)
+    await limiter.acquire(2, LIMITS, "other", 1, now=T0 + 10)
+
+
+async def test_tokens_are_reserved_then_settled(limiter):
+    big = await limiter.acquire(1, LIMITS, "a", 90, now=T0)
+    with pytest.raises(QuotaExceeded) as info:
+        await limiter.acquire(1, LIMITS, "b", 20, now=T0 + 1)
+    assert info.value.kind == "tokens"
+    await limiter.settle(big, 30)  # used far less than reserved: the rest comes back
+    await limiter.settle(big, 30)  # settling twice changes nothing
+    r = await limiter.acquire(1, LIMITS, "c", 70, now=T0 + 2)
+    assert r.headers["x-ratelimit-remaining-tokens"] == "0"
+
+
+async def test_concurrency_slots_free_on_settle(limiter):
+    a = await limiter.acquire(1, LIMITS, "a", 1, now=T0)
+    await limiter.acquire(1, LIMITS, "b", 1, now=T0)
+    with pytest.raises(QuotaExceeded) as info:
+        await limiter.acquire(1, LIMITS, "c", 1, now=T0)
+    assert info.value.kind == "concurrent"
+    await limiter.settle(a, 1)
+    await limiter.acquire(1, LIMITS, "c", 1, now=T0)
+
+
+async def test_monthly_budget(limiter):
+    limits = QuotaLimits(requests_per_minute=100, tokens_per_minute=1000, max_concurrent=10,
+                         monthly_token_budget=250)
+    for i in range(2):
+        r = await limiter.acquire(1, limits, f"m{i}", 100, now=T0 + 60 * i)
+        await limiter.settle(r, 100)
+    with pytest.raises(QuotaExceeded) as info:
+        await limiter.acquire(1, limits, "m2", 100, now=T0 + 180)
+    assert info.value.kind == "monthly_budget"
+    assert int(info.value.headers["retry-after"]) > 0
+
+
+async def test_concurrent_acquires_never_overshoot(limiter):
+    limits = QuotaLimits(requests_per_minute=1000, tokens_per_minute=500, max_concurrent=1000,
+                         monthly_token_budget=10**9)
+
+    async def one(i):
+        try:
+            return await limiter.acquire(1, limits, f"x{i}", 30, now=T0)
+        except QuotaExceeded:
+            return None
+
+    results = await asyncio.gather(*(one(i) for i in range(60)))
+    assert sum(r is not None for r in results) == 500 // 30
