@@ -128,3 +128,26 @@ def test_playground_streams_as_the_tenant_and_is_billed_to_it(console, make_tena
     missing = console.client.post("/console/api/playground/chat", json={**body, "model": "nope"},
                                   headers={"X-CSRF-Token": console.csrf})
     assert missing.status_code in (403, 404)
+
+
+def test_adapter_upload_needs_the_csrf_header_and_reports_the_failure_reason(console, make_tenant):
+    tk = make_tenant("umbrella")
+    url = f"/console/api/tenants/{tk.tenant_id}/adapters"
+    files = {"file": ("adapter_model.bin", b"\x80\x04 not a pickle we will ever open", "application/octet-stream")}
+    refused = console.client.post(url, data={"name": "bad", "csrf_token": console.csrf}, files=files)
+    assert refused.status_code == 403  # a multipart post must carry the header, not a form field
+    r = console.client.post(url, data={"name": "bad"}, files=files, headers={"X-CSRF-Token": console.csrf})
+    assert r.status_code == 202, r.text
+    status_url = r.json()["status_url"]
+    console.app.state.services.tasks.join()
+    status = console.client.get(status_url).json()
+    assert status["status"] == "failed" and status["failure_reason"]
+    page = console.client.get(f"/console/adapters?tenant_id={tk.tenant_id}")
+    assert "bad" in page.text and status["failure_reason"].split(":")[0] in page.text
+    other = make_tenant("other")
+    assert console.client.get(status_url.replace(f"/tenants/{tk.tenant_id}/", f"/tenants/{other.tenant_id}/")
+                              ).status_code == 404
+    r = console.post(f"/console/tenants/{tk.tenant_id}/adapters/bad/delete")
+    assert r.status_code == 303
+    assert "bad" not in console.client.get(f"/console/adapters?tenant_id={tk.tenant_id}").text.split("<main>")[1] \
+        .split("Upload an adapter")[1]

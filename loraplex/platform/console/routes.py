@@ -7,7 +7,14 @@ import mimetypes
 from fastapi import APIRouter, HTTPException
 from fastapi.responses import FileResponse, RedirectResponse
 
-from loraplex.platform.console import auth_routes, dashboard, playground, tenant_pages, usage_pages
+from loraplex.platform.console import (
+    adapter_pages,
+    auth_routes,
+    dashboard,
+    playground,
+    tenant_pages,
+    usage_pages,
+)
 from loraplex.platform.console.templating import WEB_DIR
 
 router = APIRouter(prefix="/console", include_in_schema=False)
@@ -31,6 +38,6 @@ def static_asset(path: str) -> FileResponse:
     })
 
 
-PAGE_MODULES = (auth_routes, dashboard, tenant_pages, usage_pages, playground)
+PAGE_MODULES = (auth_routes, dashboard, tenant_pages, adapter_pages, usage_pages, playground)
 for module in PAGE_MODULES:
     router.include_router(module.router)

@@ -55,5 +55,9 @@ const Console = (() => {
     if (msg && !confirm(msg)) ev.preventDefault();
   });
 
+  document.addEventListener("change", (ev) => {
+    if (ev.target.matches("select[data-autosubmit]")) ev.target.form.submit();
+  });
+
   return { api, flash, el, fmt, csrf };
 })();

@@ -1,0 +1,131 @@
+"""Adapters of a tenant: upload (streamed, with progress in the browser), status and failure reasons,
+versions, engine cache residency, delete, prefetch and pin."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+from fastapi import APIRouter, HTTPException, Request
+from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse
+from sqlalchemy import select
+
+from loraplex.platform.adapter_registry import (
+    adapter_public,
+    delete_adapter,
+    get_adapter,
+    register_upload,
+    uploads_root,
+)
+from loraplex.platform.console.deps import ConsoleDep, ConsolePostDep
+from loraplex.platform.console.templating import redirect, render
+from loraplex.platform.db import session_scope
+from loraplex.platform.deps import ServicesDep
+from loraplex.platform.errors import APIError
+from loraplex.platform.metrics import get_metrics
+from loraplex.platform.models import Adapter, AdapterVersion, Tenant, VersionStatus
+from loraplex.platform.routes.adapters import MULTIPART_OVERHEAD, drop_versions
+from loraplex.platform.scoping import TenantScope
+from loraplex.platform.tenants import TenantError, get_tenant
+from loraplex.platform.uploads import parse_upload, too_large
+
+router = APIRouter()
+
+
+def _residency(request: Request) -> tuple[set[str], set[str], set[str]]:
+    stats = get_metrics(request.app).engine_stats()
+    if stats is None:
+        return set(), set(), set()
+    return set(stats.lora_resident), set(stats.lora_host_cached), set(stats.extra.get("lora_pinned", ()))
+
+
+@router.get("/adapters", response_class=HTMLResponse)
+def adapters_page(request: Request, context: ConsoleDep, services: ServicesDep) -> HTMLResponse:
+    with services.sessions() as session:
+        tenants = list(session.scalars(select(Tenant).order_by(Tenant.name)))
+        raw = request.query_params.get("tenant_id")
+        tenant = next((t for t in tenants if raw and str(t.id) == raw), tenants[0] if tenants else None)
+        adapters = []
+        if tenant is not None:
+            scope = TenantScope(session, tenant.id)
+            adapters = [adapter_public(a) for a in scope.all(Adapter, order_by=Adapter.name)]
+    device, host, pinned = _residency(request)
+    return render(request, "adapters.html", context, tenants=tenants, tenant=tenant, adapters=adapters,
+                  device=device, host=host, pinned=pinned, engine_ready=services.engine is not None,
+                  max_upload_mb=services.settings.max_upload_bytes // (1024 * 1024))
+
+
+@router.post("/api/tenants/{tenant_id}/adapters")
+async def upload(request: Request, _context: ConsolePostDep, services: ServicesDep, tenant_id: int) -> JSONResponse:
+    """The same streamed, size-limited upload as POST /v1/adapters, on behalf of the tenant."""
+    with services.sessions() as session:
+        try:
+            tenant = get_tenant(session, tenant_id)
+        except TenantError as exc:
+            raise HTTPException(404, str(exc)) from exc
+    limit = services.settings.max_upload_bytes
+    declared = request.headers.get("content-length")
+    if declared and declared.isdigit() and int(declared) > limit + MULTIPART_OVERHEAD:
+        raise too_large(limit)
+    staging = uploads_root(services.settings) / f"incoming-{uuid.uuid4().hex}"
+    parsed = await parse_upload(request.stream(), request.headers.get("content-type", ""), staging, limit)
+
+    def register() -> tuple[int, bool, str]:
+        with session_scope(services.sessions) as session:
+            version, created = register_upload(session, TenantScope(session, tenant.id), services.settings, parsed)
+            return version.id, created, version.adapter.name
+
+    try:
+        version_id, created, name = await asyncio.to_thread(register)
+    except BaseException:
+        parsed.discard()
+        raise
+    if created:
+        await services.tasks.send_async("loraplex.validate_adapter", version_id)
+    return JSONResponse({
+        "name": name, "version_id": version_id, "status": VersionStatus.pending.value if created else "existing",
+        "status_url": f"/console/api/tenants/{tenant.id}/versions/{version_id}",
+    }, status_code=202 if created else 200)
+
+
+@router.get("/api/tenants/{tenant_id}/versions/{version_id}")
+def version_status(_context: ConsoleDep, services: ServicesDep, tenant_id: int, version_id: int) -> JSONResponse:
+    with services.sessions() as session:
+        version = TenantScope(session, tenant_id).one_or_none(AdapterVersion, AdapterVersion.id == version_id)
+        if version is None:
+            raise HTTPException(404, f"no version {version_id} of tenant {tenant_id}")
+        return JSONResponse({"name": version.adapter.name, "status": version.status, "version": version.version,
+                             "failure_reason": version.error})
+
+
+@router.post("/tenants/{tenant_id}/adapters/{name}/delete")
+async def delete(request: Request, _context: ConsolePostDep, services: ServicesDep, tenant_id: int,
+                 name: str) -> RedirectResponse:
+    back = f"/console/adapters?tenant_id={tenant_id}"
+
+    def remove() -> list[str]:
+        with session_scope(services.sessions) as session:
+            return delete_adapter(session, services.settings, get_adapter(TenantScope(session, tenant_id), name))
+
+    try:
+        orphaned = await asyncio.to_thread(remove)
+    except APIError as exc:
+        return redirect(request, back, error=exc.message)
+    await drop_versions(services, orphaned)
+    return redirect(request, back, flash=f"Adapter {name} deleted.")
+
+
+@router.post("/tenants/{tenant_id}/versions/{version_id}/prefetch")
+async def prefetch(request: Request, _context: ConsolePostDep, services: ServicesDep, tenant_id: int,
+                   version_id: int) -> RedirectResponse:
+    form = await request.form()
+    pin = form.get("pin") == "1"
+    back = f"/console/adapters?tenant_id={tenant_id}"
+    with services.sessions() as session:
+        version = TenantScope(session, tenant_id).one_or_none(AdapterVersion, AdapterVersion.id == version_id)
+        if version is None or version.status != VersionStatus.ready.value:
+            return redirect(request, back, error="Only a ready version can be prefetched.")
+        label = f"{version.adapter.name}@{version.version}"
+    await services.tasks.send_async("loraplex.prefetch_adapter", version_id, pin)
+    verb = "pinned in the engine's cache" if pin else "being loaded into the engine's cache"
+    return redirect(request, back, flash=f"{label} is {verb}.")
