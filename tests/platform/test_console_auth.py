@@ -15,7 +15,8 @@ from loraplex.platform.models import ApiKey, Tenant
 
 PUBLIC = {("GET", "/console/login"), ("POST", "/console/login"), ("GET", "/console"), ("GET", "/console/"),
           ("GET", "/console/static/{path:path}")}
-SAMPLE_PARAMS = {"tenant_id": "1", "key_id": "1", "period": "2026-11", "name": "sql", "path": "css/console.css"}
+SAMPLE_PARAMS = {"tenant_id": "1", "key_id": "1", "version_id": "1", "period": "2026-11", "name": "sql",
+                 "path": "css/console.css"}
 
 
 def _console_routes() -> list[tuple[str, str]]:
