@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from sqlalchemy import Engine
@@ -32,11 +33,12 @@ class Services:
 
     @property
     def base_model_name(self) -> str:
+        """What clients put in `model` for the base model: a served name, or the model's short name (a
+        local directory is known by its folder name, not its full path)."""
         if self.settings.served_model_name:
             return self.settings.served_model_name
-        if self.engine is not None:
-            return self.engine.model_name
-        return self.settings.model
+        name = self.engine.model_name if self.engine is not None else self.settings.model
+        return Path(name).name if "/" in name and Path(name).exists() else name
 
     def require_engine(self) -> EngineClient:
         from loraplex.platform.errors import unavailable

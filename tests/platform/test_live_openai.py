@@ -1,0 +1,173 @@
+"""End to end: a live uvicorn server running the real engine on a tiny model, driven by the official
+`openai` client. One server for the module; every test makes its own tenants."""
+
+from __future__ import annotations
+
+import shutil
+import uuid
+
+import httpx
+import openai
+import pytest
+from conftest import make_settings
+from live_server import live_server
+
+PROMPT = [{"role": "user", "content": "Tell me about the quick brown fox."}]
+
+
+class Live:
+    def __init__(self, base_url: str, app, admin_key: str):
+        self.base_url = base_url
+        self.app = app
+        self.admin = httpx.Client(base_url=base_url, headers={"Authorization": f"Bearer {admin_key}"}, timeout=60)
+        self.model = app.state.services.base_model_name
+
+    def tenant(self, **quotas) -> tuple[int, int, str]:
+        r = self.admin.post("/admin/api/tenants", json={"name": f"t-{uuid.uuid4().hex[:8]}", **quotas})
+        r.raise_for_status()
+        tenant_id = r.json()["id"]
+        key = self.admin.post(f"/admin/api/tenants/{tenant_id}/keys", json={}).json()
+        return tenant_id, key["id"], key["key"]
+
+    def client(self, key: str) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.base_url}/v1", api_key=key, max_retries=0, timeout=60)
+
+    def flush_usage(self) -> None:
+        import asyncio
+
+        services = self.app.state.services
+        future = asyncio.run_coroutine_threadsafe(services.usage.flush(), self.loop)
+        future.result(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def live(tmp_path_factory, migrated_sqlite_template, tiny_llama_dir):
+    from loraplex.platform.app import create_app
+    from loraplex.platform.db import session_scope
+    from loraplex.platform.tasks.context import get_context
+    from loraplex.platform.tenants import create_admin_key
+
+    data_dir = tmp_path_factory.mktemp("live")
+    shutil.copy(migrated_sqlite_template, data_dir / "loraplex.db")
+    settings = make_settings(data_dir, model=str(tiny_llama_dir), served_model_name="tiny-base",
+                             embedded_engine=True, kv_cache_memory=4 * 1024 * 1024, max_model_len=256)
+    app = create_app(settings)
+    with live_server(app) as url:
+        with session_scope(app.state.services.sessions) as session:
+            _, admin_key = create_admin_key(session, settings)
+        live = Live(url, app, admin_key)
+        live.loop = get_context().loop  # the server's event loop, set when the app started
+        yield live
+
+
+def test_chat_counts_every_generated_token(live):
+    _, _, key = live.tenant()
+    client = live.client(key)
+    r = client.chat.completions.create(model=live.model, messages=PROMPT, max_tokens=9, temperature=0,
+                                       logprobs=True, top_logprobs=2, extra_body={"ignore_eos": True})
+    choice = r.choices[0]
+    assert choice.finish_reason == "length"
+    assert r.usage.completion_tokens == 9 == len(choice.logprobs.content)
+    assert len(choice.logprobs.content[0].top_logprobs) == 2
+    assert r.usage.prompt_tokens > 5 and r.usage.total_tokens == r.usage.prompt_tokens + 9
+    again = client.chat.completions.create(model=live.model, messages=PROMPT, max_tokens=9, temperature=0,
+                                           extra_body={"ignore_eos": True})
+    assert again.choices[0].message.content == choice.message.content  # greedy is deterministic
+
+
+def test_streaming_chat_and_completion(live):
+    _, _, key = live.tenant()
+    client = live.client(key)
+    stream = client.chat.completions.create(model=live.model, messages=PROMPT, max_tokens=7, temperature=0,
+                                            stream=True, stream_options={"include_usage": True},
+                                            logprobs=True, extra_body={"ignore_eos": True})
+    chunks = list(stream)
+    usage = chunks[-1].usage
+    streamed_tokens = sum(len(c.choices[0].logprobs.content) for c in chunks
+                          if c.choices and c.choices[0].logprobs)
+    assert usage.completion_tokens == streamed_tokens == 7
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    whole = client.chat.completions.create(model=live.model, messages=PROMPT, max_tokens=7, temperature=0,
+                                           extra_body={"ignore_eos": True})
+    assert text == whole.choices[0].message.content
+
+    completion = client.completions.create(model=live.model, prompt="The quick brown", max_tokens=5,
+                                           temperature=0, n=2, extra_body={"ignore_eos": True})
+    assert len(completion.choices) == 2 and completion.usage.completion_tokens == 10
+    pieces = list(client.completions.create(model=live.model, prompt="The quick brown", max_tokens=5,
+                                            temperature=0, stream=True, stream_options={"include_usage": True},
+                                            extra_body={"ignore_eos": True}))
+    assert pieces[-1].usage.completion_tokens == 5
+    assert "".join(p.choices[0].text for p in pieces if p.choices) == completion.choices[0].text
+
+
+def test_adapter_model_end_to_end(live, peft_adapter_zip):
+    _, _, key = live.tenant()
+    _, _, other_key = live.tenant()
+    r = httpx.post(f"{live.base_url}/v1/adapters", params={"wait": "true"},
+                   headers={"Authorization": f"Bearer {key}"}, data={"name": "fox"},
+                   files={"file": ("fox.zip", peft_adapter_zip.read_bytes())}, timeout=60)
+    assert r.status_code == 201, r.text
+    version = r.json()["version"]
+    client = live.client(key)
+    ids = [m.id for m in client.models.list().data]
+    assert ids == ["tiny-base", "fox", f"fox@{version}"]
+
+    def greedy(model: str) -> list[str]:
+        out = client.chat.completions.create(model=model, messages=PROMPT, max_tokens=12, temperature=0,
+                                             logprobs=True, extra_body={"ignore_eos": True})
+        assert out.usage.completion_tokens == 12
+        return [t.token for t in out.choices[0].logprobs.content]
+
+    assert greedy("fox") == greedy(f"fox@{version}") != greedy(live.model)
+    with pytest.raises(openai.NotFoundError) as info:
+        live.client(other_key).chat.completions.create(model="fox", messages=PROMPT, max_tokens=2)
+    assert info.value.code == "model_not_found"
+
+
+def test_bad_and_revoked_keys_get_401(live):
+    with pytest.raises(openai.AuthenticationError):
+        live.client("lpx_not-a-real-key").models.list()
+    _, key_id, key = live.tenant()
+    client = live.client(key)
+    client.models.list()
+    live.admin.delete(f"/admin/api/keys/{key_id}").raise_for_status()
+    with pytest.raises(openai.AuthenticationError) as info:
+        client.chat.completions.create(model=live.model, messages=PROMPT, max_tokens=2)
+    assert "revoked" in str(info.value)
+    assert info.value.response.headers["x-request-id"].startswith("req_")
+
+
+def test_over_quota_gets_429_with_headers(live):
+    _, _, key = live.tenant(requests_per_minute=2)
+    client = live.client(key)
+    for _ in range(2):
+        raw = client.chat.completions.with_raw_response.create(model=live.model, messages=PROMPT, max_tokens=2)
+        assert raw.headers["x-ratelimit-limit-requests"] == "2"
+    with pytest.raises(openai.RateLimitError) as info:
+        client.chat.completions.create(model=live.model, messages=PROMPT, max_tokens=2)
+    headers = info.value.response.headers
+    assert headers["x-ratelimit-remaining-requests"] == "0"
+    assert headers["x-ratelimit-limit-tokens"] and headers["x-ratelimit-reset-requests"].endswith("s")
+    assert int(headers["retry-after"]) >= 1
+    assert info.value.code == "rate_limit_exceeded"
+
+
+def test_invalid_request_is_400_with_param(live):
+    _, _, key = live.tenant()
+    with pytest.raises(openai.BadRequestError) as info:
+        live.client(key).chat.completions.create(model=live.model, messages=PROMPT, max_tokens=10_000)
+    assert info.value.param == "max_tokens"
+
+
+def test_usage_report_matches_responses(live):
+    _, _, key = live.tenant()
+    client = live.client(key)
+    total = 0
+    for n in (3, 4):
+        r = client.chat.completions.create(model=live.model, messages=PROMPT, max_tokens=n,
+                                           extra_body={"ignore_eos": True})
+        total += r.usage.completion_tokens
+    live.flush_usage()
+    report = httpx.get(f"{live.base_url}/v1/usage", headers={"Authorization": f"Bearer {key}"}).json()
+    assert [(b["requests"], b["completion_tokens"]) for b in report["data"]] == [(2, total)]
