@@ -7,7 +7,7 @@
     adapter.content_hash                      # sha256: names this immutable version everywhere
     adapter.weights[(0, "q_proj")].a          # [r, in]  fp32
     adapter.weights[(0, "q_proj")].b          # [out, r] fp32, alpha/r (or alpha/sqrt(r)) folded in
-    store = LocalAdapterStore("data/adapters")
+    store = LocalAdapterStore("data/adapters")      # or open_store("s3://bucket/adapters", cache_dir=...)
     store.put(adapter); store.get(adapter.content_hash)
 
 `load_adapter(path, spec, limits=None) -> CanonicalAdapter` accepts a folder (adapter_config.json +
@@ -28,6 +28,7 @@ from .limits import AdapterLimits
 from .loader import load_adapter
 from .spec import ARCHITECTURES, MODULES, BaseModelSpec, ModuleShape, ModuleSlice
 from .store import AdapterStore, LocalAdapterStore, read_entry
+from .store_s3 import S3AdapterStore, open_store
 
 __all__ = [
     "ARCHITECTURES",
@@ -42,8 +43,10 @@ __all__ = [
     "LoraWeights",
     "ModuleShape",
     "ModuleSlice",
+    "S3AdapterStore",
     "content_hash",
     "load_adapter",
+    "open_store",
     "read_entry",
     "safe_extract",
 ]

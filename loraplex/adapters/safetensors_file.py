@@ -3,10 +3,12 @@ that names the problem instead of a parser's panic, and a huge header is never p
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import struct
 from pathlib import Path
+from typing import BinaryIO
 
 import torch
 
@@ -21,23 +23,25 @@ _KNOWN_DTYPE_SIZES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 
 def read_header(path: Path, limits: AdapterLimits) -> tuple[dict, int, dict[str, str]]:
     """The parsed, checked header (tensor name -> {dtype, shape, data_offsets}), the offset where tensor
     data starts, and the file's string metadata."""
-    name = path.name
-    file_size = path.stat().st_size
+    with open(path, "rb") as f:
+        return _read_header(f, path.stat().st_size, path.name, limits)
+
+
+def _read_header(f: BinaryIO, file_size: int, name: str, limits: AdapterLimits) -> tuple[dict, int, dict[str, str]]:
     if file_size > limits.max_member_bytes:
         raise AdapterValidationError(f"{name} is {file_size} bytes, over the limit of {limits.max_member_bytes}",
                                      ErrorCode.ARCHIVE_MEMBER_TOO_LARGE)
-    with open(path, "rb") as f:
-        prefix = f.read(8)
-        if len(prefix) < 8:
-            raise _corrupt(name, "file is shorter than the 8-byte header length")
-        (header_len,) = struct.unpack("<Q", prefix)
-        if header_len > limits.max_header_bytes:
-            raise AdapterValidationError(
-                f"{name}: safetensors header is {header_len} bytes, over the limit of {limits.max_header_bytes}",
-                ErrorCode.HEADER_TOO_LARGE)
-        if header_len > file_size - 8:
-            raise _corrupt(name, f"header length {header_len} runs past the end of the file ({file_size} bytes)")
-        raw = f.read(header_len)
+    prefix = f.read(8)
+    if len(prefix) < 8:
+        raise _corrupt(name, "file is shorter than the 8-byte header length")
+    (header_len,) = struct.unpack("<Q", prefix)
+    if header_len > limits.max_header_bytes:
+        raise AdapterValidationError(
+            f"{name}: safetensors header is {header_len} bytes, over the limit of {limits.max_header_bytes}",
+            ErrorCode.HEADER_TOO_LARGE)
+    if header_len > file_size - 8:
+        raise _corrupt(name, f"header length {header_len} runs past the end of the file ({file_size} bytes)")
+    raw = f.read(header_len)
     try:
         header = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, ValueError) as exc:
@@ -87,12 +91,21 @@ def read_tensors(path: Path, limits: AdapterLimits) -> tuple[dict[str, torch.Ten
 
     The file is read once into memory the tensors then share (no memory map: a map would tie the tensors
     to a file that may be replaced or deleted, and fault pages in later, at serving time)."""
-    header, data_start, metadata = read_header(path, limits)
-    data = torch.empty(path.stat().st_size - data_start, dtype=torch.uint8)
     with open(path, "rb") as f:
-        f.seek(data_start)
-        if f.readinto(data.numpy()) != data.numel():
-            raise _corrupt(path.name, "file shrank while being read")
+        return _read_tensors(f, path.stat().st_size, path.name, limits)
+
+
+def tensors_from_bytes(data: bytes, name: str, limits: AdapterLimits) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """As read_tensors, for a safetensors file already in memory (an object fetched from a bucket)."""
+    return _read_tensors(io.BytesIO(data), len(data), name, limits)
+
+
+def _read_tensors(f: BinaryIO, file_size: int, name: str, limits: AdapterLimits):
+    header, data_start, metadata = _read_header(f, file_size, name, limits)
+    data = torch.empty(file_size - data_start, dtype=torch.uint8)
+    f.seek(data_start)
+    if f.readinto(data.numpy()) != data.numel():
+        raise _corrupt(name, "file shrank while being read")
     tensors = {}
     for key, info in header.items():
         start, stop = info["data_offsets"]

@@ -16,10 +16,10 @@ from .errors import AdapterValidationError, ErrorCode
 from .limits import AdapterLimits
 from .safetensors_file import read_tensors
 
-_HASH = re.compile(r"^[0-9a-f]{64}$")
+HASH_RE = re.compile(r"^[0-9a-f]{64}$")
 SUFFIX = ".safetensors"
 # Entries were validated on the way in; these limits only guard against a damaged file.
-_ENTRY_LIMITS = AdapterLimits(max_member_bytes=1 << 40, max_header_bytes=64 * 1024 * 1024)
+ENTRY_LIMITS = AdapterLimits(max_member_bytes=1 << 40, max_header_bytes=64 * 1024 * 1024)
 
 
 @runtime_checkable
@@ -52,7 +52,7 @@ class LocalAdapterStore:
         self.root.mkdir(parents=True, exist_ok=True)
 
     def path(self, content_hash: str) -> Path:
-        if not _HASH.match(content_hash or ""):
+        if not HASH_RE.match(content_hash or ""):
             raise ValueError(f"not a content hash: {content_hash!r} (expected 64 lowercase hex digits)")
         return self.root / f"{content_hash}{SUFFIX}"
 
@@ -95,10 +95,10 @@ class LocalAdapterStore:
         return True
 
     def list(self) -> list[str]:
-        return sorted(p.name[: -len(SUFFIX)] for p in self.root.glob(f"*{SUFFIX}") if _HASH.match(p.stem))
+        return sorted(p.name[: -len(SUFFIX)] for p in self.root.glob(f"*{SUFFIX}") if HASH_RE.match(p.stem))
 
 
 def read_entry(path: str | Path, *, verify: bool = False) -> CanonicalAdapter:
     """A canonical entry file as written by LocalAdapterStore.put, read into memory (not mapped)."""
-    tensors, meta = read_tensors(Path(path), _ENTRY_LIMITS)
+    tensors, meta = read_tensors(Path(path), ENTRY_LIMITS)
     return CanonicalAdapter.from_tensors(tensors, meta, verify=verify)

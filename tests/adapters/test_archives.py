@@ -286,6 +286,7 @@ def test_archive_file_over_limit(llama_adapter_dir, llama_spec, tmp_path):
     _refused(archive, llama_spec, ErrorCode.ARCHIVE_TOO_LARGE, "a.zip", limits=AdapterLimits(max_archive_bytes=1000))
 
 
+@pytest.mark.filterwarnings("ignore:Duplicate name")
 def test_duplicate_member(llama_adapter_dir, llama_spec, tmp_path):
     archive = tmp_path / "dup.zip"
     with zipfile.ZipFile(archive, "w") as zf:
