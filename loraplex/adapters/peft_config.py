@@ -73,19 +73,34 @@ def parse_lora_config(config: object, spec: BaseModelSpec, limits: AdapterLimits
             f"adapter_config.json: task_type is {task_type!r}; the base model is a causal LM (task_type "
             f"'CAUSAL_LM')", ErrorCode.TASK_TYPE)
     _refuse_unsupported(config)
-    r = _rank(config.get("r", 8), "r", limits)
+    r = _rank(config.get("r", 8), "r")
     alpha = _alpha(config.get("lora_alpha", 8), "lora_alpha")
-    rank_pattern = _pattern(config.get("rank_pattern"), "rank_pattern",
-                            lambda v, where: _rank(v, where, limits))
+    rank_pattern = _pattern(config.get("rank_pattern"), "rank_pattern", _rank)
     alpha_pattern = _pattern(config.get("alpha_pattern"), "alpha_pattern", _alpha)
     use_rslora = config.get("use_rslora", False)
     if not isinstance(use_rslora, bool):
         raise _invalid(f"use_rslora must be true or false, got {use_rslora!r}")
     base = config.get("base_model_name_or_path")
-    return LoraSettings(
+    settings = LoraSettings(
         r=r, lora_alpha=alpha, use_rslora=use_rslora, rank_pattern=rank_pattern, alpha_pattern=alpha_pattern,
         targets=_resolve_targets(config, spec), base_model_name_or_path=base if isinstance(base, str) else None,
     )
+    _check_rank_limit(settings, spec, limits)
+    return settings
+
+
+def _check_rank_limit(settings: LoraSettings, spec: BaseModelSpec, limits: AdapterLimits) -> None:
+    # The limit applies to the ranks modules really get: a large default r that rank_pattern overrides
+    # everywhere costs nothing.
+    for layer, module in sorted(settings.targets):
+        path = spec.module_path(layer, module)
+        key = _pattern_key(settings.rank_pattern, path)
+        rank = settings.rank_pattern[key] if key is not None else settings.r
+        if rank > limits.max_rank:
+            where = f"rank_pattern[{key!r}]" if key is not None else "r"
+            raise AdapterValidationError(
+                f"adapter_config.json: {where} is {rank} (layer {layer} {module}), over the rank limit of "
+                f"{limits.max_rank}", ErrorCode.RANK_TOO_LARGE)
 
 
 def _refuse_unsupported(config: dict) -> None:
@@ -118,14 +133,10 @@ def _refuse_unsupported(config: dict) -> None:
                                          ErrorCode.OPTION_UNSUPPORTED)
 
 
-def _rank(value: object, where: str, limits: AdapterLimits) -> int:
+def _rank(value: object, where: str) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
         raise AdapterValidationError(f"adapter_config.json: {where} must be a positive integer, got {value!r}",
                                      ErrorCode.INVALID_RANK)
-    if value > limits.max_rank:
-        raise AdapterValidationError(
-            f"adapter_config.json: {where} is {value}, over the rank limit of {limits.max_rank}",
-            ErrorCode.RANK_TOO_LARGE)
     return value
 
 

@@ -36,7 +36,8 @@ def test_good_adapter_loads(adapter_copy, llama_spec):
     ({"lora_alpha": -16}, ErrorCode.INVALID_ALPHA, ["-16"]),
     ({"lora_alpha": "16"}, ErrorCode.INVALID_ALPHA, ["'16'"]),
     ({"use_rslora": "yes"}, ErrorCode.CONFIG_INVALID, ["use_rslora"]),
-    ({"rank_pattern": {"q_proj": 128}}, ErrorCode.RANK_TOO_LARGE, ["rank_pattern", "128", "64"]),
+    ({"rank_pattern": {"q_proj": 128}}, ErrorCode.RANK_TOO_LARGE, ["rank_pattern['q_proj'] is 128", "64"]),
+    ({"rank_pattern": {"q_proj": 0}}, ErrorCode.INVALID_RANK, ["rank_pattern['q_proj']"]),
     ({"rank_pattern": {"q_proj(": 4}}, ErrorCode.CONFIG_INVALID, ["rank_pattern", "q_proj("]),
     ({"alpha_pattern": {"q_proj": float("nan")}}, ErrorCode.INVALID_ALPHA, ["alpha_pattern"]),
     ({"target_modules": ["q_proj", "foo_proj"]}, ErrorCode.UNKNOWN_TARGET_MODULE, ["foo_proj", "LlamaForCausalLM"]),
@@ -60,7 +61,7 @@ def test_config_refusals(adapter_copy, llama_spec, changes, code, words):
 
 
 def test_rank_limit_is_configurable(adapter_copy, llama_spec):
-    _refused(adapter_copy.path, llama_spec, ErrorCode.RANK_TOO_LARGE, "r is 8", "limit of 4",
+    _refused(adapter_copy.path, llama_spec, ErrorCode.RANK_TOO_LARGE, "r is 8 (layer 0 ", "limit of 4",
              limits=AdapterLimits(max_rank=4))
     assert load_adapter(adapter_copy.path, llama_spec, AdapterLimits(max_rank=8)).rank == 8
 
@@ -70,6 +71,15 @@ def test_rank_128_over_default_limit(tiny_llama_dir, llama_spec, tmp_path):
 
     path = make_peft_adapter(tiny_llama_dir, tmp_path / "big", r=128, target_modules=["q_proj"])
     _refused(path, llama_spec, ErrorCode.RANK_TOO_LARGE, "128", "64")
+
+
+def test_rank_limit_applies_to_ranks_in_use(tiny_llama_dir, llama_spec, tmp_path):
+    from loraplex.testing import make_peft_adapter
+
+    path = make_peft_adapter(tiny_llama_dir, tmp_path / "a", r=128, target_modules=["q_proj", "v_proj"],
+                             rank_pattern={"q_proj": 16, "v_proj": 8})
+    adapter = load_adapter(path, llama_spec)
+    assert adapter.weights[(0, "q_proj")].rank == 16 and adapter.weights[(1, "v_proj")].rank == 8
 
 
 def test_config_not_json(adapter_copy, llama_spec):
