@@ -25,8 +25,9 @@ _SAFE_NAME = re.compile(r"[^A-Za-z0-9._-]")
 
 
 def too_large(limit: int) -> APIError:
+    # Connection: close makes the server drop the socket instead of draining the rest of the body.
     return APIError(413, f"The upload is larger than the limit of {limit} bytes.", code="upload_too_large",
-                    param="file")
+                    param="file", headers={"connection": "close"})
 
 
 @dataclass

@@ -133,3 +133,27 @@ def upload(client, tenant: TenantKey, name: str, files: list[tuple[str, bytes]],
     """POST /v1/adapters with the given (filename, content) pairs."""
     return client.post("/v1/adapters", params={"wait": str(wait).lower()}, headers=tenant.headers,
                        data={"name": name}, files=[("file", (fn, content)) for fn, content in files])
+
+
+@pytest.fixture
+def make_tenant_factory(migrated_sqlite_template):
+    """(app, make_tenant) for tests that run their own server with their own settings and engine."""
+    from loraplex.platform.app import create_app
+    from loraplex.platform.db import session_scope
+    from loraplex.platform.schemas.tenants import KeyCreate, TenantCreate
+    from loraplex.platform.tenants import create_api_key, create_tenant
+
+    def build(settings: Settings, engine, limiter=None):
+        app = create_app(settings, engine=engine, limiter=limiter)
+        counter = iter(range(1, 10_000))
+
+        def make(**quotas) -> TenantKey:
+            services = app.state.services
+            with session_scope(services.sessions) as session:
+                tenant = create_tenant(session, TenantCreate(name=f"live{next(counter)}", **quotas))
+                created = create_api_key(session, services.settings, tenant, KeyCreate())
+                return TenantKey(tenant.id, tenant.name, created.id, created.key)
+
+        return app, make
+
+    return build

@@ -42,6 +42,8 @@ class FakeEngine:
         self.removed: list[str] = []
         self.generated_tokens = 0
         self.requests: list[dict[str, Any]] = []
+        self.running_by_tenant: dict[str | None, int] = {}
+        self.max_running_by_tenant: dict[str | None, int] = {}
 
     async def start(self) -> None:
         self.started = True
@@ -92,6 +94,9 @@ class FakeEngine:
         outs = [CompletionOutput(index=i, text="", token_ids=[], logprobs=[] if params.logprobs is not None
                                  else None) for i in range(params.n)]
         self.running.add(request_id)
+        self.running_by_tenant[tenant] = self.running_by_tenant.get(tenant, 0) + 1
+        self.max_running_by_tenant[tenant] = max(self.max_running_by_tenant.get(tenant, 0),
+                                                 self.running_by_tenant[tenant])
         done = False
         try:
             for step in range(max_tokens):
@@ -142,6 +147,7 @@ class FakeEngine:
                     return
         finally:
             self.running.discard(request_id)
+            self.running_by_tenant[tenant] -= 1
             if not done:
                 self.aborted.append(request_id)
 

@@ -16,7 +16,8 @@ from loraplex.platform.quotas.base import (
 
 
 class MemoryQuotaLimiter:
-    def __init__(self) -> None:
+    def __init__(self, clock=None) -> None:
+        self._clock = clock  # a fixed clock lets tests pin every request into one window
         self._lock = threading.Lock()
         self._requests: dict[tuple[int, int], int] = defaultdict(int)  # (tenant, minute) -> count
         self._tokens: dict[tuple[int, int], int] = defaultdict(int)
@@ -25,6 +26,8 @@ class MemoryQuotaLimiter:
 
     async def acquire(self, tenant_id: int, limits: QuotaLimits, request_id: str,
                       reserve_tokens: int, *, now: float | None = None) -> Reservation:
+        if now is None and self._clock is not None:
+            now = self._clock()
         t, minute, month = now_parts(now)
         reset_in = (minute + 1) * WINDOW_SECONDS - t
         with self._lock:

@@ -1,0 +1,158 @@
+"""Live-server behaviour where the fake engine's timing makes the test sharp: disconnects, cut-off
+uploads, and many concurrent clients under tight quotas."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+from conftest import make_settings
+from fake_engine import FakeEngine
+from live_server import live_server
+from sqlalchemy import select
+
+from loraplex.platform.models import UsageRecord
+
+
+def _wait_until(predicate, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.01)
+    return predicate()
+
+
+def test_client_disconnect_mid_stream_aborts_engine_request(data_dir, tiny_llama_dir, make_tenant_factory):
+    engine = FakeEngine(token_delay=0.02)
+    settings = make_settings(data_dir, model=str(tiny_llama_dir))
+    app, make = make_tenant_factory(settings, engine)
+    with live_server(app) as url:
+        tenant = make()
+        with httpx.Client(base_url=url, timeout=30) as client:
+            with client.stream("POST", "/v1/chat/completions", headers=tenant.headers, json={
+                    "model": "fake-base", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 200,
+                    "stream": True}) as response:
+                request_id = response.headers["x-request-id"]
+                lines = response.iter_lines()
+                got = [next(lines) for _ in range(6)]
+                assert any(line.startswith("data: ") for line in got)
+                assert request_id in engine.running
+        # closing the connection is all the client does; the engine must drop the request promptly
+        assert _wait_until(lambda: request_id in engine.aborted, timeout=2.0), engine.aborted
+        generated = engine.generated_tokens
+        assert generated < 200
+        asyncio.run_coroutine_threadsafe(app.state.services.usage.flush(), _loop()).result(10)
+        with app.state.services.sessions() as session:
+            record = session.scalar(select(UsageRecord).where(UsageRecord.request_id == request_id))
+        assert record.status == "cancelled" and 0 < record.completion_tokens < 200
+
+
+def test_client_disconnect_on_non_streaming_request_aborts(data_dir, tiny_llama_dir, make_tenant_factory):
+    engine = FakeEngine(token_delay=0.02)
+    app, make = make_tenant_factory(make_settings(data_dir, model=str(tiny_llama_dir)), engine)
+    with live_server(app) as url:
+        tenant = make()
+        try:
+            httpx.post(f"{url}/v1/completions", headers=tenant.headers, timeout=0.3,
+                       json={"model": "fake-base", "prompt": "hi", "max_tokens": 200})
+        except httpx.TimeoutException:
+            pass
+        assert _wait_until(lambda: len(engine.aborted) == 1, timeout=2.0)
+        assert not engine.finished
+
+
+def test_streamed_upload_is_cut_off_at_the_limit(data_dir, tiny_llama_dir, make_tenant_factory):
+    limit = 256 * 1024
+    app, make = make_tenant_factory(make_settings(data_dir, model=str(tiny_llama_dir), max_upload_bytes=limit),
+                                    FakeEngine())
+    sent = 0
+    total = 16 * 1024 * 1024
+    boundary = "b0undary"
+
+    def body():
+        nonlocal sent
+        head = (f"--{boundary}\r\nContent-Disposition: form-data; name=\"name\"\r\n\r\nbig\r\n"
+                f"--{boundary}\r\nContent-Disposition: form-data; name=\"file\"; filename=\"a.zip\"\r\n"
+                "Content-Type: application/zip\r\n\r\n").encode()
+        yield head
+        chunk = b"\0" * 65536
+        while sent < total:
+            sent += len(chunk)
+            yield chunk
+        yield f"\r\n--{boundary}--\r\n".encode()
+
+    with live_server(app) as url:
+        tenant = make()
+        status = None
+        try:
+            r = httpx.post(f"{url}/v1/adapters", headers={**tenant.headers,
+                           "content-type": f"multipart/form-data; boundary={boundary}"}, content=body(), timeout=30)
+            status = r.status_code
+            assert r.json()["error"]["code"] == "upload_too_large"
+        except (httpx.WriteError, httpx.RemoteProtocolError, httpx.ReadError):
+            pass  # the server answered 413 and closed while we were still sending
+        assert status in (None, 413)
+        assert sent < total // 4, f"the server read {sent} bytes of a {limit}-byte limit"
+        uploads = app.state.services.settings.data_dir / "uploads"
+        assert not uploads.exists() or not any(uploads.iterdir())
+
+
+def _loop():
+    from loraplex.platform.tasks.context import get_context
+
+    return get_context().loop
+
+
+def test_many_clients_three_tenants_tight_quotas(data_dir, tiny_llama_dir, make_tenant_factory):
+    from loraplex.platform.quotas.memory import MemoryQuotaLimiter
+
+    engine = FakeEngine(token_delay=0.002)
+    frozen = time.time()  # one quota window for the whole test, whatever the wall clock does
+    app, make = make_tenant_factory(make_settings(data_dir, model=str(tiny_llama_dir)), engine,
+                                    limiter=MemoryQuotaLimiter(clock=lambda: frozen))
+    with live_server(app) as url:
+        tenants = {
+            "conc": make(max_concurrent=2),
+            "rpm": make(requests_per_minute=25),
+            "tpm": make(tokens_per_minute=600),
+        }
+        results: list[tuple[str, int, str, dict | None]] = []
+
+        async def worker(client_index: int):
+            async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+                for i in range(10):
+                    label = list(tenants)[(client_index + i) % 3]
+                    tenant = tenants[label]
+                    r = await client.post("/v1/completions", headers=tenant.headers, json={
+                        "model": "fake-base", "prompt": f"request {client_index}-{i}", "max_tokens": 8})
+                    usage = r.json().get("usage") if r.status_code == 200 else None
+                    results.append((label, r.status_code, r.headers["x-request-id"], usage))
+
+        async def main():
+            await asyncio.gather(*(worker(c) for c in range(20)))
+
+        asyncio.run(main())
+        assert len(results) == 200
+        assert {status for _, status, _, _ in results} <= {200, 429}
+        ok = {label: [(rid, u) for lab, s, rid, u in results if lab == label and s == 200] for label in tenants}
+
+        tenant_of = {str(t.tenant_id): label for label, t in tenants.items()}
+        max_running = {tenant_of[k]: v for k, v in engine.max_running_by_tenant.items()}
+        assert max_running["conc"] <= 2
+        assert len(ok["rpm"]) == 25
+        tpm_tokens = sum(u["total_tokens"] for _, u in ok["tpm"])
+        assert 0 < tpm_tokens <= 600
+        assert any(s == 429 for lab, s, _, _ in results if lab == "tpm")
+
+        asyncio.run_coroutine_threadsafe(app.state.services.usage.flush(), _loop()).result(30)
+        with app.state.services.sessions() as session:
+            records = session.scalars(select(UsageRecord)).all()
+        completed = {rid: (label, u) for label in ok for rid, u in ok[label]}
+        assert sorted(r.request_id for r in records) == sorted(completed)  # one record each, no extras
+        for r in records:
+            label, usage = completed[r.request_id]
+            assert r.tenant_id == tenants[label].tenant_id
+            assert (r.prompt_tokens, r.completion_tokens) == (usage["prompt_tokens"], usage["completion_tokens"])
+        assert sum(r.completion_tokens for r in records) == engine.generated_tokens
