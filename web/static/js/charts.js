@@ -8,11 +8,13 @@ const Charts = (() => {
     return n;
   };
 
+  // A top value whose quarter is a round number, so the four grid lines read 0, 25, 50, 75, 100 and the like.
   function niceMax(v) {
-    if (v <= 0) return 1;
-    const p = Math.pow(10, Math.floor(Math.log10(v)));
-    for (const m of [1, 2, 2.5, 5, 10]) if (m * p >= v) return m * p;
-    return 10 * p;
+    if (v <= 0) return 4;
+    const quarter = v / 4;
+    const p = Math.pow(10, Math.floor(Math.log10(quarter)));
+    for (const m of [1, 2, 2.5, 5, 10]) if (m * p >= quarter) return 4 * Math.max(1, m * p);
+    return 40 * p;
   }
 
   function short(n) {
@@ -69,13 +71,15 @@ const Charts = (() => {
 
   function sparkline(container, values, opts = {}) {
     container.innerHTML = "";
-    const width = container.clientWidth || 200, height = opts.height || 40;
-    const svg = svgEl("svg", { viewBox: `0 0 ${width} ${height}`, width: "100%", height });
-    if (values.length > 1) {
-      const max = Math.max(1e-9, ...values);
-      const pts = values.map((v, i) => `${(i * width) / (values.length - 1)},${height - 2 - ((height - 4) * v) / max}`);
-      svg.append(svgEl("polyline", { points: pts.join(" "), fill: "none", stroke: "#3b5bdb", "stroke-width": 1.8 }));
+    if (values.length < 2) {
+      container.append(Object.assign(document.createElement("div"), { className: "empty", textContent: "collecting…" }));
+      return;
     }
+    const width = container.clientWidth || 200, height = opts.height || 56;
+    const svg = svgEl("svg", { viewBox: `0 0 ${width} ${height}`, width: "100%", height });
+    const max = Math.max(1e-9, ...values);
+    const pts = values.map((v, i) => `${(i * width) / (values.length - 1)},${height - 2 - ((height - 4) * v) / max}`);
+    svg.append(svgEl("polyline", { points: pts.join(" "), fill: "none", stroke: "#3b5bdb", "stroke-width": 1.8 }));
     container.append(svg);
   }
 
