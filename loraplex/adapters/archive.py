@@ -110,7 +110,7 @@ def _safe_target(dest: Path, name: str) -> Path:
                                      ErrorCode.ARCHIVE_UNSAFE_PATH)
     parts = tuple(p for p in parts if p not in ("", "."))
     if not parts:
-        raise AdapterValidationError(f"archive member has an invalid name {name!r}", ErrorCode.ARCHIVE_UNSAFE_PATH)
+        return dest  # "./", as `tar -C folder .` writes first: the destination itself
     target = dest.joinpath(*parts)
     root = dest.resolve()
     # Parents were made by us from checked names, so resolve() cannot follow a link we did not create;
@@ -159,6 +159,9 @@ def _extract_zip(archive: Path, dest: Path, budget: _Budget) -> None:
             if info.is_dir():
                 _make_dirs(dest, target)
                 continue
+            if target == dest:
+                raise AdapterValidationError(f"archive member {info.filename!r} is a file without a name",
+                                             ErrorCode.ARCHIVE_UNSAFE_PATH)
             _make_dirs(dest, target.parent)
             try:
                 with zf.open(info) as src:
@@ -205,6 +208,8 @@ def _extract_tar_member(tf: tarfile.TarFile, member: tarfile.TarInfo, dest: Path
     if member.isdir():
         _make_dirs(dest, target)
         return
+    if target == dest:
+        raise AdapterValidationError(f"archive member {name!r} is a file without a name", ErrorCode.ARCHIVE_UNSAFE_PATH)
     budget.check_declared(name, member.size)
     _make_dirs(dest, target.parent)
     src = tf.extractfile(member)

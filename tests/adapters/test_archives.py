@@ -42,6 +42,13 @@ def _tar(path: Path, src: Path, prefix: str = "", mode: str = "w:gz", extra=()) 
     return path
 
 
+def _tar_dot(path: Path, src: Path) -> Path:
+    """As `tar czf path -C src .` makes it: members "./", "./adapter_config.json", ..."""
+    with tarfile.open(path, "w:gz") as tf:
+        tf.add(src, arcname=".")
+    return path
+
+
 def test_same_hash_from_every_container(llama_adapter_dir, llama_spec, tmp_path):
     reference = load_adapter(llama_adapter_dir, llama_spec).content_hash
     containers = [
@@ -54,6 +61,7 @@ def test_same_hash_from_every_container(llama_adapter_dir, llama_spec, tmp_path)
         _tar(tmp_path / "d.tgz", llama_adapter_dir),
         _tar(tmp_path / "e.tar", llama_adapter_dir, mode="w"),
         _tar(tmp_path / "upload.bin.tmp", llama_adapter_dir, mode="w:bz2"),  # sniffed, not named
+        _tar_dot(tmp_path / "dot.tar.gz", llama_adapter_dir),
     ]
     for container in containers:
         assert load_adapter(container, llama_spec).content_hash == reference, container.name
@@ -133,6 +141,14 @@ def test_fifo_in_folder(llama_adapter_dir, llama_spec, tmp_path):
     shutil.copytree(llama_adapter_dir, folder)
     os.mkfifo(folder / "pipe")
     _refused(folder, llama_spec, ErrorCode.ARCHIVE_SPECIAL_FILE, "pipe", "not a regular file")
+
+
+def test_file_named_dot(tmp_path):
+    archive = _zip_member(tmp_path / "dot.zip", ".", b"data")
+    (tmp_path / "dest").mkdir()
+    with pytest.raises(AdapterValidationError) as info:
+        safe_extract(archive, tmp_path / "dest")
+    assert info.value.code == ErrorCode.ARCHIVE_UNSAFE_PATH
 
 
 def test_file_and_folder_with_one_name(tmp_path):
