@@ -125,3 +125,19 @@ def test_admin_prices_validation(client, admin_key, usage):
     assert ok.status_code == 200
     got = client.get(f"/admin/api/billing/tenants/{a.tenant_id}/price-override", headers=_admin(admin_key)).json()
     assert got["completion_price"] == 7 and got["prompt_price"] is None
+
+
+def test_v1_usage_filters_by_adapter_and_key_and_exports_csv(client, usage, make_tenant):
+    a, _, _ = usage
+    rows = client.get("/v1/usage", headers=a.headers).json()["data"]
+    assert sum(r["prompt_tokens"] for r in rows) == 300
+    only = client.get("/v1/usage?adapter=sql", headers=a.headers).json()["data"]
+    assert [(r["adapter"], r["prompt_tokens"]) for r in only] == [("sql", 100)]
+    assert client.get("/v1/usage?api_key_id=999999", headers=a.headers).json()["data"] == []
+    mine = client.get(f"/v1/usage?api_key_id={a.key_id}", headers=a.headers).json()["data"]
+    assert sum(r["requests"] for r in mine) == 2
+    text = client.get("/v1/usage?format=csv", headers=a.headers)
+    assert text.headers["content-type"].startswith("text/csv")
+    parsed = list(csv.DictReader(io.StringIO(text.text)))
+    assert sum(int(r["prompt_tokens"]) for r in parsed) == 300
+    assert client.get("/v1/usage?adapter=secret", headers=a.headers).json()["data"] == []

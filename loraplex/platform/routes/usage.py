@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from datetime import UTC, date, datetime, timedelta
+from typing import Literal
 
 from fastapi import APIRouter, Query
+from fastapi.responses import Response
 
 from loraplex.platform.deps import SessionDep, UsageKeyDep
 from loraplex.platform.errors import bad_request
@@ -15,15 +17,24 @@ router = APIRouter(prefix="/v1", tags=["usage"])
 MAX_DAYS = 366
 
 
-@router.get("/usage", response_model=UsageReport)
+@router.get("/usage", response_model=UsageReport, responses={200: {"content": {"text/csv": {}}}})
 def read_usage(*, tenant: UsageKeyDep, session: SessionDep,
                start: date | None = Query(default=None, description="first UTC day (default: 30 days ago)"),
                end: date | None = Query(default=None, description="last UTC day, inclusive (default: today)"),
-               ) -> UsageReport:
+               adapter: str | None = Query(default=None, description="only this adapter (by name)"),
+               api_key_id: int | None = Query(default=None, description="only requests made with this key"),
+               format: Literal["json", "csv"] = Query(default="json"),
+               ) -> UsageReport | Response:
     end = end or datetime.now(UTC).date()
     start = start or end - timedelta(days=29)
     if start > end:
         raise bad_request("start must not be after end", param="start")
     if (end - start).days >= MAX_DAYS:
         raise bad_request(f"the range may span at most {MAX_DAYS} days", param="start")
-    return UsageReport(start=start, end=end, data=usage_by_day(session, tenant.tenant_id, start, end))
+    data = usage_by_day(session, tenant.tenant_id, start, end, adapter=adapter, api_key_id=api_key_id)
+    if format == "csv":
+        from loraplex.platform.billing.export import rows_to_csv
+
+        return Response(rows_to_csv(b.model_dump(mode="json") for b in data), media_type="text/csv; charset=utf-8",
+                        headers={"content-disposition": f'attachment; filename="usage-{start}-{end}.csv"'})
+    return UsageReport(start=start, end=end, data=data)

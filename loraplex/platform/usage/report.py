@@ -18,8 +18,9 @@ def _day(session: Session):
     return func.date(UsageRecord.created_at)
 
 
-def usage_by_day(session: Session, tenant_id: int, start: date, end: date) -> list[UsageBucket]:
-    """Inclusive date range, UTC days."""
+def usage_by_day(session: Session, tenant_id: int, start: date, end: date, *, adapter: str | None = None,
+                 api_key_id: int | None = None) -> list[UsageBucket]:
+    """Inclusive date range, UTC days; optionally only one adapter (by name) or one API key."""
     lo = datetime.combine(start, time.min, tzinfo=UTC)
     hi = datetime.combine(end + timedelta(days=1), time.min, tzinfo=UTC)
     day = _day(session).label("day")
@@ -28,6 +29,8 @@ def usage_by_day(session: Session, tenant_id: int, start: date, end: date) -> li
         .select(UsageRecord, UsageRecord.created_at >= lo, UsageRecord.created_at < hi)
         .with_only_columns(day, UsageRecord.adapter_name, UsageRecord.adapter_version, func.count(),
                            func.sum(UsageRecord.prompt_tokens), func.sum(UsageRecord.completion_tokens))
+        .where(*([UsageRecord.adapter_name == adapter] if adapter is not None else []),
+               *([UsageRecord.api_key_id == api_key_id] if api_key_id is not None else []))
         .group_by(day, UsageRecord.adapter_name, UsageRecord.adapter_version)
         .order_by(day, UsageRecord.adapter_name, UsageRecord.adapter_version)
     )
