@@ -24,6 +24,7 @@ from loraplex.platform.billing.statements import (
     get_statement,
     list_statements,
 )
+from loraplex.platform.billing.tasks import finalize_last_month
 from loraplex.platform.db import Base, import_all_models, make_engine, make_session_factory
 from loraplex.platform.models import Plan, Tenant, UsageRecord
 
@@ -31,13 +32,18 @@ NOV = datetime(2026, 11, 1, tzinfo=UTC)
 
 
 @pytest.fixture
-def session(tmp_path):
+def sessions(tmp_path):
     import_all_models()
     engine = make_engine(f"sqlite:///{tmp_path / 'billing.db'}")
     Base.metadata.create_all(engine)
-    with make_session_factory(engine)() as s:
-        yield s
+    yield make_session_factory(engine)
     engine.dispose()
+
+
+@pytest.fixture
+def session(sessions):
+    with sessions() as s:
+        yield s
 
 
 def _tenant(session, name, plan=None) -> Tenant:
@@ -203,3 +209,16 @@ def test_a_tenant_never_sees_another_tenants_usage_or_statements(session):
 def test_report_refuses_unknown_grouping(session):
     with pytest.raises(ValueError, match="cannot group"):
         usage_report(session, date(2026, 11, 1), date(2026, 11, 2), group_by=("planet",))
+
+
+def test_the_periodic_task_finalizes_last_month_only_after_the_grace_period(sessions):
+    with sessions() as s:
+        tenant = _tenant(s, "a")
+        _record(s, tenant, at=NOV + timedelta(days=3), prompt=10, completion=5)
+        s.commit()
+    assert finalize_last_month(sessions, now=datetime(2026, 12, 1, 0, 30, tzinfo=UTC)) == 0
+    assert finalize_last_month(sessions, now=datetime(2026, 12, 1, 2, tzinfo=UTC)) == 1
+    assert finalize_last_month(sessions, now=datetime(2026, 12, 2, tzinfo=UTC)) == 1  # a rerun keeps it
+    with sessions() as s:
+        rows = s.scalars(select(Statement)).all()
+        assert [(r.period, r.prompt_tokens, r.status) for r in rows] == [("2026-11", 10, "final")]

@@ -37,6 +37,7 @@ def configure(settings: Settings) -> Celery:
             "warm-busiest-adapters": {"task": "loraplex.warm_popular_adapters",
                                       "schedule": settings.warm_adapters_interval},
             "rollup-usage": {"task": "loraplex.rollup_usage", "schedule": 3600.0},
+            "finalize-statements": {"task": "loraplex.finalize_statements", "schedule": 6 * 3600.0},
         },
     )
     return app
@@ -72,3 +73,10 @@ def warm_popular_adapters() -> int:
 @app.task(name="loraplex.rollup_usage", **_COMMON)
 def rollup_usage(day: str | None = None) -> int:
     return jobs.rollup_usage(get_context(), day)
+
+
+@app.task(name="loraplex.finalize_statements", **_COMMON)
+def finalize_statements() -> int:
+    from loraplex.platform.billing.tasks import finalize_last_month
+
+    return finalize_last_month(get_context().sessions)
