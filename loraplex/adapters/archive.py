@@ -134,7 +134,19 @@ def _make_dirs(dest: Path, target: Path) -> None:
         current.mkdir(exist_ok=True)
 
 
+def _declared_zip_entries(archive: Path) -> int | None:
+    """The entry count in the zip's end record, read before ZipFile builds an object per entry: a small
+    archive can declare millions of entries."""
+    with open(archive, "rb") as f:
+        end = zipfile._EndRecData(f)  # stable since Python 2; handles zip64
+    return None if end is None else end[zipfile._ECD_ENTRIES_TOTAL]
+
+
 def _extract_zip(archive: Path, dest: Path, budget: _Budget) -> None:
+    declared = _declared_zip_entries(archive)
+    if declared is not None and declared > budget.limits.max_members:
+        raise AdapterValidationError(f"archive declares {declared} members, more than {budget.limits.max_members}",
+                                     ErrorCode.ARCHIVE_TOO_MANY_MEMBERS)
     try:
         zf = zipfile.ZipFile(archive)
     except (zipfile.BadZipFile, OSError) as exc:
@@ -185,7 +197,8 @@ def _extract_tar(archive: Path, dest: Path, budget: _Budget) -> None:
         with tf:
             for member in tf:
                 _extract_tar_member(tf, member, dest, budget)
-    except (tarfile.TarError, OSError, EOFError, ValueError) as exc:
+    except (tarfile.TarError, OSError, EOFError, ValueError, RuntimeError) as exc:
+        # RuntimeError: tarfile recurses once per chained extended header; a long chain overflows the stack.
         if isinstance(exc, AdapterValidationError):
             raise
         if isinstance(exc, FileExistsError):

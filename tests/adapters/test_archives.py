@@ -297,6 +297,16 @@ def test_too_many_members(llama_adapter_dir, llama_spec, tmp_path):
     assert load_adapter(archive, llama_spec, AdapterLimits(max_members=20)).rank == 8
 
 
+def test_zip_declaring_many_members_is_refused_before_parsing(tmp_path):
+    archive = tmp_path / "many.zip"
+    with zipfile.ZipFile(archive, "w") as zf:
+        for i in range(200):
+            zf.writestr(f"{i}", b"")
+    with pytest.raises(AdapterValidationError) as info:
+        safe_extract(archive, tmp_path, AdapterLimits(max_members=100))
+    assert info.value.code == ErrorCode.ARCHIVE_TOO_MANY_MEMBERS and "declares 200" in str(info.value)
+
+
 def test_archive_file_over_limit(llama_adapter_dir, llama_spec, tmp_path):
     archive = _zip(tmp_path / "a.zip", llama_adapter_dir)
     _refused(archive, llama_spec, ErrorCode.ARCHIVE_TOO_LARGE, "a.zip", limits=AdapterLimits(max_archive_bytes=1000))
