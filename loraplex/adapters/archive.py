@@ -1,8 +1,9 @@
 """Unpack an uploaded .zip or .tar(.gz) without trusting it.
 
-Every member is checked before anything is written: a relative path that stays inside the destination,
-a regular file or folder (no links, devices or FIFOs), a bounded count. Data is streamed and counted as
-it is written, so a member that lies about its size (a zip bomb) is stopped at the limit, not after.
+Each member is checked before it is written (for a zip, all members before any): a relative path that
+stays inside the destination, a regular file or folder (no links, devices or FIFOs), a bounded count.
+Data is streamed and counted as it is written, so a member that lies about its size (a zip bomb) is
+stopped at the limit, not after.
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ def archive_kind(path: Path) -> str | None:
 
 def safe_extract(archive: str | Path, dest: str | Path, limits: AdapterLimits = AdapterLimits()) -> Path:
     """Extract `archive` (zip, tar, tar.gz/bz2/xz) into the existing, empty folder `dest`; returns `dest`.
-    Raises AdapterValidationError on the first unsafe or oversized member."""
+    Raises AdapterValidationError on the first unsafe or oversized member; members of a tar before that one
+    are already in `dest`, so extract into a scratch folder and drop it on failure."""
     archive, dest = Path(archive), Path(dest)
     size = archive.stat().st_size
     if size > limits.max_archive_bytes:
