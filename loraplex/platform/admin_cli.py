@@ -1,0 +1,203 @@
+"""`loraplex admin`: plans, tenants and keys from the command line, straight against the database."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import click
+
+
+@contextmanager
+def _session():
+    from pydantic import ValidationError
+    from sqlalchemy.exc import OperationalError
+
+    from loraplex.config import Settings
+    from loraplex.platform.bootstrap import prepare_database
+    from loraplex.platform.db import make_engine, make_session_factory, session_scope
+    from loraplex.platform.tenants import TenantError
+
+    try:
+        settings = Settings()
+    except ValidationError as exc:
+        raise click.ClickException("; ".join(e["msg"] for e in exc.errors())) from exc
+    try:
+        prepare_database(settings)
+    except OperationalError as exc:
+        raise click.ClickException(f"cannot reach the database {settings.resolved_database_url}: {exc.orig}") from exc
+    engine = make_engine(settings.resolved_database_url, pooled=False)
+    try:
+        with session_scope(make_session_factory(engine)) as session:
+            yield session, settings
+    except TenantError as exc:
+        raise click.ClickException(str(exc)) from exc
+    except ValidationError as exc:
+        problems = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors())
+        raise click.ClickException(problems) from exc
+    finally:
+        engine.dispose()
+
+
+_QUOTA_OPTIONS = [
+    click.option("--rpm", "requests_per_minute", type=int, help="requests per minute"),
+    click.option("--tpm", "tokens_per_minute", type=int, help="tokens per minute"),
+    click.option("--concurrent", "max_concurrent", type=int, help="concurrent requests"),
+    click.option("--monthly-tokens", "monthly_token_budget", type=int, help="monthly token budget"),
+]
+
+
+def quota_options(fn):
+    for option in reversed(_QUOTA_OPTIONS):
+        fn = option(fn)
+    return fn
+
+
+@click.group()
+def admin():
+    """Manage plans, tenants and API keys (uses LORAPLEX_DATABASE_URL or the embedded SQLite file)."""
+
+
+@admin.command("create-plan")
+@click.argument("name")
+@quota_options
+def create_plan_cmd(name, **quotas):
+    """Create a plan with default quotas for its tenants."""
+    from loraplex.platform.schemas.tenants import PlanCreate
+    from loraplex.platform.tenants import create_plan
+
+    missing = [k for k, v in quotas.items() if v is None]
+    if missing:
+        raise click.ClickException("a plan needs every quota: --rpm, --tpm, --concurrent, --monthly-tokens")
+    with _session() as (session, _):
+        plan = create_plan(session, PlanCreate(name=name, **quotas))
+        click.echo(f"plan {plan.name} (id {plan.id})")
+
+
+@admin.command("create-tenant")
+@click.argument("name")
+@click.option("--plan", default=None, help="name of an existing plan")
+@quota_options
+def create_tenant_cmd(name, plan, **quotas):
+    """Create a tenant; quotas not given come from its plan or the service defaults."""
+    from loraplex.platform.schemas.tenants import TenantCreate
+    from loraplex.platform.tenants import create_tenant, tenant_public
+
+    with _session() as (session, settings):
+        tenant = create_tenant(session, TenantCreate(name=name, plan=plan, **quotas))
+        q = tenant_public(tenant, settings).quotas
+        click.echo(f"tenant {tenant.name} (id {tenant.id}): {q.requests_per_minute} req/min, "
+                   f"{q.tokens_per_minute} tokens/min, {q.max_concurrent} concurrent, "
+                   f"{q.monthly_token_budget} tokens/month")
+
+
+@admin.command("list-tenants")
+def list_tenants_cmd():
+    from sqlalchemy import select
+
+    from loraplex.platform.models import Tenant
+    from loraplex.platform.tenants import tenant_public
+
+    with _session() as (session, settings):
+        for tenant in session.scalars(select(Tenant).order_by(Tenant.id)):
+            q = tenant_public(tenant, settings).quotas
+            click.echo(f"{tenant.id}\t{tenant.name}\t{tenant.status}\tplan={tenant.plan.name if tenant.plan else '-'}"
+                       f"\trpm={q.requests_per_minute}\ttpm={q.tokens_per_minute}\tconcurrent={q.max_concurrent}")
+
+
+@admin.command("set-quota")
+@click.argument("tenant")
+@click.option("--plan", default=None)
+@quota_options
+def set_quota_cmd(tenant, plan, **quotas):
+    """Change a tenant's plan or quota overrides (TENANT: name or id)."""
+    from loraplex.platform.schemas.tenants import TenantUpdate
+    from loraplex.platform.tenants import get_tenant, update_tenant
+
+    changes = {k: v for k, v in quotas.items() if v is not None}
+    if plan is not None:
+        changes["plan"] = plan
+    if not changes:
+        raise click.ClickException("nothing to change: give --plan or a quota option")
+    with _session() as (session, _):
+        t = update_tenant(session, get_tenant(session, tenant), TenantUpdate(**changes))
+        click.echo(f"tenant {t.name} updated")
+
+
+@admin.command("suspend")
+@click.argument("tenant")
+def suspend_cmd(tenant):
+    _set_status(tenant, "suspended")
+
+
+@admin.command("resume")
+@click.argument("tenant")
+def resume_cmd(tenant):
+    _set_status(tenant, "active")
+
+
+def _set_status(tenant: str, status: str) -> None:
+    from loraplex.platform.schemas.tenants import TenantUpdate
+    from loraplex.platform.tenants import get_tenant, update_tenant
+
+    with _session() as (session, _):
+        t = update_tenant(session, get_tenant(session, tenant), TenantUpdate(status=status))
+        click.echo(f"tenant {t.name} is {t.status}")
+
+
+@admin.command("create-key")
+@click.argument("tenant")
+@click.option("--name", default="default", show_default=True)
+@click.option("--scope", "scopes", multiple=True, type=click.Choice(["inference", "adapters", "usage"]),
+              help="repeat for several; default: all")
+def create_key_cmd(tenant, name, scopes):
+    """Create an API key for TENANT (name or id). The key is printed once."""
+    from loraplex.platform.schemas.tenants import KeyCreate
+    from loraplex.platform.tenants import create_api_key, get_tenant
+
+    with _session() as (session, settings):
+        data = KeyCreate(name=name, scopes=list(scopes)) if scopes else KeyCreate(name=name)
+        created = create_api_key(session, settings, get_tenant(session, tenant), data)
+        click.echo(f"key {created.id} for tenant {tenant} (scopes: {' '.join(created.scopes)}); "
+                   "shown only now:", err=True)
+        click.echo(created.key)
+
+
+@admin.command("list-keys")
+@click.argument("tenant")
+def list_keys_cmd(tenant):
+    from sqlalchemy import select
+
+    from loraplex.platform.models import ApiKey
+    from loraplex.platform.tenants import get_tenant
+
+    with _session() as (session, _):
+        t = get_tenant(session, tenant)
+        for key in session.scalars(select(ApiKey).where(ApiKey.tenant_id == t.id).order_by(ApiKey.id)):
+            state = f"revoked {key.revoked_at:%Y-%m-%d %H:%M}" if key.revoked_at else "active"
+            click.echo(f"{key.id}\t{key.prefix}...\t{key.name}\t{key.scopes}\t{state}")
+
+
+@admin.command("revoke-key")
+@click.argument("key_id", type=int)
+def revoke_key_cmd(key_id):
+    """Revoke an API key by id; it stops working at once."""
+    from loraplex.platform.models import ApiKey
+    from loraplex.platform.tenants import TenantError, revoke_api_key
+
+    with _session() as (session, _):
+        key = session.get(ApiKey, key_id)
+        if key is None:
+            raise TenantError(f"no API key with id {key_id}")
+        revoke_api_key(session, key)
+        click.echo(f"key {key_id} ({key.prefix}...) revoked")
+
+
+@admin.command("create-admin-key")
+@click.option("--name", default="admin", show_default=True)
+def create_admin_key_cmd(name):
+    """Create another admin key (for /admin/api and the console). Printed once."""
+    from loraplex.platform.tenants import create_admin_key
+
+    with _session() as (session, settings):
+        _, secret = create_admin_key(session, settings, name=name)
+        click.echo(secret)

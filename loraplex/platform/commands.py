@@ -1,0 +1,99 @@
+"""`loraplex serve`, `loraplex worker`, `loraplex engine` and `loraplex admin`."""
+
+from __future__ import annotations
+
+import click
+
+from loraplex.platform.admin_cli import admin
+
+__all__ = ["admin", "engine", "serve", "worker"]
+
+
+def _settings(**overrides):
+    from pydantic import ValidationError
+
+    from loraplex.config import Settings
+
+    try:
+        return Settings(**{k: v for k, v in overrides.items() if v is not None})
+    except ValidationError as exc:
+        raise click.ClickException("; ".join(e["msg"].removeprefix("Value error, ") for e in exc.errors())) from exc
+
+
+def _print_admin_key(secret: str) -> None:
+    bar = "=" * 78
+    click.echo(f"\n{bar}\nloraplex created the admin key. It is shown only this once; keep it somewhere safe:\n\n"
+               f"    {secret}\n\nUse it for /admin/api (Authorization: Bearer ...) and to sign in at /console.\n"
+               f"{bar}\n", err=True)
+
+
+@click.command()
+@click.option("--model", default=None, help="base model: local HF folder, .gguf file, Hub id or 'smollm2-135m'")
+@click.option("--host", default=None, help="address to listen on (default 127.0.0.1)")
+@click.option("--port", default=None, type=int, help="port (default 8000)")
+@click.option("--data-dir", default=None, type=click.Path(file_okay=False), help="where SQLite and adapters live")
+@click.option("--no-engine", is_flag=True, help="API only: route inference to `loraplex engine` processes")
+def serve(model, host, port, data_dir, no_engine):
+    """Serve the API (and, by default, the engine in the same process)."""
+    import uvicorn
+
+    from loraplex.platform.app import create_app
+    from loraplex.platform.bootstrap import ensure_admin_key, prepare_database
+
+    settings = _settings(model=model, host=host, port=port, data_dir=data_dir,
+                         embedded_engine=False if no_engine else None)
+    if no_engine and not settings.redis_url:
+        raise click.ClickException("--no-engine needs LORAPLEX_REDIS_URL: engines register themselves in Redis")
+    try:
+        prepare_database(settings)
+    except Exception as exc:
+        raise click.ClickException(f"cannot prepare the database {settings.resolved_database_url}: {exc}") from exc
+    secret = ensure_admin_key(settings)
+    if secret:
+        _print_admin_key(secret)
+    mode = "production (PostgreSQL/Redis, Celery workers)" if settings.redis_url else "embedded (SQLite, in-process tasks)"
+    click.echo(f"loraplex: {mode}; model {settings.model}; http://{settings.host}:{settings.port}", err=True)
+    app = create_app(settings)
+    if settings.redis_url and settings.embedded_engine:
+        from loraplex.platform.engine_worker import consume_engine_queue_with_app
+
+        consume_engine_queue_with_app(app)
+    uvicorn.run(app, host=settings.host, port=settings.port, log_level="info")
+
+
+@click.command()
+@click.option("--queues", default="loraplex", show_default=True, help="comma-separated Celery queues")
+@click.option("--concurrency", default=2, show_default=True, type=int)
+@click.option("--pool", default="prefork", show_default=True, type=click.Choice(["prefork", "threads", "solo"]))
+@click.option("--beat/--no-beat", default=True, show_default=True, help="also run the periodic tasks")
+@click.option("--loglevel", default="info", show_default=True)
+def worker(queues, concurrency, pool, beat, loglevel):
+    """A Celery worker for background tasks (validation, warming, rollups). Needs LORAPLEX_REDIS_URL."""
+    settings = _settings()
+    if not settings.redis_url:
+        raise click.ClickException("`loraplex worker` needs LORAPLEX_REDIS_URL (Redis is the task broker); "
+                                   "the embedded `loraplex serve` runs tasks in-process without it")
+    from loraplex.platform.tasks.celery_app import configure
+
+    app = configure(settings)
+    argv = ["worker", f"--queues={queues}", f"--concurrency={concurrency}", f"--pool={pool}",
+            f"--loglevel={loglevel}", "--without-gossip", "--without-mingle"]
+    if beat:
+        argv += ["--beat", f"--schedule={settings.data_dir / 'celerybeat-schedule'}"]
+        settings.data_dir.mkdir(parents=True, exist_ok=True)
+    app.worker_main(argv)
+
+
+@click.command()
+@click.option("--model", default=None, help="base model (default: LORAPLEX_MODEL)")
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", default=8100, show_default=True, type=int)
+@click.option("--advertise", default=None, help="URL API processes use to reach this engine (default http://HOST:PORT)")
+def engine(model, host, port, advertise):
+    """An engine process: holds the model, serves API processes, consumes its own task queue."""
+    from loraplex.platform.remote.server import run_engine_server
+
+    settings = _settings(model=model)
+    if not settings.redis_url:
+        raise click.ClickException("`loraplex engine` needs LORAPLEX_REDIS_URL to register itself with the API")
+    run_engine_server(settings, host=host, port=port, advertise=advertise)

@@ -1,0 +1,88 @@
+"""`loraplex serve` as a user starts it, and the `loraplex admin` commands with their readable errors."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+from click.testing import CliRunner
+from live_server import free_port
+
+from loraplex.platform.commands import admin
+
+
+@pytest.fixture
+def cli_env(tmp_path, monkeypatch):
+    for key in list(os.environ):
+        if key.startswith("LORAPLEX_"):
+            monkeypatch.delenv(key)
+    monkeypatch.setenv("LORAPLEX_DATA_DIR", str(tmp_path / "data"))
+    monkeypatch.setenv("LORAPLEX_SECRET_KEY", "cli-test-secret-0123456789")
+    return tmp_path / "data"
+
+
+def test_admin_commands(cli_env):
+    runner = CliRunner()
+    r = runner.invoke(admin, ["create-plan", "pro", "--rpm", "10", "--tpm", "1000", "--concurrent", "2",
+                              "--monthly-tokens", "100000"])
+    assert r.exit_code == 0, r.output
+    r = runner.invoke(admin, ["create-tenant", "acme", "--plan", "pro", "--rpm", "5"])
+    assert r.exit_code == 0 and "5 req/min" in r.output and "1000 tokens/min" in r.output
+    r = runner.invoke(admin, ["create-key", "acme", "--scope", "inference"])
+    assert r.exit_code == 0
+    key = r.stdout.strip().splitlines()[-1]
+    assert key.startswith("lpx_")
+    r = runner.invoke(admin, ["list-keys", "acme"])
+    assert key[:12] in r.output and key not in r.output and "active" in r.output
+    assert runner.invoke(admin, ["revoke-key", "1"]).exit_code == 0
+    assert "revoked" in runner.invoke(admin, ["list-keys", "acme"]).output
+
+    for args, message in [
+        (["create-tenant", "acme"], "already exists"),
+        (["create-tenant", "x", "--plan", "gold"], "unknown plan 'gold'; known plans: pro"),
+        (["create-key", "nobody"], "no tenant 'nobody'"),
+        (["revoke-key", "99"], "no API key with id 99"),
+        (["create-plan", "half", "--rpm", "1"], "a plan needs every quota"),
+        (["set-quota", "acme"], "nothing to change"),
+    ]:
+        r = runner.invoke(admin, args)
+        assert r.exit_code == 1 and message in r.output, (args, r.output)
+        assert "Traceback" not in r.output
+
+
+@pytest.mark.slow
+def test_serve_prints_admin_key_once_and_serves(cli_env, tiny_llama_dir):
+    port = free_port()
+    cmd = [sys.executable, "-m", "loraplex.cli", "serve", "--model", str(tiny_llama_dir), "--port", str(port)]
+    env = {**os.environ, "LORAPLEX_KV_CACHE_MEMORY": str(4 * 1024 * 1024), "LORAPLEX_MAX_MODEL_LEN": "256"}
+
+    def run_once() -> tuple[str, int]:
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        try:
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline:
+                try:
+                    status = httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1).status_code
+                    break
+                except httpx.HTTPError:
+                    if proc.poll() is not None:
+                        raise AssertionError(proc.stdout.read()) from None
+                    time.sleep(0.2)
+            else:
+                raise AssertionError("serve did not come up")
+        finally:
+            proc.terminate()
+            output, _ = proc.communicate(timeout=60)
+        return output, status
+
+    first, status = run_once()
+    assert status == 200
+    keys = [w for w in first.split() if w.startswith("lpx_admin_")]
+    assert len(keys) == 1, first
+    assert (cli_env / "loraplex.db").exists()
+    second, _ = run_once()
+    assert "lpx_admin_" not in second
