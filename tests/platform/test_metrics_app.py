@@ -1,0 +1,42 @@
+"""/metrics on a running app: requests through the OpenAI API show up per tenant, adapter and endpoint."""
+
+from __future__ import annotations
+
+from prometheus_client.parser import text_string_to_metric_families
+
+
+def _scrape(client) -> dict[tuple[str, tuple], float]:
+    r = client.get("/metrics")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    out = {}
+    for family in text_string_to_metric_families(r.text):
+        for s in family.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def test_inference_requests_are_counted_and_timed(client, make_tenant):
+    tk = make_tenant("acme")
+    for _ in range(2):
+        r = client.post("/v1/chat/completions", headers=tk.headers, json={
+            "model": "fake-base", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
+        assert r.status_code == 200
+    samples = _scrape(client)
+    key = ("loraplex_requests_total", (("endpoint", "chat.completions"), ("status", "ok"), ("tenant", "acme")))
+    assert samples[key] == 2
+    assert samples[("loraplex_tokens_total", (("kind", "completion"), ("tenant", "acme")))] == 8
+    assert samples[("loraplex_adapter_requests_total", (("adapter", "base"),))] == 2
+    assert samples[("loraplex_time_to_first_token_seconds_count", (("endpoint", "chat.completions"),))] == 2
+    assert samples[("loraplex_request_duration_seconds_count",
+                    (("endpoint", "chat.completions"), ("tenant", "acme")))] == 2
+    assert ("loraplex_engine_queue_depth", ()) in samples
+
+
+def test_rejections_over_quota_are_counted(client, make_tenant):
+    tk = make_tenant("tight", requests_per_minute=1)
+    body = {"model": "fake-base", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    assert client.post("/v1/chat/completions", headers=tk.headers, json=body).status_code == 200
+    assert client.post("/v1/chat/completions", headers=tk.headers, json=body).status_code == 429
+    samples = _scrape(client)
+    key = ("loraplex_requests_total", (("endpoint", "chat.completions"), ("status", "rejected"), ("tenant", "tight")))
+    assert samples[key] == 1
