@@ -18,7 +18,12 @@ message names the problem and whose `code` is an `ErrorCode`.
 
 Canonical weights are keyed by (layer, module) with module one of `MODULES` (q_proj, k_proj, v_proj, o_proj,
 gate_proj, up_proj, down_proj); fused PEFT modules (qkv_proj, gate_up_proj) arrive split into those.
-The delta a module adds is `x @ a.T @ b.T`.
+The delta a module adds is `x @ a.T @ b.T`. Also: `adapter.layer(i)` (module -> weights), `.rank` (largest),
+`.target_modules`, `.layers`, `.nbytes`, `.check_compatible(spec)` (for entries read back from a store).
+
+`AdapterStore` is the storage protocol: put(adapter) -> location, get(hash, verify=False), exists(hash),
+delete(hash) -> bool, list() -> hashes. `LocalAdapterStore(root)` keeps `<root>/<hash>.safetensors` (atomic
+temp + rename); `S3AdapterStore(bucket, prefix=..., cache_dir=...)` keeps the same objects in a bucket.
 """
 
 from .archive import safe_extract
