@@ -32,9 +32,11 @@ class LazyGroup(click.Group):
             module = importlib.import_module(module_name)
             return getattr(module, attr)
         except (ImportError, AttributeError) as exc:
-            @click.command(name=name, help=f"(unavailable: {exc})")
+            reason = str(exc)  # `exc` is unbound once the except block ends
+
+            @click.command(name=name, help=f"(unavailable: {reason})")
             def unavailable() -> None:
-                raise click.ClickException(f"`loraplex {name}` is not available: {exc}")
+                raise click.ClickException(f"`loraplex {name}` is not available: {reason}")
 
             return unavailable
 
