@@ -48,6 +48,7 @@ class Settings(BaseSettings):
     port: int = 8000
     celery_task_always_eager: bool | None = None  # None: eager unless redis_url is set
     engine_queue: str = Field(default="engine", description="Celery queue the engine process consumes")
+    task_queue: str = "loraplex"  # Celery queue of the background workers
     redis_prefix: str = "lpx"  # namespace of every Redis key (quotas, usage journal, locks)
     auto_migrate: bool = True  # run `alembic upgrade head` when the API starts
     embedded_engine: bool = True  # build the engine inside the API process (AsyncEngine)

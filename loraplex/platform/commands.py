@@ -62,7 +62,7 @@ def serve(model, host, port, data_dir, no_engine):
 
 
 @click.command()
-@click.option("--queues", default="loraplex", show_default=True, help="comma-separated Celery queues")
+@click.option("--queues", default=None, help="comma-separated Celery queues (default: LORAPLEX_TASK_QUEUE)")
 @click.option("--concurrency", default=2, show_default=True, type=int)
 @click.option("--pool", default="prefork", show_default=True, type=click.Choice(["prefork", "threads", "solo"]))
 @click.option("--beat/--no-beat", default=True, show_default=True, help="also run the periodic tasks")
@@ -76,7 +76,7 @@ def worker(queues, concurrency, pool, beat, loglevel):
     from loraplex.platform.tasks.celery_app import configure
 
     app = configure(settings)
-    argv = ["worker", f"--queues={queues}", f"--concurrency={concurrency}", f"--pool={pool}",
+    argv = ["worker", f"--queues={queues or settings.task_queue}", f"--concurrency={concurrency}", f"--pool={pool}",
             f"--loglevel={loglevel}", "--without-gossip", "--without-mingle"]
     if beat:
         argv += ["--beat", f"--schedule={settings.data_dir / 'celerybeat-schedule'}"]

@@ -25,7 +25,7 @@ def configure(settings: Settings) -> Celery:
         task_acks_late=True,
         task_reject_on_worker_lost=True,
         worker_prefetch_multiplier=1,
-        task_default_queue="loraplex",
+        task_default_queue=settings.task_queue,
         task_routes={
             "loraplex.prefetch_adapter": {"queue": settings.engine_queue},
             "loraplex.remove_adapter": {"queue": settings.engine_queue},
