@@ -9,7 +9,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from sqlalchemy import select
 
-from loraplex.platform.billing.periods import period_of, previous_period, resolve_range, today_utc
+from loraplex.platform.billing.periods import days_in, period_of, previous_period, resolve_range, today_utc
 from loraplex.platform.billing.prices import price_lists, set_plan_price
 from loraplex.platform.billing.pricing import Price
 from loraplex.platform.billing.reports import DIMENSIONS, usage_report
@@ -51,9 +51,12 @@ def usage_page(request: Request, context: ConsoleDep, services: ServicesDep) -> 
         by_day = usage_report(session, start, end, group_by=("day",), tenant_ids=tenant_ids)
         by_adapter = usage_report(session, start, end, group_by=("adapter",), tenant_ids=tenant_ids)
         by_tenant = usage_report(session, start, end, group_by=("tenant", "adapter"), tenant_ids=tenant_ids)
+    per_day = {r.day: r for r in by_day}
     chart_data = {
-        "by_day": [{"day": r.day.isoformat(), "prompt_tokens": r.prompt_tokens, "completion_tokens": r.completion_tokens}
-                   for r in by_day],
+        # every day of the range, zeros included, so the time axis has no gaps
+        "by_day": [{"day": d.isoformat(), "prompt_tokens": per_day[d].prompt_tokens if d in per_day else 0,
+                    "completion_tokens": per_day[d].completion_tokens if d in per_day else 0}
+                   for d in days_in(start, end)],
         "by_adapter": [{"adapter": r.adapter, "prompt_tokens": r.prompt_tokens, "completion_tokens": r.completion_tokens}
                        for r in by_adapter],
     }

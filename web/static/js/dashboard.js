@@ -27,7 +27,13 @@
   async function refresh() {
     let d;
     try {
-      d = await (await fetch(root.dataset.src, { credentials: "same-origin", headers: { Accept: "application/json" } })).json();
+      const res = await fetch(root.dataset.src, { credentials: "same-origin", headers: { Accept: "application/json" } });
+      if (res.status === 401) {  // the session ended (logout elsewhere, expiry): back to the sign-in page
+        window.location.assign(`/console/login?next=${encodeURIComponent(window.location.pathname)}`);
+        return;
+      }
+      if (!res.ok) throw new Error(`${res.status}`);
+      d = await res.json();
     } catch (e) {
       set("dash-status", "disconnected");
       return;
