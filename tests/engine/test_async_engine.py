@@ -1,0 +1,85 @@
+"""AsyncEngine: background steps, one stream per request, deltas, abort frees blocks at once."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from loraplex.engine.async_engine import AsyncEngine
+from loraplex.engine.client import EngineClient
+from loraplex.engine.config import EngineConfig
+from loraplex.engine.errors import InvalidRequestError
+from loraplex.engine.llm import LLM
+from loraplex.engine.sampling_params import SamplingParams
+
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+
+@pytest.fixture
+async def engine(tiny_llama_dir):
+    eng = AsyncEngine(EngineConfig(str(tiny_llama_dir), num_kv_blocks=64))
+    await eng.start()
+    yield eng
+    await eng.shutdown()
+
+
+async def test_streams_match_offline_generation(engine, tiny_llama_dir):
+    assert isinstance(engine, EngineClient)
+    prompts = ["The quick brown fox", "Hello world", "Grüße aus München"]
+    expected = LLM(str(tiny_llama_dir), num_kv_blocks=64).generate(prompts, GREEDY, use_tqdm=False)
+
+    async def collect(i, prompt):
+        text, tokens, last = "", [], None
+        async for out in engine.generate(prompt, GREEDY, f"req-{i}"):
+            text += out.outputs[0].delta_text
+            tokens += out.outputs[0].delta_token_ids
+            last = out
+        return text, tokens, last
+
+    results = await asyncio.gather(*(collect(i, p) for i, p in enumerate(prompts)))
+    for (text, tokens, last), exp in zip(results, expected, strict=True):
+        assert tokens == exp.outputs[0].token_ids == last.outputs[0].token_ids
+        assert text == exp.outputs[0].text == last.outputs[0].text
+        assert last.finished and last.outputs[0].finish_reason == "length"
+    stats = engine.stats()
+    assert stats.generation_tokens_total == 36 and stats.kv_blocks_used == 0
+
+
+async def test_bad_request_raises_before_streaming(engine):
+    with pytest.raises(InvalidRequestError):
+        async for _ in engine.generate("", GREEDY, "bad"):
+            pass
+    out = [o async for o in engine.generate("Hello", GREEDY, "good")]
+    assert out[-1].finished
+
+
+async def test_disconnect_aborts_and_frees_blocks(engine):
+    params = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+    stream = engine.generate("Hello world", params, "long")
+    async for out in stream:
+        if len(out.outputs[0].token_ids) >= 3:
+            break
+    assert engine.stats().kv_blocks_used > 0
+    await stream.aclose()
+    await engine.abort("long")  # idempotent; returns after the step thread has processed it
+    stats = engine.stats()
+    assert stats.kv_blocks_used == 0 and stats.num_running == 0
+
+
+async def test_explicit_abort_ends_the_stream(engine):
+    params = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+    outs = []
+
+    async def consume():
+        async for out in engine.generate("Hello", params, "a"):
+            outs.append(out)
+
+    task = asyncio.create_task(consume())
+    while not outs:
+        await asyncio.sleep(0.01)
+    await engine.abort("a")
+    assert engine.stats().kv_blocks_used == 0
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task

@@ -1,0 +1,89 @@
+"""Bad input gives a clear error, and the engine goes on serving the others."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from loraplex.engine.errors import InvalidRequestError, ModelLoadError
+from loraplex.engine.llm import LLM
+from loraplex.engine.sampling_params import SamplingParams
+
+GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama_dir):
+    return LLM(str(tiny_llama_dir), num_kv_blocks=64, max_model_len=128)
+
+
+@pytest.mark.parametrize("prompt", ["", [[]], {"prompt_token_ids": []}])
+def test_empty_prompt(llm, prompt):
+    with pytest.raises(InvalidRequestError, match="empty"):
+        llm.generate(prompt, GREEDY, use_tqdm=False)
+
+
+def test_prompt_longer_than_context(llm):
+    with pytest.raises(InvalidRequestError, match="context"):
+        llm.generate({"prompt_token_ids": [5] * 200}, GREEDY, use_tqdm=False)
+
+
+def test_token_ids_outside_vocabulary(llm):
+    with pytest.raises(InvalidRequestError, match="token ids"):
+        llm.generate({"prompt_token_ids": [1, 10**6]}, GREEDY, use_tqdm=False)
+
+
+@pytest.mark.parametrize("kwargs", [{"max_tokens": 0}, {"max_tokens": -3}, {"top_p": 0.0}, {"top_p": 1.5}])
+def test_bad_sampling_params(kwargs):
+    with pytest.raises(InvalidRequestError, match=next(iter(kwargs))):
+        SamplingParams(**kwargs)
+
+
+def test_request_too_big_for_the_cache(tiny_llama_dir):
+    small = LLM(str(tiny_llama_dir), num_kv_blocks=4, block_size=4)
+    with pytest.raises(InvalidRequestError, match="KV cache blocks"):
+        small.generate("Hello world", SamplingParams(max_tokens=100), use_tqdm=False)
+    assert small.generate("Hello", SamplingParams(max_tokens=4), use_tqdm=False)[0].finished
+
+
+def test_engine_keeps_serving_after_bad_requests(llm):
+    eng = llm.engine
+    eng.add_request("good", "Hello world", GREEDY)
+    for bad in ("", [10**6]):
+        with pytest.raises(InvalidRequestError):
+            eng.add_request("bad", bad, GREEDY)
+    with pytest.raises(InvalidRequestError, match="already in use"):
+        eng.add_request("good", "again", GREEDY)
+    outs = []
+    while eng.has_unfinished_requests():
+        outs += eng.step()
+    assert [o.request_id for o in outs if o.finished] == ["good"]
+    assert len(outs[-1].outputs[0].token_ids) == 6
+
+
+def test_unknown_model_path(tmp_path):
+    with pytest.raises(ModelLoadError, match="not found|not a model directory"):
+        LLM(str(tmp_path / "no-such-model"))
+
+
+def test_corrupt_safetensors(tiny_llama_dir, tmp_path):
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_llama_dir, broken)
+    weights = broken / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[: len(data) // 2])
+    with pytest.raises(ModelLoadError, match="safetensors"):
+        LLM(str(broken))
+
+
+def test_missing_weight_is_named(tiny_llama_dir, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    partial = tmp_path / "partial"
+    shutil.copytree(tiny_llama_dir, partial)
+    tensors = load_file(str(partial / "model.safetensors"))
+    del tensors["model.layers.1.mlp.down_proj.weight"]
+    save_file(tensors, str(partial / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ModelLoadError, match="down_proj"):
+        LLM(str(partial))

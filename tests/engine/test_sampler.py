@@ -1,0 +1,145 @@
+"""Sampling: filters, penalties, seeds, stops, logprobs."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from loraplex.engine.llm import LLM
+from loraplex.engine.sampler import Sampler
+from loraplex.engine.sampling_params import SamplingParams
+from loraplex.engine.sequence import Sequence
+
+
+def _rows(params_list, prompt=(1, 2, 3)):
+    return [Sequence("r", list(prompt), p) for p in params_list]
+
+
+def _draws(logits_row, params, n=400):
+    sampler = Sampler()
+    seqs = _rows([params] * n)
+    return sampler(logits_row.repeat(n, 1), seqs).token_ids
+
+
+LOGITS = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
+
+
+def test_greedy_takes_the_argmax():
+    assert Sampler()(LOGITS.view(1, -1), _rows([SamplingParams(temperature=0)])).token_ids == [0]
+
+
+def test_top_k_top_p_min_p_restrict_the_support():
+    assert set(_draws(LOGITS, SamplingParams(top_k=2))) <= {0, 1}
+    assert set(_draws(LOGITS, SamplingParams(top_p=0.7))) <= {0, 1}  # 0.5 + 0.3 reaches 0.7
+    assert set(_draws(LOGITS, SamplingParams(min_p=0.5))) <= {0, 1}  # keeps p >= 0.25
+    assert set(_draws(LOGITS, SamplingParams())) == {0, 1, 2, 3}
+
+
+def test_sampling_follows_the_distribution():
+    draws = _draws(LOGITS, SamplingParams(), n=4000)
+    freq = [draws.count(i) / len(draws) for i in range(4)]
+    assert freq == pytest.approx([0.5, 0.3, 0.15, 0.05], abs=0.04)
+
+
+def test_seeded_row_is_the_same_alone_and_in_a_batch():
+    logits = torch.randn(1, 50)
+    alone = Sampler()(logits, _rows([SamplingParams(seed=7)])).token_ids[0]
+    other = torch.randn(4, 50)
+    batch = torch.cat([other[:2], logits, other[2:]])
+    params = [SamplingParams(), SamplingParams(seed=3), SamplingParams(seed=7), SamplingParams(), SamplingParams()]
+    assert Sampler()(batch, _rows(params)).token_ids[2] == alone
+
+
+def test_penalties_push_repeated_tokens_down():
+    logits = torch.tensor([[2.0, 1.9, 0.0, -1.0]])
+    seq = _rows([SamplingParams(temperature=0, presence_penalty=0.5)])[0]
+    seq.token_ids.append(0)  # token 0 already generated
+    assert Sampler()(logits.clone(), [seq]).token_ids == [1]
+    seq = _rows([SamplingParams(temperature=0, frequency_penalty=0.06)])[0]
+    seq.token_ids += [0, 0]
+    assert Sampler()(logits.clone(), [seq]).token_ids == [1]
+    seq = _rows([SamplingParams(temperature=0, repetition_penalty=1.2)], prompt=(0,))[0]
+    assert Sampler()(logits.clone(), [seq]).token_ids == [1]  # 2.0 / 1.2 < 1.9
+
+
+def test_min_tokens_suppresses_eos():
+    logits = torch.tensor([[5.0, 0.0, 0.0]])
+    seq = _rows([SamplingParams(temperature=0, min_tokens=2, max_tokens=4)])[0]
+    assert Sampler(eos_token_ids=(0,))(logits, [seq]).token_ids == [1]
+
+
+def test_logprobs_with_alternatives():
+    out = Sampler()(LOGITS.view(1, -1), _rows([SamplingParams(temperature=0, logprobs=2)]))
+    chosen, top = out.logprobs[0]
+    assert chosen == pytest.approx(math.log(0.5), abs=1e-5)
+    assert [t for t, _ in top] == [0, 1]
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama_dir):
+    return LLM(str(tiny_llama_dir), num_kv_blocks=128)
+
+
+def test_seed_reproducible_regardless_of_batch(llm):
+    p = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=12, ignore_eos=True)
+    alone = llm.generate("The quick brown fox", p, use_tqdm=False)[0].outputs[0].token_ids
+    others = [SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)] * 5
+    outs = llm.generate(["Hello", "The quick brown fox", "A paged", "x", "y", "z"], [others[0], p, *others[1:]],
+                        use_tqdm=False)
+    assert outs[1].outputs[0].token_ids == alone
+
+
+def test_stop_strings_and_stop_tokens(llm):
+    base = llm.generate("Hello world", SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0]
+    stop_tok = base.token_ids[5]
+    out = llm.generate("Hello world", SamplingParams(temperature=0, max_tokens=16, ignore_eos=True,
+                                                     stop_token_ids=[stop_tok]), use_tqdm=False)[0].outputs[0]
+    first = base.token_ids.index(stop_tok)
+    assert out.token_ids == base.token_ids[: first + 1]
+    assert out.finish_reason == "stop" and out.stop_reason == stop_tok
+    text = base.text
+    stop = text[len(text) // 2 : len(text) // 2 + 2]
+    out = llm.generate("Hello world", SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, stop=stop),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert out.text == text[: text.index(stop)]
+    out = llm.generate("Hello world", SamplingParams(temperature=0, max_tokens=5, ignore_eos=True),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "length" and len(out.token_ids) == 5
+
+
+def test_eos_stops_unless_ignored(tiny_llama_dir):
+    import dataclasses
+
+    llm = LLM(str(tiny_llama_dir), num_kv_blocks=64)
+    base = llm.generate("Hello", SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0]
+    eos = base.token_ids[4]  # pretend this token is the model's EOS
+    llm.engine.limits = dataclasses.replace(llm.engine.limits, eos_token_ids=(eos,))
+    out = llm.generate("Hello", SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == base.token_ids[: base.token_ids.index(eos) + 1]
+    assert out.finish_reason == "stop" and out.stop_reason == eos
+    out = llm.generate("Hello", SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == base.token_ids
+
+
+def test_logprobs_in_outputs(llm):
+    out = llm.generate("Hello", SamplingParams(temperature=0, max_tokens=4, logprobs=3, ignore_eos=True),
+                       use_tqdm=False)[0].outputs[0]
+    assert len(out.logprobs) == 4
+    for tok, lp in zip(out.token_ids, out.logprobs, strict=True):
+        assert lp.chosen.token_id == tok and len(lp.top) == 3
+        assert lp.top[0].token_id == tok  # greedy picks the most likely
+    assert out.cumulative_logprob == pytest.approx(sum(lp.chosen.logprob for lp in out.logprobs))
+
+
+def test_n_samples_with_seed_differ_but_reproduce(llm):
+    p = SamplingParams(temperature=1.0, n=3, seed=5, max_tokens=8, ignore_eos=True)
+    a = llm.generate("The quick", p, use_tqdm=False)[0]
+    b = llm.generate("The quick", p, use_tqdm=False)[0]
+    assert [c.token_ids for c in a.outputs] == [c.token_ids for c in b.outputs]
+    assert len({tuple(c.token_ids) for c in a.outputs}) > 1
