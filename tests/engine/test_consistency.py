@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
-
 from engine_helpers import mixed_prompts
+
 from loraplex.engine.llm import LLM
 from loraplex.engine.sampling_params import SamplingParams
 

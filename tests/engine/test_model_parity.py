@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from engine_helpers import PROMPTS, hf_greedy
 
 from loraplex.engine.llm import LLM
 from loraplex.engine.sampling_params import SamplingParams
-from engine_helpers import PROMPTS, hf_greedy
 
 
 @pytest.fixture(params=["llama", "qwen2", "tied", "mistral"])
