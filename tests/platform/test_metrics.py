@@ -5,7 +5,7 @@ from __future__ import annotations
 from prometheus_client.parser import text_string_to_metric_families
 
 from loraplex.engine.client import EngineStats
-from loraplex.platform.metrics import OTHER, PlatformMetrics, RecentWindow, TopN, _Recent, percentile
+from loraplex.platform.metrics import OTHER, FinishedRequest, PlatformMetrics, RecentWindow, TopN, percentile
 
 
 def _samples(metrics: PlatformMetrics) -> dict[tuple[str, tuple], float]:
@@ -111,8 +111,8 @@ def test_recent_window_percentiles_and_throughput():
     now = [100.0]
     w = RecentWindow(window_s=10, clock=lambda: now[0])
     for i in range(1, 21):
-        w.add(_Recent(at=95.0, ttft_s=i / 100, tpot_s=0.01, e2e_s=1.0, completion_tokens=5))
-    w.add(_Recent(at=80.0, ttft_s=9.0, tpot_s=9.0, e2e_s=9.0, completion_tokens=1000))  # outside the window
+        w.add(FinishedRequest(at=95.0, ttft_s=i / 100, tpot_s=0.01, e2e_s=1.0, completion_tokens=5))
+    w.add(FinishedRequest(at=80.0, ttft_s=9.0, tpot_s=9.0, e2e_s=9.0, completion_tokens=1000))  # outside the window
     summary = w.summary()
     assert summary["requests"] == 20
     assert summary["tokens_per_s"] == 10.0
