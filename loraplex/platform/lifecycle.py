@@ -91,6 +91,8 @@ async def start_services(services: Services, app: FastAPI) -> None:
     set_context(TaskContext(settings, services.sessions, services.engine, asyncio.get_running_loop()))
     if services.tasks.eager and settings.warm_adapters_interval > 0:
         services.background.append(asyncio.create_task(_warm_loop(services), name="warm-adapters"))
+    if services.tasks.eager:
+        services.background.append(asyncio.create_task(_billing_loop(services), name="billing"))
     # A journal left by an earlier (crashed) process is replayed before new traffic arrives.
     await services.usage.flush()
     services.background.append(asyncio.create_task(services.usage.run(), name="usage-flusher"))
@@ -103,6 +105,14 @@ async def _warm_loop(services: Services) -> None:
     while True:
         await asyncio.sleep(services.settings.warm_adapters_interval)
         services.tasks.send("loraplex.warm_popular_adapters")
+
+
+async def _billing_loop(services: Services) -> None:
+    """The embedded default's Celery beat for billing: hourly rollups, statements once a month closes."""
+    while True:
+        await asyncio.sleep(3600)
+        services.tasks.send("loraplex.rollup_usage")
+        services.tasks.send("loraplex.finalize_statements")
 
 
 async def shutdown_services(services: Services) -> None:
