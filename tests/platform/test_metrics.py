@@ -59,6 +59,8 @@ def test_engine_stats_are_exposed_at_scrape_time():
     assert s[("loraplex_adapter_loads_total", ())] == 9
     assert s[("loraplex_adapter_evictions_total", ())] == 4
     assert s[("loraplex_adapter_cache_hits_total", ())] == 30
+    assert s[("loraplex_adapter_cached", (("level", "device"), ("version", "h1")))] == 1
+    assert s[("loraplex_adapter_cached", (("level", "host"), ("version", "h3")))] == 1
     stats.num_waiting = 1
     assert _samples(m)[("loraplex_engine_queue_depth", ())] == 1
 

@@ -52,6 +52,20 @@ class EngineCollector:
         }
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(name, doc, value=value)
+        yield _residency(s)
+
+
+def _residency(s: EngineStats) -> GaugeMetricFamily:
+    """One series per cached adapter version: bounded by the cache sizes (max_loras + max_cpu_loras)."""
+    family = GaugeMetricFamily("loraplex_adapter_cached", "Adapter versions held by the engine's caches "
+                               "(version: first 12 hex digits of the content hash)", labels=["version", "level"])
+    pinned = set(s.extra.get("lora_pinned", ()))
+    for level, hashes in (("device", s.lora_resident), ("host", s.lora_host_cached)):
+        for content_hash in hashes:
+            family.add_metric([content_hash[:12], level], 1.0)
+    for content_hash in sorted(pinned):
+        family.add_metric([content_hash[:12], "pinned"], 1.0)
+    return family
 
 
 def engine_summary(stats: EngineStats | None) -> dict:
