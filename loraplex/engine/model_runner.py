@@ -42,7 +42,7 @@ class ModelRunner:
         arch = model.arch
         # One allocation for the whole cache, made once: the engine's memory does not grow per step.
         self.kv_cache = torch.zeros(
-            arch.num_layers, 2, num_blocks, block_size, arch.num_kv_heads, arch.head_dim,
+            arch.num_layers, 2, arch.num_kv_heads, num_blocks, block_size, arch.head_dim,
             dtype=dtype, device=device,
         )
         for i, attn in enumerate(model.attention_layers):
@@ -58,7 +58,7 @@ class ModelRunner:
             return
         src = torch.tensor([c[0] for c in copies], device=self.device)
         dst = torch.tensor([c[1] for c in copies], device=self.device)
-        self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
+        self.kv_cache[:, :, :, dst] = self.kv_cache[:, :, :, src]
 
     def _prepare(self, batch: ScheduledBatch):
         bs = self.block_size

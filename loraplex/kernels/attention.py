@@ -1,7 +1,9 @@
 """Paged attention in plain torch: the CPU path and the oracle for other kernels.
 
-KV cache layout per layer: [num_blocks, block_size, num_kv_heads, head_dim] for keys and for values, so a
-token's slot (block * block_size + offset) indexes a flat [num_slots, num_kv_heads, head_dim] view.
+KV cache layout per layer, for keys and for values: [num_kv_heads, num_blocks, block_size, head_dim], so a
+token's slot (block * block_size + offset) indexes a flat [num_kv_heads, num_slots, head_dim] view, and
+gathering a batch's blocks yields [num_kv_heads, batch, tokens, head_dim] ready for batched matmuls with
+no transposing copy.
 """
 
 from __future__ import annotations
@@ -14,16 +16,19 @@ def write_kv(
     k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
     """Store new keys/values [num_tokens, num_kv_heads, head_dim] at their slots."""
-    num_kv_heads, head_dim = k_cache.shape[-2:]
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+    num_kv_heads, head_dim = k_cache.shape[0], k_cache.shape[-1]
+    k_cache.view(num_kv_heads, -1, head_dim).index_copy_(1, slot_mapping, k.transpose(0, 1))
+    v_cache.view(num_kv_heads, -1, head_dim).index_copy_(1, slot_mapping, v.transpose(0, 1))
 
 
 def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
-    """[batch, max_blocks] block ids -> [batch, max_blocks * block_size, num_kv_heads, head_dim]."""
+    """[batch, max_blocks] block ids -> [num_kv_heads, batch, max_blocks * block_size, head_dim]."""
     batch, max_blocks = block_tables.shape
-    block_size, num_kv_heads, head_dim = cache.shape[1:]
-    return cache[block_tables].view(batch, max_blocks * block_size, num_kv_heads, head_dim)
+    num_kv_heads, num_blocks, block_size, head_dim = cache.shape
+    # index_select copies whole blocks (contiguous rows); advanced indexing is several times slower here.
+    flat = cache.view(num_kv_heads, num_blocks, block_size * head_dim)
+    gathered = flat.index_select(1, block_tables.reshape(-1))
+    return gathered.view(num_kv_heads, batch, max_blocks * block_size, head_dim)
 
 
 def decode_attention(
@@ -40,19 +45,19 @@ def decode_attention(
     padded to the longest context; padding is masked out.
     """
     batch, num_heads, head_dim = q.shape
-    num_kv_heads = k_cache.shape[2]
+    num_kv_heads = k_cache.shape[0]
     group = num_heads // num_kv_heads
-    keys = gather_kv(k_cache, block_tables)  # [B, L, Hkv, D]
+    keys = gather_kv(k_cache, block_tables)  # [Hkv, B, L, D]
     values = gather_kv(v_cache, block_tables)
-    max_len = keys.shape[1]
+    max_len = keys.shape[2]
     # Grouped queries: each KV head serves `group` query heads, so no K/V expansion is needed.
-    qg = q.view(batch, num_kv_heads, group, head_dim)
-    scores = torch.matmul(qg, keys.permute(0, 2, 3, 1)) * scale  # [B, Hkv, G, L]
+    qg = q.view(batch, num_kv_heads, group, head_dim).transpose(0, 1)  # [Hkv, B, G, D]
+    scores = torch.matmul(qg * scale, keys.transpose(-1, -2))  # [Hkv, B, G, L]
     pad = torch.arange(max_len, device=q.device).view(1, -1) >= context_lens.view(-1, 1)
-    scores.masked_fill_(pad.view(batch, 1, 1, max_len), float("-inf"))
+    scores.masked_fill_(pad.view(1, batch, 1, max_len), float("-inf"))
     probs = torch.softmax(scores, dim=-1)
-    out = torch.matmul(probs, values.permute(0, 2, 1, 3))  # [B, Hkv, G, D]
-    return out.reshape(batch, num_heads, head_dim)
+    out = torch.matmul(probs, values)  # [Hkv, B, G, D]
+    return out.transpose(0, 1).reshape(batch, num_heads, head_dim)
 
 
 def prefill_attention(
@@ -71,15 +76,14 @@ def prefill_attention(
     fresh k_new/v_new are used directly instead of reading them back from the cache.
     """
     query_len, num_heads, head_dim = q.shape
-    num_kv_heads = k_cache.shape[2]
+    num_kv_heads = k_cache.shape[0]
     if k_new is not None and query_len == context_len:
-        keys, values = k_new, v_new
+        kh = k_new.transpose(0, 1).unsqueeze(0)  # [1, Hkv, Lk, D]
+        vh = v_new.transpose(0, 1).unsqueeze(0)
     else:
-        keys = gather_kv(k_cache, block_table.view(1, -1))[0, :context_len]
-        values = gather_kv(v_cache, block_table.view(1, -1))[0, :context_len]
+        kh = gather_kv(k_cache, block_table.view(1, -1))[:, :, :context_len].transpose(0, 1)
+        vh = gather_kv(v_cache, block_table.view(1, -1))[:, :, :context_len].transpose(0, 1)
     qh = q.transpose(0, 1).unsqueeze(0)  # [1, H, Lq, D]
-    kh = keys.transpose(0, 1).unsqueeze(0)  # [1, Hkv, Lk, D]
-    vh = values.transpose(0, 1).unsqueeze(0)
     if query_len == context_len:
         out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale,
                                              enable_gqa=num_heads != num_kv_heads)

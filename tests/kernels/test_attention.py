@@ -10,7 +10,7 @@ from loraplex.kernels.attention import decode_attention, prefill_attention, refe
 def _paged(k, v, block_size, num_blocks, gen):
     """Scatter a sequence's K/V into randomly chosen blocks; returns caches and the block table."""
     length, heads, dim = k.shape
-    k_cache = torch.zeros(num_blocks, block_size, heads, dim)
+    k_cache = torch.zeros(heads, num_blocks, block_size, dim)
     v_cache = torch.zeros_like(k_cache)
     table = torch.randperm(num_blocks, generator=gen)[: -(-length // block_size)]
     pos = torch.arange(length)
@@ -38,7 +38,7 @@ def test_prefill_with_cached_prefix_and_decode_match_dense():
 def test_batched_decode_pads_and_masks_each_context():
     gen = torch.Generator().manual_seed(1)
     heads, kv_heads, dim, block_size, num_blocks = 4, 4, 8, 4, 32
-    k_cache = torch.zeros(num_blocks, block_size, kv_heads, dim)
+    k_cache = torch.zeros(kv_heads, num_blocks, block_size, dim)
     v_cache = torch.zeros_like(k_cache)
     k_cache.normal_(generator=gen)  # garbage everywhere: padding must never leak into a result
     v_cache.normal_(generator=gen)
@@ -50,8 +50,8 @@ def test_batched_decode_pads_and_masks_each_context():
         tables.append(blocks + [0] * (4 - len(blocks)))
         pos = torch.arange(length)
         slots = torch.tensor(blocks)[pos // block_size] * block_size + pos % block_size
-        k = k_cache.view(-1, kv_heads, dim)[slots]
-        v = v_cache.view(-1, kv_heads, dim)[slots]
+        k = k_cache.view(kv_heads, -1, dim)[:, slots].transpose(0, 1)
+        v = v_cache.view(kv_heads, -1, dim)[:, slots].transpose(0, 1)
         q = torch.randn(length, heads, dim, generator=gen)
         refs.append(reference_attention(q, k, v, 0.3)[-1])
         qs.append(q[-1])

@@ -97,7 +97,11 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Te
 
 
 class RotaryEmbedding(nn.Module):
-    """Neox-style rotation (halves, as Hugging Face's Llama), cos/sin precomputed for every position."""
+    """Neox-style rotation (halves, as Hugging Face's Llama), cos/sin precomputed for every position.
+
+    The model looks up cos/sin once per step; each layer rotates q and k together, in place, in the qkv
+    projection's output.
+    """
 
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None, dtype: torch.dtype):
         super().__init__()
@@ -106,15 +110,19 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", freqs.cos().to(dtype), persistent=False)
         self.register_buffer("sin", freqs.sin().to(dtype), persistent=False)
 
-    def forward(self, positions: torch.Tensor, *xs: torch.Tensor) -> list[torch.Tensor]:
-        """xs: [num_tokens, heads, head_dim] each."""
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
-        out = []
-        for x in xs:
-            x1, x2 = x.chunk(2, dim=-1)
-            out.append(torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1))
-        return out
+    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
+
+def apply_rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """Rotate x [num_tokens, heads, head_dim] in place; cos/sin: [num_tokens, 1, head_dim / 2]."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    x1_sin = x1 * sin
+    new_x1 = x1 * cos
+    new_x1 -= x2 * sin
+    x2.mul_(cos).add_(x1_sin)
+    x1.copy_(new_x1)
 
 
 class PagedAttention(nn.Module):

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from loraplex.engine.models.arch import ModelArch
-from loraplex.engine.models.layers import LoraLinear, PagedAttention, RMSNorm, RotaryEmbedding
+from loraplex.engine.models.layers import LoraLinear, PagedAttention, RMSNorm, RotaryEmbedding, apply_rotary_
 
 # PEFT module name -> (our fused module, shard index)
 _FUSED = {
@@ -28,7 +28,7 @@ LORA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, arch: ModelArch, layer_idx: int, rotary: RotaryEmbedding, dtype: torch.dtype):
+    def __init__(self, arch: ModelArch, layer_idx: int, dtype: torch.dtype):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
         self.q_size, self.kv_size = arch.q_size, arch.kv_size
@@ -40,17 +40,16 @@ class LlamaAttention(nn.Module):
             arch.q_size, (arch.hidden_size,), bias=False, layer_idx=layer_idx, module_names=("o_proj",),
             dtype=dtype,
         )
-        self.rotary = rotary
         self.attn = PagedAttention(arch.num_heads, arch.num_kv_heads, arch.head_dim)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv_proj(x)
-        q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
         num_tokens = x.shape[0]
-        q = q.view(num_tokens, self.num_heads, self.head_dim)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary(positions, q, k)
+        q_end, k_end = self.q_size, self.q_size + self.kv_size
+        apply_rotary_(qkv[:, :k_end].view(num_tokens, -1, self.head_dim), *rope)
+        q = qkv[:, :q_end].view(num_tokens, self.num_heads, self.head_dim)
+        k = qkv[:, q_end:k_end].view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = qkv[:, k_end:].view(num_tokens, self.num_kv_heads, self.head_dim)
         return self.o_proj(self.attn(q, k, v))
 
 
@@ -73,20 +72,20 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, arch: ModelArch, layer_idx: int, rotary: RotaryEmbedding, dtype: torch.dtype):
+    def __init__(self, arch: ModelArch, layer_idx: int, dtype: torch.dtype):
         super().__init__()
-        self.self_attn = LlamaAttention(arch, layer_idx, rotary, dtype)
+        self.self_attn = LlamaAttention(arch, layer_idx, dtype)
         self.mlp = LlamaMLP(arch, layer_idx, dtype)
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
 
-    def forward(self, positions, x, residual):
+    def forward(self, rope, x, residual):
         if residual is None:
             residual = x
             x = self.input_layernorm(x)
         else:
             x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(positions, x)
+        x = self.self_attn(rope, x)
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 
@@ -96,18 +95,18 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size, dtype=dtype)
         self.embed_tokens.weight.requires_grad_(False)
-        # One table shared by all layers: positions are looked up once per layer, not recomputed.
-        rotary = RotaryEmbedding(
+        self.rotary = RotaryEmbedding(
             arch.head_dim, arch.max_position_embeddings, arch.rope_theta, arch.rope_scaling, dtype
         )
-        self.layers = nn.ModuleList(LlamaDecoderLayer(arch, i, rotary, dtype) for i in range(arch.num_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(arch, i, dtype) for i in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
+        rope = self.rotary.lookup(positions)  # once per step, shared by every layer
         residual = None
         for layer in self.layers:
-            x, residual = layer(positions, x, residual)
+            x, residual = layer(rope, x, residual)
         x, _ = self.norm(x, residual)
         return x
 
