@@ -151,3 +151,14 @@ def test_adapter_upload_needs_the_csrf_header_and_reports_the_failure_reason(con
     assert r.status_code == 303
     assert "bad" not in console.client.get(f"/console/adapters?tenant_id={tk.tenant_id}").text.split("<main>")[1] \
         .split("Upload an adapter")[1]
+
+
+def test_billing_export_of_every_statement_for_a_period(console, make_tenant):
+    make_tenant("acme")
+    make_tenant("globex")
+    period = console.client.get("/console/billing").text.split('<option selected>')[1][:7]
+    data = console.client.get(f"/console/billing/export?period={period}&format=json").json()
+    assert [s["tenant"] for s in data["data"]] == ["acme", "globex"]
+    text = console.client.get(f"/console/billing/export?period={period}&format=csv").text
+    assert text.splitlines()[0].startswith("tenant_id,tenant,period,status,currency")
+    assert console.client.get("/console/billing/export?period=2026-99").status_code == 400

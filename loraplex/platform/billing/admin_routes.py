@@ -10,7 +10,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, Field
 from sqlalchemy import select
 
-from loraplex.platform.billing.export import rows_to_csv, statement_dict
+from loraplex.platform.billing.export import statement_dict, statements_summary_csv
 from loraplex.platform.billing.periods import days_in, parse_period, resolve_range
 from loraplex.platform.billing.prices import price_lists, set_plan_price, set_tenant_override, tenant_override
 from loraplex.platform.billing.pricing import Price, PriceOverride
@@ -136,9 +136,7 @@ def statements(
         views = [get_statement(session, names[s.tenant_id], s.period)
                  for s in list_statements(session, tenant_ids=tenant_id) if s.tenant_id in names]
     if format == "csv":
-        rows = [{k: v for k, v in statement_dict(v).items() if k not in ("lines", "rounding", "total_amount_decimal")}
-                for v in views]
-        return Response(rows_to_csv(rows), media_type="text/csv; charset=utf-8",
+        return Response(statements_summary_csv(views), media_type="text/csv; charset=utf-8",
                         headers={"content-disposition": f'attachment; filename="statements-{period or "all"}.csv"'})
     return JSONResponse({"object": "list", "data": [statement_dict(v) for v in views]})
 

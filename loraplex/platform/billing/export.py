@@ -88,3 +88,9 @@ def statement_csv(view: StatementView) -> str:
 
 def to_json(data) -> str:
     return json.dumps(data, indent=2, sort_keys=False)
+
+
+def statements_summary_csv(views: list[StatementView]) -> str:
+    """One row per statement: the totals a finance import needs, lines left to the per-statement export."""
+    skip = {"lines", "rounding", "total_amount_decimal"}
+    return rows_to_csv({k: v for k, v in statement_dict(view).items() if k not in skip} for view in views)

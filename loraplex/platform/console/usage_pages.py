@@ -6,9 +6,10 @@ import json
 from datetime import date
 
 from fastapi import APIRouter, Request
-from fastapi.responses import HTMLResponse, RedirectResponse, Response
+from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse, Response
 from sqlalchemy import select
 
+from loraplex.platform.billing.export import statement_dict, statements_summary_csv
 from loraplex.platform.billing.periods import days_in, period_of, previous_period, resolve_range, today_utc
 from loraplex.platform.billing.prices import price_lists, set_plan_price
 from loraplex.platform.billing.pricing import Price
@@ -100,6 +101,21 @@ def billing_page(request: Request, context: ConsoleDep, services: ServicesDep) -
     periods = _recent_periods(12)
     return render(request, "billing.html", context, period=period, periods=periods, statements=views,
                   prices=prices, closed=is_closed(period), total=sum(v.total_amount for v in views))
+
+
+@router.get("/billing/export")
+def billing_export(request: Request, _context: ConsoleDep, services: ServicesDep) -> Response:
+    period = request.query_params.get("period") or period_of(today_utc())
+    with services.sessions() as session:
+        try:
+            views = [get_statement(session, t, period)
+                     for t in session.scalars(select(Tenant).order_by(Tenant.name))]
+        except ValueError as exc:
+            return Response(f"bad period: {exc}", status_code=400)
+    if request.query_params.get("format") == "csv":
+        return Response(statements_summary_csv(views), media_type="text/csv; charset=utf-8",
+                        headers={"content-disposition": f'attachment; filename="statements-{period}.csv"'})
+    return JSONResponse({"object": "list", "period": period, "data": [statement_dict(v) for v in views]})
 
 
 def _recent_periods(n: int) -> list[str]:
