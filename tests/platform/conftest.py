@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from tests.platform.fake_engine import FakeEngine
+from fake_engine import FakeEngine
 from fastapi.testclient import TestClient
 
 from loraplex.config import Settings

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 
 import pytest
-from tests.platform.console_helpers import FORM_TOKEN, Console
+from console_helpers import FORM_TOKEN, Console
 from fastapi.routing import APIRoute
 from sqlalchemy import func, select
 

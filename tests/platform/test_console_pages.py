@@ -7,7 +7,7 @@ import re
 
 import anyio
 import pytest
-from tests.platform.console_helpers import Console
+from console_helpers import Console
 from sqlalchemy import select
 
 from loraplex.platform.billing.models import TenantPriceOverride

@@ -8,7 +8,7 @@ import time
 
 import httpx
 from conftest import make_settings
-from tests.platform.fake_engine import FakeEngine
+from fake_engine import FakeEngine
 from live_server import live_server
 from sqlalchemy import select
 
