@@ -82,6 +82,10 @@ async def start_services(services: Services, app: FastAPI) -> None:
         from loraplex.platform.engine_factory import build_engine
 
         services.engine = await asyncio.to_thread(build_engine, settings)
+    elif services.engine is None and services.redis is not None:
+        from loraplex.platform.remote.router import build_router
+
+        services.engine = await asyncio.to_thread(build_router, settings, services.redis)
     if services.engine is not None and services.owns_engine:
         await services.engine.start()
     _bind_metrics(services, app)

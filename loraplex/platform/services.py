@@ -45,4 +45,6 @@ class Services:
 
         if self.engine is None:
             raise unavailable("The inference engine is not available in this process.")
+        if not getattr(self.engine, "available", True):
+            raise unavailable("No engine process is serving right now; retry shortly.")
         return self.engine

@@ -17,8 +17,8 @@ def free_port() -> int:
 
 
 @contextmanager
-def live_server(app):
-    port = free_port()
+def live_server(app, port: int | None = None):
+    port = port or free_port()
     config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on")
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, daemon=True)

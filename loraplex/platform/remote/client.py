@@ -1,0 +1,90 @@
+"""RemoteEngine: an EngineClient for one `loraplex engine` process; tokenizes locally (same model files)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+import httpx
+
+from loraplex.engine.client import EngineStats
+from loraplex.engine.errors import EngineOverloadedError, InvalidRequestError
+from loraplex.engine.lora_request import LoRARequest
+from loraplex.engine.outputs import RequestOutput
+from loraplex.engine.sampling_params import SamplingParams
+from loraplex.platform.remote.protocol import (
+    SECRET_HEADER,
+    adapter_to_json,
+    engine_token,
+    output_from_json,
+    params_to_json,
+)
+
+
+class RemoteEngine:
+    def __init__(self, url: str, secret_key: str, *, model_name: str, max_model_len: int, tokenizer,
+                 http: httpx.AsyncClient | None = None):
+        self.url = url.rstrip("/")
+        self.model_name = model_name
+        self.max_model_len = max_model_len
+        self.tokenizer = tokenizer
+        self._http = http or httpx.AsyncClient(timeout=httpx.Timeout(10.0, read=None))
+        self._headers = {SECRET_HEADER: engine_token(secret_key)}
+        self.inflight = 0  # requests this API process has on the engine now
+
+    async def start(self) -> None:
+        return None
+
+    async def shutdown(self) -> None:
+        await self._http.aclose()
+
+    async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str, *,
+                       adapter: LoRARequest | None = None, tenant: str | None = None
+                       ) -> AsyncIterator[RequestOutput]:
+        body = {"prompt": prompt, "params": params_to_json(params), "request_id": request_id,
+                "adapter": adapter_to_json(adapter), "tenant": tenant}
+        self.inflight += 1
+        try:
+            try:
+                async with self._http.stream("POST", f"{self.url}/engine/generate", json=body,
+                                             headers=self._headers) as response:
+                    if response.status_code == 400:
+                        detail = json.loads(await response.aread())
+                        raise InvalidRequestError(detail.get("message", "invalid request"), param=detail.get("param"))
+                    if response.status_code != 200:
+                        raise EngineOverloadedError(f"engine {self.url} answered {response.status_code}")
+                    async for line in response.aiter_lines():
+                        if line:
+                            yield output_from_json(json.loads(line))
+            except httpx.TransportError as exc:
+                raise EngineOverloadedError(f"engine {self.url} is unreachable: {exc}") from exc
+        finally:
+            self.inflight -= 1
+
+    async def abort(self, request_id: str) -> None:
+        try:
+            await self._http.post(f"{self.url}/engine/abort", json={"request_id": request_id}, headers=self._headers)
+        except httpx.TransportError:
+            pass  # a closed stream already aborted it, or the engine is gone with it
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text)
+
+    def encode_chat(self, messages: Sequence[dict[str, Any]], *, add_generation_prompt: bool = True) -> list[int]:
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+
+    async def prefetch_adapter(self, adapter: LoRARequest, *, pin: bool = False) -> None:
+        r = await self._http.post(f"{self.url}/engine/prefetch", json={"adapter": adapter_to_json(adapter),
+                                                                        "pin": pin}, headers=self._headers)
+        r.raise_for_status()
+
+    async def remove_adapter(self, content_hash: str) -> None:
+        r = await self._http.post(f"{self.url}/engine/remove", json={"content_hash": content_hash},
+                                  headers=self._headers)
+        r.raise_for_status()
+
+    async def fetch_stats(self) -> EngineStats:
+        r = await self._http.get(f"{self.url}/engine/stats", headers=self._headers)
+        r.raise_for_status()
+        return EngineStats(**r.json())

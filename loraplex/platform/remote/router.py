@@ -1,0 +1,153 @@
+"""EngineRouter: one EngineClient over every registered engine process.
+
+A request goes to an engine that already holds its adapter (device slot first, then host cache) unless that
+engine is overloaded; otherwise to the least loaded engine. Registrations come from Redis and are refreshed
+in the background, so choosing costs no round trip.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+from loraplex.config import Settings
+from loraplex.engine.client import EngineStats
+from loraplex.engine.errors import EngineOverloadedError
+from loraplex.engine.lora_request import LoRARequest
+from loraplex.engine.outputs import RequestOutput
+from loraplex.engine.sampling_params import SamplingParams
+from loraplex.platform.remote.client import RemoteEngine
+from loraplex.platform.remote.server import REGISTRATION_TTL, registry_key
+
+log = logging.getLogger(__name__)
+REFRESH_SECONDS = 1.0
+OVERLOAD_FACTOR = 2.0  # queued work above this multiple of max_num_seqs counts as overloaded
+
+
+class EngineRouter:
+    def __init__(self, settings: Settings, redis, tokenizer, *, max_model_len: int | None = None):
+        self.settings = settings
+        self.redis = redis
+        self.tokenizer = tokenizer
+        self.model_name = settings.served_model_name or settings.model
+        self.max_model_len = max_model_len or 0
+        self.engines: dict[str, RemoteEngine] = {}
+        self.records: dict[str, dict] = {}
+        self._refresher: asyncio.Task | None = None
+        self._owner: dict[str, RemoteEngine] = {}  # request id -> engine serving it
+
+    @property
+    def available(self) -> bool:
+        return bool(self.records)
+
+    async def start(self) -> None:
+        await self.refresh()
+        self._refresher = asyncio.create_task(self._refresh_loop(), name="engine-registry")
+
+    async def shutdown(self) -> None:
+        if self._refresher:
+            self._refresher.cancel()
+            await asyncio.gather(self._refresher, return_exceptions=True)
+        for engine in self.engines.values():
+            await engine.shutdown()
+
+    async def _refresh_loop(self) -> None:
+        while True:
+            await asyncio.sleep(REFRESH_SECONDS)
+            try:
+                await self.refresh()
+            except Exception:
+                log.exception("reading the engine registry failed")
+
+    async def refresh(self) -> None:
+        keys = [k async for k in self.redis.scan_iter(registry_key(self.settings.redis_prefix))]
+        values = await self.redis.mget(keys) if keys else []
+        records = {}
+        for raw in values:
+            if not raw:
+                continue
+            rec = json.loads(raw)
+            if time.time() - rec.get("updated", 0) <= REGISTRATION_TTL:
+                records[rec["engine_id"]] = rec
+        for engine_id, rec in records.items():
+            if engine_id not in self.engines:
+                self.engines[engine_id] = RemoteEngine(rec["url"], self.settings.secret_key,
+                                                       model_name=rec["model_name"],
+                                                       max_model_len=rec["max_model_len"], tokenizer=self.tokenizer)
+            self.max_model_len = self.max_model_len or rec["max_model_len"]
+        for engine_id in set(self.engines) - set(records):
+            engine = self.engines.pop(engine_id)
+            if not engine.inflight:
+                await engine.shutdown()
+        self.records = records
+
+    def choose(self, adapter: LoRARequest | None) -> RemoteEngine:
+        if not self.records:
+            raise EngineOverloadedError("no engine process is registered; start `loraplex engine`")
+
+        def load(engine_id: str) -> float:
+            rec = self.records[engine_id]
+            return max(rec["running"] + rec["waiting"], self.engines[engine_id].inflight)
+
+        def overloaded(engine_id: str) -> bool:
+            return load(engine_id) >= OVERLOAD_FACTOR * self.records[engine_id].get("max_num_seqs", 64)
+
+        candidates = [e for e in self.records if e in self.engines]
+        if adapter is not None:
+            for where in ("resident", "host_cached"):
+                holding = [e for e in candidates if adapter.content_hash in self.records[e].get(where, ())
+                           and not overloaded(e)]
+                if holding:
+                    return self.engines[min(holding, key=load)]
+        return self.engines[min(candidates, key=load)]
+
+    async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str, *,
+                       adapter: LoRARequest | None = None, tenant: str | None = None
+                       ) -> AsyncIterator[RequestOutput]:
+        engine = self.choose(adapter)
+        self._owner[request_id] = engine
+        try:
+            async for out in engine.generate(prompt, params, request_id, adapter=adapter, tenant=tenant):
+                yield out
+        finally:
+            self._owner.pop(request_id, None)
+
+    async def abort(self, request_id: str) -> None:
+        engine = self._owner.get(request_id)
+        if engine is not None:
+            await engine.abort(request_id)
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text)
+
+    def encode_chat(self, messages: Sequence[dict[str, Any]], *, add_generation_prompt: bool = True) -> list[int]:
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+
+    async def prefetch_adapter(self, adapter: LoRARequest, *, pin: bool = False) -> None:
+        await self.choose(adapter).prefetch_adapter(adapter, pin=pin)
+
+    async def remove_adapter(self, content_hash: str) -> None:
+        await asyncio.gather(*(e.remove_adapter(content_hash) for e in self.engines.values()),
+                             return_exceptions=True)
+
+    def stats(self) -> EngineStats:
+        total = EngineStats()
+        for rec in self.records.values():
+            total.num_running += rec["running"]
+            total.num_waiting += rec["waiting"]
+            total.lora_resident.extend(rec.get("resident", ()))
+            total.lora_host_cached.extend(rec.get("host_cached", ()))
+        total.extra["engines"] = len(self.records)
+        return total
+
+
+def build_router(settings: Settings, redis) -> EngineRouter:
+    from loraplex.engine.model_loader import resolve_model_dir
+    from loraplex.engine.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_pretrained(resolve_model_dir(settings.model))
+    return EngineRouter(settings, redis, tokenizer, max_model_len=settings.max_model_len)

@@ -1,0 +1,165 @@
+"""`loraplex engine`: the engine behind a small internal HTTP API, registered in Redis with a heartbeat."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import socket
+import time
+import uuid
+from contextlib import asynccontextmanager
+from dataclasses import asdict
+
+import anyio
+from fastapi import Depends, FastAPI, Header, HTTPException, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from loraplex.config import Settings
+from loraplex.engine.client import EngineClient
+from loraplex.engine.errors import EngineError, InvalidRequestError
+from loraplex.platform.remote.protocol import (
+    SECRET_HEADER,
+    adapter_from_json,
+    engine_token,
+    output_to_json,
+    params_from_json,
+)
+
+log = logging.getLogger(__name__)
+HEARTBEAT_SECONDS = 2.0
+REGISTRATION_TTL = 10
+
+
+def registry_key(prefix: str, engine_id: str = "*") -> str:
+    return f"{prefix}:engines:{engine_id}"
+
+
+class _NDJSONStream(StreamingResponse):
+    media_type = "application/x-ndjson"
+
+    async def stream_response(self, send) -> None:
+        try:
+            await super().stream_response(send)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self.body_iterator.aclose()  # the API process went away: abort at once
+
+
+def build_engine_app(settings: Settings, engine: EngineClient, *, advertise: str, redis=None,
+                     engine_id: str | None = None) -> FastAPI:
+    engine_id = engine_id or f"{socket.gethostname()}-{uuid.uuid4().hex[:8]}"
+    token = engine_token(settings.secret_key)
+
+    def check(x_loraplex_engine_token: str | None = Header(default=None, alias=SECRET_HEADER)) -> None:
+        if x_loraplex_engine_token != token:
+            raise HTTPException(401, "engine endpoints are internal")
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        from loraplex.platform.db import make_engine, make_session_factory
+        from loraplex.platform.engine_worker import EngineQueueConsumer
+        from loraplex.platform.tasks.context import TaskContext, set_context
+
+        await engine.start()
+        sessions = make_session_factory(make_engine(settings.resolved_database_url))
+        set_context(TaskContext(settings, sessions, engine, asyncio.get_running_loop()))
+        consumer = EngineQueueConsumer(settings) if settings.redis_url else None
+        if consumer:
+            await asyncio.to_thread(consumer.start)
+        beat = asyncio.create_task(_heartbeat(redis, settings, engine, engine_id, advertise)) if redis else None
+        try:
+            yield
+        finally:
+            if beat:
+                beat.cancel()
+                await asyncio.gather(beat, return_exceptions=True)
+                await redis.delete(registry_key(settings.redis_prefix, engine_id))
+            if consumer:
+                await asyncio.to_thread(consumer.stop)
+            await engine.shutdown()
+
+    app = FastAPI(title="loraplex engine", lifespan=lifespan, dependencies=[Depends(check)])
+
+    @app.exception_handler(EngineError)
+    async def engine_error(_request, exc: EngineError):
+        return JSONResponse({"error": type(exc).__name__, "message": str(exc),
+                             "param": getattr(exc, "param", None)}, status_code=400)
+
+    @app.get("/engine/info")
+    async def info() -> dict:
+        return {"engine_id": engine_id, "model_name": engine.model_name, "max_model_len": engine.max_model_len}
+
+    @app.post("/engine/generate")
+    async def generate(request: Request):
+        body = await request.json()
+        stream = engine.generate(body["prompt"], params_from_json(body["params"]), body["request_id"],
+                                 adapter=adapter_from_json(body.get("adapter")), tenant=body.get("tenant"))
+        try:
+            first = await anext(stream)
+        except StopAsyncIteration:
+            first = None
+        except InvalidRequestError:
+            await stream.aclose()
+            raise
+
+        async def lines():
+            try:
+                if first is not None:
+                    yield json.dumps(output_to_json(first)).encode() + b"\n"
+                    async for out in stream:
+                        yield json.dumps(output_to_json(out)).encode() + b"\n"
+            finally:
+                await stream.aclose()
+
+        return _NDJSONStream(lines())
+
+    @app.post("/engine/abort")
+    async def abort(body: dict) -> dict:
+        await engine.abort(body["request_id"])
+        return {"ok": True}
+
+    @app.post("/engine/prefetch")
+    async def prefetch(body: dict) -> dict:
+        await engine.prefetch_adapter(adapter_from_json(body["adapter"]), pin=bool(body.get("pin")))
+        return {"ok": True}
+
+    @app.post("/engine/remove")
+    async def remove(body: dict) -> dict:
+        await engine.remove_adapter(body["content_hash"])
+        return {"ok": True}
+
+    @app.get("/engine/stats")
+    async def stats() -> dict:
+        return asdict(engine.stats())
+
+    return app
+
+
+async def _heartbeat(redis, settings: Settings, engine: EngineClient, engine_id: str, advertise: str) -> None:
+    key = registry_key(settings.redis_prefix, engine_id)
+    while True:
+        try:
+            s = engine.stats()
+            record = {"engine_id": engine_id, "url": advertise, "model_name": engine.model_name,
+                      "max_model_len": engine.max_model_len, "running": s.num_running, "waiting": s.num_waiting,
+                      "max_num_seqs": settings.max_num_seqs, "resident": list(s.lora_resident),
+                      "host_cached": list(s.lora_host_cached), "updated": time.time()}
+            await redis.set(key, json.dumps(record), ex=REGISTRATION_TTL)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("engine heartbeat failed")
+        await asyncio.sleep(HEARTBEAT_SECONDS)
+
+
+def run_engine_server(settings: Settings, *, host: str, port: int, advertise: str | None = None) -> None:
+    import redis.asyncio as aioredis
+    import uvicorn
+
+    from loraplex.platform.engine_factory import build_engine
+
+    engine = build_engine(settings)
+    redis = aioredis.from_url(settings.redis_url)
+    app = build_engine_app(settings, engine, advertise=advertise or f"http://{host}:{port}", redis=redis)
+    uvicorn.run(app, host=host, port=port, log_level="info")
