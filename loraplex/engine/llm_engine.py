@@ -156,6 +156,8 @@ class LLMEngine:
     ) -> None:
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
+        if params.prompt_logprobs is not None:
+            raise InvalidRequestError("prompt_logprobs is not supported", param="prompt_logprobs")
         text, ids = self.encode_prompt(prompt)
         self.scheduler.check_fits(len(ids), params.max_tokens, params.n)
         if lora is not None and self.adapter_slots is None:

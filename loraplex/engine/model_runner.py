@@ -137,4 +137,4 @@ class ModelRunner:
         ids, pos, ctx, sample_rows, _ = self._prepare(batch)
         with forward_context(ctx):
             hidden = self.model(ids, pos)
-        return self.model.compute_logits(hidden[torch.tensor(sample_rows, dtype=torch.long)])
+        return self.model.compute_logits(hidden[torch.tensor(sample_rows, dtype=torch.long, device=self.device)])

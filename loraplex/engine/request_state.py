@@ -128,6 +128,9 @@ class RequestState:
         finished = self.finished
         if finished and self.metrics.finished_time is None:
             self.metrics.finished_time = time.time()
+        scheduled = [c.seq.first_scheduled_time for c in self.completions if c.seq.first_scheduled_time]
+        if scheduled and self.metrics.first_scheduled_time is None:
+            self.metrics.first_scheduled_time = min(scheduled)
         self.metrics.num_cached_tokens = max((c.seq.num_cached_tokens for c in self.completions), default=0)
         return RequestOutput(
             request_id=self.request_id,

@@ -28,24 +28,27 @@ def _apply_penalties(logits: torch.Tensor, rows: list[int], seqs: list[Sequence]
         row = logits[r]
         out_ids = seqs[r].output_token_ids
         if p.repetition_penalty != 1.0:
-            seen = torch.tensor(sorted({t for t in seqs[r].token_ids if t < vocab}), dtype=torch.long)
+            seen = torch.tensor(
+                sorted({t for t in seqs[r].token_ids if t < vocab}), dtype=torch.long, device=logits.device
+            )
             if seen.numel():
                 vals = row[seen]
                 row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
         if out_ids and (p.presence_penalty or p.frequency_penalty):
-            counts = torch.bincount(torch.tensor(out_ids, dtype=torch.long), minlength=vocab)[:vocab]
+            ids = torch.tensor(out_ids, dtype=torch.long, device=logits.device)
+            counts = torch.bincount(ids, minlength=vocab)[:vocab]
             counts = counts.to(row.dtype)
             row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
 
 
 def _mask_top_k_top_p_min_p(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-    vocab = logits.shape[1]
-    top_k = torch.tensor([s.params.top_k if s.params.top_k > 0 else vocab for s in seqs])
-    top_p = torch.tensor([s.params.top_p for s in seqs], dtype=logits.dtype)
-    min_p = torch.tensor([s.params.min_p for s in seqs], dtype=logits.dtype)
+    vocab, dev = logits.shape[1], logits.device
+    top_k = torch.tensor([s.params.top_k if s.params.top_k > 0 else vocab for s in seqs], device=dev)
+    top_p = torch.tensor([s.params.top_p for s in seqs], dtype=logits.dtype, device=dev)
+    min_p = torch.tensor([s.params.min_p for s in seqs], dtype=logits.dtype, device=dev)
     if bool((top_k < vocab).any()) or bool((top_p < 1.0).any()):
         sorted_logits, order = logits.sort(dim=-1, descending=True)
-        ranks = torch.arange(vocab).view(1, -1)
+        ranks = torch.arange(vocab, device=dev).view(1, -1)
         drop = ranks >= top_k.clamp(max=vocab).view(-1, 1)
         probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
         # keep the smallest set whose mass reaches top_p: drop a token if the mass before it already does
@@ -86,14 +89,16 @@ class Sampler:
         if not all(greedy):
             rows = [r for r in range(num_rows) if not greedy[r]]
             sub = [seqs[r] for r in rows]
-            idx = torch.tensor(rows)
-            temps = torch.tensor([s.params.temperature for s in sub], dtype=logits.dtype).view(-1, 1)
+            idx = torch.tensor(rows, device=logits.device)
+            temps = torch.tensor([s.params.temperature for s in sub], dtype=logits.dtype, device=logits.device)
+            temps = temps.view(-1, 1)
             scaled = _mask_top_k_top_p_min_p(logits[idx] / temps, sub)
             probs = scaled.softmax(dim=-1)
             noise = torch.empty_like(probs).exponential_()
             for j, s in enumerate(sub):
                 if s.generator is not None:
-                    noise[j].exponential_(generator=s.generator)
+                    # drawn on the host, where the per-request generator lives
+                    noise[j] = torch.empty(probs.shape[1]).exponential_(generator=s.generator).to(probs.device)
             # argmax(p / q) with q ~ Exp(1) draws from p (the Gumbel-max trick in exponential form)
             tokens[idx] = (probs / noise).argmax(dim=-1)
 

@@ -9,6 +9,7 @@ and waits without holding up the others.
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
@@ -200,6 +201,8 @@ class Scheduler:
             ok = self.bm.append_slots(seq, n)
             assert ok, "admission check and allocation disagree"
             seq.status = SequenceStatus.RUNNING
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = time.time()
             self.running.append(seq)
             scheduled[seq.seq_id] = n
             seq_by_id[seq.seq_id] = seq

@@ -1,0 +1,90 @@
+"""The hook every LoRA-aware projection calls: which layers and modules, which slices, which tokens."""
+
+from __future__ import annotations
+
+import torch
+
+from loraplex.engine.llm import LLM
+from loraplex.engine.lora_request import LoRARequest
+from loraplex.engine.sampling_params import SamplingParams
+
+GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+
+
+class RecordingStep:
+    """Adds `scale` to the outputs of the tokens that use a slot, on down_proj only; records every call."""
+
+    def __init__(self, token_slots, calls, scale):
+        self.token_slots = token_slots
+        self.calls = calls
+        self.scale = scale
+
+    def apply(self, layer_idx, module_names, x, y, output_slices):
+        self.calls.append((layer_idx, module_names, tuple(output_slices), x.shape[0], y.shape[1]))
+        if module_names == ("down_proj",):
+            y[self.token_slots >= 0] += self.scale
+        return y
+
+
+class FakeAdapterSlots:
+    def __init__(self, scale=0.5):
+        self.calls = []
+        self.steps = []
+        self.scale = scale
+
+    def ready(self, lora):
+        return True
+
+    def try_acquire(self, lora):
+        return 3
+
+    def release(self, key):
+        pass
+
+    def slot_of(self, key):
+        return 3
+
+    def build_step(self, token_slots):
+        self.steps.append(token_slots.tolist())
+        if bool((token_slots < 0).all()):
+            return None
+        return RecordingStep(token_slots, self.calls, self.scale)
+
+
+def test_projections_call_the_step_state_with_layer_modules_and_slices(tiny_qwen2_dir):
+    slots = FakeAdapterSlots()
+    llm = LLM(str(tiny_qwen2_dir), num_kv_blocks=64, adapter_slots=slots)
+    base = llm.generate(["Hello world", "The quick"], GREEDY, use_tqdm=False)
+    assert slots.calls == []  # no adapter in the step: the hook is never entered
+    lora = LoRARequest("a", "hash-a", "/nowhere")
+    outs = llm.generate(["Hello world", "The quick"], GREEDY, adapter=[lora, None], use_tqdm=False)
+    arch = llm.engine.arch
+    first_step = slots.calls[: 4 * arch.num_layers]
+    expected = []
+    for layer in range(arch.num_layers):
+        expected += [
+            (layer, ("q_proj", "k_proj", "v_proj"), (arch.q_size, arch.kv_size, arch.kv_size)),
+            (layer, ("o_proj",), (arch.hidden_size,)),
+            (layer, ("gate_proj", "up_proj"), (arch.intermediate_size, arch.intermediate_size)),
+            (layer, ("down_proj",), (arch.hidden_size,)),
+        ]
+    assert [c[:3] for c in first_step] == expected
+    # the mapping marks exactly the adapter request's tokens
+    n_a = len(llm.tokenizer.encode("Hello world"))
+    n_b = len(llm.tokenizer.encode("The quick"))
+    assert all(sorted(step) == [-1, 3] for step in slots.steps[-5:])  # decodes: one token each
+    prefill_step = next(s for s in slots.steps if len(s) == n_a + n_b)
+    assert sorted(prefill_step) == [-1] * n_b + [3] * n_a
+    assert outs[1].outputs[0].token_ids == base[1].outputs[0].token_ids  # base request unaffected
+    assert outs[0].outputs[0].token_ids != base[0].outputs[0].token_ids
+
+
+def test_without_adapter_support_a_named_adapter_is_refused(tiny_llama_dir):
+    import pytest
+
+    from loraplex.engine.errors import InvalidRequestError
+
+    llm = LLM(str(tiny_llama_dir), num_kv_blocks=16, max_loras=0)
+    with pytest.raises(InvalidRequestError, match="adapter"):
+        llm.generate("Hello", GREEDY, adapter=LoRARequest("a", "h", "/x"), use_tqdm=False)
+    assert torch.is_tensor(llm.engine.runner.kv_cache)
