@@ -18,7 +18,7 @@ from loraplex.platform.tenants import TenantError
 
 log = logging.getLogger(__name__)
 
-ROUTERS = ("health", "inference", "models", "adapters", "usage", "admin")
+ROUTERS = ("health", "inference", "models", "adapters", "usage", "admin", "admin_adapters")
 
 # Routers other areas add to the app: (module, attribute). Each is included when its module exists.
 OPTIONAL_ROUTERS = (

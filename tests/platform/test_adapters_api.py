@@ -203,3 +203,22 @@ def test_delete_removes_from_engine_and_store(app, client, make_tenant, peft_ada
 def test_adapter_routes_need_the_adapters_scope(client, make_tenant):
     tenant = make_tenant(scopes=["inference"])
     assert client.get("/v1/adapters", headers=tenant.headers).status_code == 403
+
+
+def test_admin_lists_every_tenants_adapters_and_prefetches(app, client, make_tenant, admin_key, peft_adapter_zip,
+                                                           fake_engine):
+    a, b = make_tenant(), make_tenant()
+    admin = {"Authorization": f"Bearer {admin_key}"}
+    upload(client, a, "one", [("a.zip", peft_adapter_zip.read_bytes())])
+    r = client.post(f"/admin/api/tenants/{b.tenant_id}/adapters", params={"wait": "true"}, headers=admin,
+                    data={"name": "two"}, files=[("file", ("a.zip", peft_adapter_zip.read_bytes()))])
+    assert r.status_code == 201, r.text
+    listed = client.get("/admin/api/adapters", headers=admin).json()
+    assert sorted((x["tenant"], x["name"]) for x in listed) == sorted([(a.tenant_name, "one"), (b.tenant_name, "two")])
+    assert client.get("/admin/api/adapters", headers=a.headers).status_code == 401
+    version_id = r.json()["id"]
+    r = client.post(f"/admin/api/adapter-versions/{version_id}/prefetch", headers=admin, json={"pin": True})
+    assert r.status_code == 200 and r.json()["pinned"] is True
+    assert (r.json()["content_hash"], True) in fake_engine.prefetched
+    assert client.delete(f"/admin/api/tenants/{b.tenant_id}/adapters/two", headers=admin).status_code == 200
+    assert client.get("/v1/adapters", headers=b.headers).json()["data"] == []

@@ -17,7 +17,6 @@ from loraplex.platform.adapter_registry import (
     register_upload,
     uploads_root,
 )
-from loraplex.platform.auth import TenantContext
 from loraplex.platform.db import session_scope
 from loraplex.platform.deps import AdaptersKeyDep, ServicesDep, TenantScopeDep
 from loraplex.platform.errors import APIError
@@ -40,6 +39,11 @@ MULTIPART_OVERHEAD = 64 * 1024  # boundaries and part headers on top of the file
 async def upload_adapter(*, tenant: AdaptersKeyDep, services: ServicesDep, request: Request,
                          wait: bool = Query(default=False, description="wait for validation to finish")
                          ) -> JSONResponse:
+    return await handle_upload(services, tenant.tenant_id, request, wait)
+
+
+async def handle_upload(services: Services, tenant_id: int, request: Request, wait: bool) -> JSONResponse:
+    """Upload for one tenant: 201 ready, 202 still validating, 422 refused (with wait), 413 too large."""
     limit = services.settings.max_upload_bytes
     declared = request.headers.get("content-length")
     if declared and declared.isdigit() and int(declared) > limit + MULTIPART_OVERHEAD:
@@ -47,7 +51,7 @@ async def upload_adapter(*, tenant: AdaptersKeyDep, services: ServicesDep, reque
     staging = uploads_root(services.settings) / f"incoming-{uuid.uuid4().hex}"
     upload = await parse_upload(request.stream(), request.headers.get("content-type", ""), staging, limit)
     try:
-        version_id, created = await asyncio.to_thread(_register, services, tenant, upload)
+        version_id, created = await asyncio.to_thread(_register, services, tenant_id, upload)
     except BaseException:
         upload.discard()
         raise
@@ -63,10 +67,9 @@ async def upload_adapter(*, tenant: AdaptersKeyDep, services: ServicesDep, reque
     return JSONResponse(version.model_dump(mode="json"), status_code=status)
 
 
-def _register(services: Services, tenant: TenantContext, upload) -> tuple[int, bool]:
+def _register(services: Services, tenant_id: int, upload) -> tuple[int, bool]:
     with session_scope(services.sessions) as session:
-        version, created = register_upload(session, TenantScope(session, tenant.tenant_id), services.settings,
-                                           upload)
+        version, created = register_upload(session, TenantScope(session, tenant_id), services.settings, upload)
         return version.id, created
 
 
@@ -109,9 +112,13 @@ def read_adapter(*, _tenant: AdaptersKeyDep, scope: TenantScopeDep, name: str) -
 
 @router.delete("/{name}", response_model=AdapterDeleted)
 async def remove_adapter(*, tenant: AdaptersKeyDep, services: ServicesDep, name: str) -> AdapterDeleted:
+    return await handle_delete(services, tenant.tenant_id, name)
+
+
+async def handle_delete(services: Services, tenant_id: int, name: str) -> AdapterDeleted:
     def delete() -> list[str]:
         with session_scope(services.sessions) as session:
-            scope = TenantScope(session, tenant.tenant_id)
+            scope = TenantScope(session, tenant_id)
             return delete_adapter(session, services.settings, get_adapter(scope, name))
 
     orphaned = await asyncio.to_thread(delete)

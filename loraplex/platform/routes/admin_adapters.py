@@ -1,0 +1,83 @@
+"""/admin/api adapters: every tenant's adapters for operators, uploads on a tenant's behalf, prefetch and pin."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Query, Request
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel
+from sqlalchemy import select
+
+from loraplex.platform.adapter_registry import adapter_public
+from loraplex.platform.deps import AdminDep, ServicesDep, SessionDep
+from loraplex.platform.errors import bad_request, not_found
+from loraplex.platform.models import Adapter, AdapterVersion, Tenant, VersionStatus
+from loraplex.platform.routes.adapters import handle_delete, handle_upload
+from loraplex.platform.schemas.adapters import AdapterDeleted, AdapterPublic, PrefetchRequest
+from loraplex.platform.tasks.jobs import lora_request_for
+from loraplex.platform.tenants import get_tenant
+
+router = APIRouter(prefix="/admin/api", tags=["admin"])
+
+
+class TenantAdapter(AdapterPublic):
+    tenant_id: int
+    tenant: str
+    resident: bool  # in an engine device slot now
+
+
+@router.get("/adapters", response_model=list[TenantAdapter])
+def list_all_adapters(*, _admin: AdminDep, session: SessionDep, services: ServicesDep,
+                      tenant_id: int | None = Query(default=None)) -> list[TenantAdapter]:
+    stmt = select(Adapter, Tenant.name).join(Tenant, Tenant.id == Adapter.tenant_id).order_by(Tenant.name, Adapter.name)
+    if tenant_id is not None:
+        stmt = stmt.where(Adapter.tenant_id == tenant_id)
+    resident = set(services.engine.stats().lora_resident) if services.engine is not None else set()
+    out = []
+    for adapter, tenant_name in session.execute(stmt):
+        public = adapter_public(adapter)
+        hashes = {v.content_hash for v in adapter.versions if v.content_hash}
+        out.append(TenantAdapter(**public.model_dump(), tenant_id=adapter.tenant_id, tenant=tenant_name,
+                                 resident=bool(hashes & resident)))
+    return out
+
+
+@router.post("/tenants/{tenant_id}/adapters", response_model=None, status_code=201)
+async def upload_for_tenant(*, _admin: AdminDep, services: ServicesDep, request: Request, tenant_id: int,
+                            wait: bool = Query(default=False)) -> JSONResponse:
+    with services.sessions() as session:
+        get_tenant(session, tenant_id)
+    return await handle_upload(services, tenant_id, request, wait)
+
+
+@router.delete("/tenants/{tenant_id}/adapters/{name}", response_model=AdapterDeleted)
+async def delete_for_tenant(*, _admin: AdminDep, services: ServicesDep, tenant_id: int, name: str) -> AdapterDeleted:
+    return await handle_delete(services, tenant_id, name)
+
+
+class PrefetchResult(BaseModel):
+    version_id: int
+    content_hash: str
+    pinned: bool
+    where: str  # "engine" (this process's) or "queued" (for the engine processes)
+
+
+@router.post("/adapter-versions/{version_id}/prefetch", response_model=PrefetchResult)
+async def prefetch_version(*, _admin: AdminDep, services: ServicesDep, version_id: int,
+                           body: PrefetchRequest | None = None) -> PrefetchResult:
+    body = body or PrefetchRequest()
+    with services.sessions() as session:
+        version = session.get(AdapterVersion, version_id)
+        if version is None:
+            raise not_found(f"no adapter version {version_id}", param="version_id")
+        if version.status != VersionStatus.ready.value:
+            raise bad_request(f"adapter version {version_id} is {version.status}, not ready", param="version_id")
+    from loraplex.platform.tasks.context import TaskContext
+
+    lora = lora_request_for(TaskContext(services.settings, services.sessions), version_id)
+    if services.engine is not None:
+        await services.engine.prefetch_adapter(lora, pin=body.pin)
+        where = "engine"
+    else:
+        await services.tasks.send_async("loraplex.prefetch_adapter", version_id, body.pin)
+        where = "queued"
+    return PrefetchResult(version_id=version_id, content_hash=lora.content_hash, pinned=body.pin, where=where)
