@@ -45,7 +45,7 @@ def fetch_demo_model(
         return out
     with tempfile.TemporaryDirectory(prefix="loraplex-fetch-") as tmp:
         gguf_path = _download_gguf(demo, Path(tmp), progress)
-        convert_gguf(gguf_path, out, progress=progress)
+        convert_gguf(gguf_path, out, progress=progress, overwrite=force)
     return out
 
 

@@ -177,9 +177,12 @@ class GGUFModel:
             yield name, np.ascontiguousarray(array), int(tensor.n_bytes)
 
 
-def convert_gguf(gguf_path: str | Path, out_dir: str | Path, *, progress: bool = True) -> Path:
+def convert_gguf(
+    gguf_path: str | Path, out_dir: str | Path, *, progress: bool = True, overwrite: bool = False
+) -> Path:
     """Convert `gguf_path` into a HF directory at `out_dir` (written to a temporary sibling and renamed,
-    so a crash never leaves a half-converted cache behind). Returns `out_dir`."""
+    so a crash never leaves a half-converted cache behind). When another process finished the same
+    conversion first, its result is kept unless `overwrite`. Returns `out_dir`."""
     import torch
     from safetensors.torch import save_file
     from tqdm.auto import tqdm
@@ -209,9 +212,17 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path, *, progress: bool =
         for file in tmp.iterdir():
             file.chmod(0o644)
         (tmp / COMPLETE_MARKER).write_text(json.dumps({"source": str(gguf_path)}))
+        if (out_dir / COMPLETE_MARKER).is_file() and not overwrite:
+            shutil.rmtree(tmp)
+            return out_dir
         if out_dir.exists():
             shutil.rmtree(out_dir)
-        os.replace(tmp, out_dir)
+        try:
+            os.replace(tmp, out_dir)
+        except OSError:
+            if not (out_dir / COMPLETE_MARKER).is_file():
+                raise
+            shutil.rmtree(tmp)  # a concurrent conversion won the rename
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -48,7 +48,7 @@ def resolve_model_dir(model: str | Path, *, cache_dir: Path | None = None, progr
     if name in DEMO_MODELS:
         return fetch_demo_model(name, cache_dir=cache_dir, progress=progress)
     if _HUB_ID.match(name) and not name.startswith((".", "/", "~")):
-        return _download_from_hub(name, cache_dir, progress)
+        return _download_from_hub(name, cache_dir)
     known = ", ".join(sorted(DEMO_MODELS))
     raise ModelLoadError(
         f"model {name!r} not found: it is not a local directory, a .gguf file, a Hub id (org/name) "
@@ -80,7 +80,7 @@ def _converted_gguf_dir(gguf_path: Path, cache_dir: Path, progress: bool) -> Pat
     return out
 
 
-def _download_from_hub(repo_id: str, cache_dir: Path, progress: bool) -> Path:
+def _download_from_hub(repo_id: str, cache_dir: Path) -> Path:
     try:
         from huggingface_hub import snapshot_download
     except ImportError as exc:  # pragma: no cover - huggingface_hub ships with transformers
@@ -93,8 +93,9 @@ def _download_from_hub(repo_id: str, cache_dir: Path, progress: bool) -> Path:
         )
     except Exception as exc:  # network, auth, missing repo: all end the same way for the caller
         raise ModelLoadError(
-            f"could not download {repo_id!r} from the Hugging Face Hub ({type(exc).__name__}: {exc}). "
-            f"Without a network, give a local model directory or .gguf file instead."
+            f"could not download {repo_id!r} from the Hugging Face Hub ({type(exc).__name__}: {exc}); "
+            f"there is no local path {repo_id!r} either. Without a network, give a local model directory "
+            f"or .gguf file instead."
         ) from exc
     path = Path(local)
     _check_hf_dir(path)

@@ -189,3 +189,14 @@ def test_unsupported_gguf_architecture(tmp_path):
     writer.close()
     with pytest.raises(ModelLoadError, match="architecture 'gpt2' is not supported"):
         GGUFModel(path)
+
+
+def test_finished_conversion_is_kept_unless_overwritten(tiny_llama_dir, tmp_path):
+    gguf_path = write_gguf(tiny_llama_dir, tmp_path / "m.gguf")
+    out = convert_gguf(gguf_path, tmp_path / "out", progress=False)
+    (out / "config.json").write_text(json.dumps({"marker": "first"}))
+    convert_gguf(gguf_path, out, progress=False)  # as if a concurrent process finished second
+    assert json.loads((out / "config.json").read_text()) == {"marker": "first"}
+    convert_gguf(gguf_path, out, progress=False, overwrite=True)
+    assert json.loads((out / "config.json").read_text())["model_type"] == "llama"
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".out.")] == []
