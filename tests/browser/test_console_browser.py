@@ -81,7 +81,7 @@ def test_operator_journey(live_console, page, screenshots):
     page.fill("input[form=price-1][name=completion]", "600")
     page.fill("input[form=price-1][name=adapter_surcharge]", "25")
     page.click("#price-1 button[type=submit]")
-    expect(page.locator(".flash.ok")).to_contain_text("Prices saved.")
+    expect(page.locator(".flash.ok")).to_contain_text("Prices saved, in force from")
     _shot(page, screenshots, "07-billing")
     page.locator("#statements a", has_text="View").first.click()
     expect(page.locator("table")).to_contain_text("adapter surcharge")

@@ -51,6 +51,7 @@ def session(pg_sessions):
     on_sqlite.test_rollups_are_idempotent_and_match_records,
     on_sqlite.test_reports_agree_whether_days_are_rolled_up_or_live,
     on_sqlite.test_a_tenant_never_sees_another_tenants_usage_or_statements,
+    on_sqlite.test_each_month_is_priced_with_the_prices_in_force_for_it,
 ], ids=lambda f: f.__name__.removeprefix("test_"))
 def test_billing_on_postgresql(session, check):
     check(session)

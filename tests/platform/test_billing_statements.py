@@ -11,9 +11,9 @@ from sqlalchemy import select
 
 from loraplex.platform.billing.aggregate import adapter_label
 from loraplex.platform.billing.lines import BASE_MODEL
-from loraplex.platform.billing.models import Statement, UsageRollup
+from loraplex.platform.billing.models import ALWAYS, Statement, UsageRollup
 from loraplex.platform.billing.money import line_amount
-from loraplex.platform.billing.prices import set_plan_price, set_tenant_override
+from loraplex.platform.billing.prices import price_lists, set_plan_price, set_tenant_override, tenant_override
 from loraplex.platform.billing.pricing import Price, PriceOverride
 from loraplex.platform.billing.reports import usage_report
 from loraplex.platform.billing.rollups import rollup_day
@@ -82,10 +82,10 @@ def _plan(session, name="pro") -> Plan:
 def test_statements_equal_the_sum_of_their_usage_records_for_random_usage(session):
     rng = random.Random(20261129)
     plan = _plan(session)
-    set_plan_price(session, plan.id, Price(prompt=150_001, completion=600_007, adapter_surcharge=33_333))
-    set_plan_price(session, None, Price(prompt=1_000_003, completion=2_000_011, adapter_surcharge=7))
+    set_plan_price(session, plan.id, Price(prompt=150_001, completion=600_007, adapter_surcharge=33_333), "2026-11")
+    set_plan_price(session, None, Price(prompt=1_000_003, completion=2_000_011, adapter_surcharge=7), "2026-11")
     tenants = [_tenant(session, "acme", plan), _tenant(session, "globex"), _tenant(session, "initech", plan)]
-    set_tenant_override(session, tenants[2].id, PriceOverride(completion=999_999))
+    set_tenant_override(session, tenants[2].id, PriceOverride(completion=999_999), "2026-11")
     _random_usage(session, rng, tenants, 600)
     # noise just outside the month must not leak in
     _record(session, tenants[0], at=NOV - timedelta(microseconds=1), prompt=10**6, completion=10**6)
@@ -125,7 +125,7 @@ def test_statements_equal_the_sum_of_their_usage_records_for_random_usage(sessio
 
 def test_finalized_statements_are_stored_once_and_do_not_change(session):
     rng = random.Random(7)
-    set_plan_price(session, None, Price(prompt=500_000, completion=1_500_000, adapter_surcharge=100_000))
+    set_plan_price(session, None, Price(prompt=500_000, completion=1_500_000, adapter_surcharge=100_000), "2026-11")
     tenants = [_tenant(session, "a"), _tenant(session, "b")]
     _random_usage(session, rng, tenants, 80)
     with pytest.raises(ValueError, match="not closed"):
@@ -135,7 +135,7 @@ def test_finalized_statements_are_stored_once_and_do_not_change(session):
     first = get_statement(session, tenants[0], "2026-11")
     assert first.status == "final"
     assert first.total_amount == compute_statement(session, tenants[0], "2026-11").total_amount
-    set_plan_price(session, None, Price(prompt=9_000_000, completion=9_000_000, adapter_surcharge=9_000_000))
+    set_plan_price(session, None, Price(prompt=9_000_000, completion=9_000_000, adapter_surcharge=9_000_000), "2026-11")
     finalize_period(session, "2026-11", now=after)  # re-running is harmless
     again = get_statement(session, tenants[0], "2026-11")
     assert again.total_amount == first.total_amount
@@ -174,7 +174,7 @@ def test_rollups_are_idempotent_and_match_records(session):
 
 def test_reports_agree_whether_days_are_rolled_up_or_live(session):
     rng = random.Random(11)
-    set_plan_price(session, None, Price(prompt=123_457, completion=765_433, adapter_surcharge=11))
+    set_plan_price(session, None, Price(prompt=123_457, completion=765_433, adapter_surcharge=11), "2026-11")
     tenants = [_tenant(session, "a"), _tenant(session, "b")]
     _random_usage(session, rng, tenants, 200, days=10)
     start, end = date(2026, 11, 1), date(2026, 11, 10)
@@ -222,3 +222,25 @@ def test_the_periodic_task_finalizes_last_month_only_after_the_grace_period(sess
     with sessions() as s:
         rows = s.scalars(select(Statement)).all()
         assert [(r.period, r.prompt_tokens, r.status) for r in rows] == [("2026-11", 10, "final")]
+
+
+def test_each_month_is_priced_with_the_prices_in_force_for_it(session):
+    tenant = _tenant(session, "a")
+    oct_day, nov_day = datetime(2026, 10, 15, tzinfo=UTC), datetime(2026, 11, 15, tzinfo=UTC)
+    _record(session, tenant, at=oct_day, prompt=1_000_000, completion=0)
+    _record(session, tenant, at=nov_day, prompt=1_000_000, completion=0)
+    set_plan_price(session, None, Price(prompt=2_000_000, completion=0, adapter_surcharge=0), ALWAYS)
+    set_plan_price(session, None, Price(prompt=3_000_000, completion=0, adapter_surcharge=0), "2026-11")
+    set_plan_price(session, None, Price(prompt=5_000_000, completion=0, adapter_surcharge=0), "2027-01")
+    assert compute_statement(session, tenant, "2026-10").total_amount == 2_000_000
+    assert compute_statement(session, tenant, "2026-11").total_amount == 3_000_000
+    set_tenant_override(session, tenant.id, PriceOverride(prompt=1_000_000), "2026-11")
+    assert compute_statement(session, tenant, "2026-11").total_amount == 1_000_000
+    assert compute_statement(session, tenant, "2026-10").total_amount == 2_000_000
+    set_tenant_override(session, tenant.id, None, "2026-12")  # the override ends with November
+    assert tenant_override(session, tenant.id, "2026-12") is None
+    assert tenant_override(session, tenant.id, "2026-11") == PriceOverride(prompt=1_000_000)
+    rows = usage_report(session, date(2026, 10, 1), date(2026, 11, 30), group_by=("day",))
+    assert [(r.day, r.amount) for r in rows] == [(oct_day.date(), 2_000_000), (nov_day.date(), 1_000_000)]
+    lists = {p["plan"]: p for p in price_lists(session, "2026-11")}
+    assert lists["(no plan)"]["price"].prompt == 3_000_000 and lists["(no plan)"]["scheduled"] == ["2027-01"]

@@ -10,7 +10,7 @@ import pytest
 from console_helpers import Console
 from sqlalchemy import select
 
-from loraplex.platform.billing.models import TenantPriceOverride
+from loraplex.platform.billing.models import TenantPrice
 from loraplex.platform.models import ApiKey, Tenant, UsageRecord
 
 
@@ -75,7 +75,7 @@ def test_tenant_price_override_round_trips_in_micro_units(console):
     tenant = _tenant(console, "acme")
     console.post(f"/console/tenants/{tenant.id}/prices", {"prompt": "0.123456", "completion": "", "adapter_surcharge": "2"})
     with console.sessions() as s:
-        row = s.get(TenantPriceOverride, tenant.id)
+        row = s.scalars(select(TenantPrice).where(TenantPrice.tenant_id == tenant.id)).one()
         assert (row.prompt_price, row.completion_price, row.adapter_surcharge_price) == (123_456, None, 2_000_000)
     bad = console.post(f"/console/tenants/{tenant.id}/prices", {"prompt": "0.1234567"})
     assert "more than 6 decimals" in console.client.get(bad.headers["location"]).text

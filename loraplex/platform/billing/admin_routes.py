@@ -36,17 +36,24 @@ router = APIRouter(prefix="/admin/api/billing", tags=["admin billing"])
 Micros = Annotated[int, Field(ge=0, le=10**15, description="micro-units of the currency per million tokens")]
 
 
+def _effective_period():
+    return Field(default=None, pattern=r"^\d{4}-(0[1-9]|1[0-2])$",
+                 description="first billing period (YYYY-MM) the prices apply to; default: the current one")
+
+
 class PriceBody(BaseModel):
     prompt_price: Micros
     completion_price: Micros
     adapter_surcharge_price: Micros
     currency: str = Field(default="USD", pattern=r"^[A-Z]{3}$")
+    effective_period: str | None = _effective_period()
 
 
 class OverrideBody(BaseModel):
     prompt_price: Micros | None = None
     completion_price: Micros | None = None
     adapter_surcharge_price: Micros | None = None
+    effective_period: str | None = _effective_period()
 
 
 class PeriodBody(BaseModel):
@@ -66,9 +73,13 @@ def _price_json(price: Price | None) -> dict | None:
 
 
 @router.get("/prices")
-def get_prices(*, _admin: AdminDep, session: SessionDep) -> JSONResponse:
-    return JSONResponse({"data": [
-        {"plan_id": p["plan_id"], "plan": p["plan"], "price": _price_json(p["price"])} for p in price_lists(session)
+def get_prices(*, _admin: AdminDep, session: SessionDep,
+               period: Annotated[str | None, Query(description="YYYY-MM (default: current)")] = None) -> JSONResponse:
+    if period is not None:
+        _check_period(period)
+    return JSONResponse({"period": period, "data": [
+        {"plan_id": p["plan_id"], "plan": p["plan"], "price": _price_json(p["price"]), "scheduled": p["scheduled"]}
+        for p in price_lists(session, period)
     ]})
 
 
@@ -85,16 +96,19 @@ def put_plan_price(*, _admin: AdminDep, session: SessionDep, plan_id: int, body:
 def _set_price(session, plan_id: int | None, body: PriceBody) -> JSONResponse:
     price = Price(body.prompt_price, body.completion_price, body.adapter_surcharge_price, body.currency)
     try:
-        set_plan_price(session, plan_id, price)
+        set_plan_price(session, plan_id, price, body.effective_period)
     except LookupError as exc:
         raise not_found(str(exc), param="plan_id") from exc
-    return JSONResponse({"plan_id": plan_id, "price": _price_json(price)})
+    return JSONResponse({"plan_id": plan_id, "effective_period": body.effective_period, "price": _price_json(price)})
 
 
 @router.get("/tenants/{tenant_id}/price-override")
-def get_override(*, _admin: AdminDep, session: SessionDep, tenant_id: int) -> JSONResponse:
+def get_override(*, _admin: AdminDep, session: SessionDep, tenant_id: int,
+                 period: Annotated[str | None, Query()] = None) -> JSONResponse:
+    if period is not None:
+        _check_period(period)
     tenant = get_tenant(session, tenant_id)
-    o = tenant_override(session, tenant.id) or PriceOverride()
+    o = tenant_override(session, tenant.id, period) or PriceOverride()
     return JSONResponse({"tenant_id": tenant.id, "prompt_price": o.prompt, "completion_price": o.completion,
                          "adapter_surcharge_price": o.adapter_surcharge})
 
@@ -103,7 +117,7 @@ def get_override(*, _admin: AdminDep, session: SessionDep, tenant_id: int) -> JS
 def put_override(*, _admin: AdminDep, session: SessionDep, tenant_id: int, body: OverrideBody) -> JSONResponse:
     tenant = get_tenant(session, tenant_id)
     set_tenant_override(session, tenant.id, PriceOverride(body.prompt_price, body.completion_price,
-                                                          body.adapter_surcharge_price))
+                                                          body.adapter_surcharge_price), body.effective_period)
     return JSONResponse({"tenant_id": tenant.id, **body.model_dump()})
 
 

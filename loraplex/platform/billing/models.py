@@ -12,17 +12,20 @@ from loraplex.platform.models._common import UTCDateTime, utcnow
 
 NO_KEY = 0  # api_key_id of usage not made with an API key (the console playground)
 BASE_ADAPTER = ""  # adapter_name / adapter_version of requests served by the base model alone
+ALWAYS = "2000-01"  # effective_period of prices that hold for every period
 
 
 class PlanPrice(Base):
-    """Micro-units per million tokens. plan_id NULL is the price list of tenants without a plan."""
+    """Micro-units per million tokens, in force from `effective_period` (YYYY-MM) until a later row.
+    plan_id NULL is the price list of tenants without a plan. Rows are never edited in place for a period
+    that has passed, so a statement can always be recomputed with the prices of its month."""
 
     __tablename__ = "plan_prices"
+    __table_args__ = (UniqueConstraint("plan_id", "effective_period", name="uq_plan_prices_plan_id_period"),)
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
-    plan_id: Mapped[int | None] = mapped_column(
-        ForeignKey("plans.id", ondelete="CASCADE"), nullable=True, unique=True
-    )
+    plan_id: Mapped[int | None] = mapped_column(ForeignKey("plans.id", ondelete="CASCADE"), nullable=True)
+    effective_period: Mapped[str] = mapped_column(String(7), default=ALWAYS)
     currency: Mapped[str] = mapped_column(String(3), default="USD")
     prompt_price: Mapped[int] = mapped_column(BigInteger)
     completion_price: Mapped[int] = mapped_column(BigInteger)
@@ -30,12 +33,16 @@ class PlanPrice(Base):
     updated_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow, onupdate=utcnow)
 
 
-class TenantPriceOverride(Base):
-    """NULL keeps the plan's price for that component."""
+class TenantPrice(Base):
+    """A tenant's exceptions from `effective_period` on; NULL keeps the plan's price for that component
+    (a row with every price NULL ends an earlier override)."""
 
-    __tablename__ = "tenant_price_overrides"
+    __tablename__ = "tenant_prices"
+    __table_args__ = (UniqueConstraint("tenant_id", "effective_period", name="uq_tenant_prices_tenant_id_period"),)
 
-    tenant_id: Mapped[int] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), primary_key=True)
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    tenant_id: Mapped[int] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"))
+    effective_period: Mapped[str] = mapped_column(String(7), default=ALWAYS)
     prompt_price: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
     completion_price: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
     adapter_surcharge_price: Mapped[int | None] = mapped_column(BigInteger, nullable=True)

@@ -58,3 +58,16 @@ def resolve_range(start: date | None, end: date | None, *, today: date | None = 
 
 def days_in(start: date, end: date) -> list[date]:
     return [start + timedelta(days=i) for i in range((end - start).days + 1)]
+
+
+def next_period(period: str) -> str:
+    _, nxt = period_bounds(period)
+    return period_of(nxt)
+
+
+def upcoming_periods(n: int = 3, today: date | None = None) -> list[str]:
+    """This month and the next n-1: the periods a price change can be scheduled for."""
+    out = [period_of(today or today_utc())]
+    while len(out) < n:
+        out.append(next_period(out[-1]))
+    return out

@@ -1,69 +1,84 @@
-"""Reading and writing price lists and tenant overrides."""
+"""Price lists and tenant overrides, each in force from a billing period (YYYY-MM) on.
+
+A change names the first period it applies to (by default the current one, so the open month's draft
+reflects it at once); months already billed keep the prices they were billed with, because a statement
+looks up the rows in force for its own period.
+"""
 
 from __future__ import annotations
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from loraplex.platform.billing.models import PlanPrice, TenantPriceOverride
-from loraplex.platform.billing.pricing import DEFAULT_CURRENCY, Price, PriceOverride, effective_price
+from loraplex.platform.billing.models import ALWAYS, PlanPrice, TenantPrice
+from loraplex.platform.billing.periods import parse_period, period_of, today_utc
+from loraplex.platform.billing.pricing import Price, PriceOverride, effective_price
 from loraplex.platform.models import Plan, Tenant
 
 
-def _plan_row(session: Session, plan_id: int | None) -> PlanPrice | None:
-    cond = PlanPrice.plan_id.is_(None) if plan_id is None else PlanPrice.plan_id == plan_id
-    return session.scalars(select(PlanPrice).where(cond)).first()
+def _period(period: str | None) -> str:
+    period = period or period_of(today_utc())
+    parse_period(period)
+    return period
 
 
-def _as_price(row: PlanPrice | None) -> Price | None:
+def _plan_cond(plan_id: int | None):
+    return PlanPrice.plan_id.is_(None) if plan_id is None else PlanPrice.plan_id == plan_id
+
+
+def plan_price(session: Session, plan_id: int | None, period: str | None = None) -> Price | None:
+    row = session.scalars(
+        select(PlanPrice).where(_plan_cond(plan_id), PlanPrice.effective_period <= _period(period))
+        .order_by(PlanPrice.effective_period.desc()).limit(1)
+    ).first()
     if row is None:
         return None
     return Price(row.prompt_price, row.completion_price, row.adapter_surcharge_price, row.currency)
 
 
-def plan_price(session: Session, plan_id: int | None) -> Price | None:
-    return _as_price(_plan_row(session, plan_id))
-
-
-def set_plan_price(session: Session, plan_id: int | None, price: Price) -> PlanPrice:
+def set_plan_price(session: Session, plan_id: int | None, price: Price, effective_period: str | None = None) -> None:
     """plan_id None sets the price list of tenants without a plan."""
     if plan_id is not None and session.get(Plan, plan_id) is None:
         raise LookupError(f"no plan with id {plan_id}")
-    row = _plan_row(session, plan_id)
+    period = _period(effective_period)
+    row = session.scalars(
+        select(PlanPrice).where(_plan_cond(plan_id), PlanPrice.effective_period == period)
+    ).first()
     if row is None:
-        row = PlanPrice(plan_id=plan_id)
+        row = PlanPrice(plan_id=plan_id, effective_period=period)
         session.add(row)
     row.prompt_price = price.prompt
     row.completion_price = price.completion
     row.adapter_surcharge_price = price.adapter_surcharge
     row.currency = price.currency
     session.flush()
-    return row
 
 
-def tenant_override(session: Session, tenant_id: int) -> PriceOverride | None:
-    row = session.get(TenantPriceOverride, tenant_id)
+def tenant_override(session: Session, tenant_id: int, period: str | None = None) -> PriceOverride | None:
+    row = session.scalars(
+        select(TenantPrice).where(TenantPrice.tenant_id == tenant_id, TenantPrice.effective_period <= _period(period))
+        .order_by(TenantPrice.effective_period.desc()).limit(1)
+    ).first()
     if row is None:
         return None
-    return PriceOverride(row.prompt_price, row.completion_price, row.adapter_surcharge_price)
+    override = PriceOverride(row.prompt_price, row.completion_price, row.adapter_surcharge_price)
+    return None if override == PriceOverride() else override
 
 
-def set_tenant_override(session: Session, tenant_id: int, override: PriceOverride | None) -> None:
-    """None (or an override with every field None) removes the override."""
-    for value in (override.prompt, override.completion, override.adapter_surcharge) if override else ():
+def set_tenant_override(
+    session: Session, tenant_id: int, override: PriceOverride | None, effective_period: str | None = None
+) -> None:
+    """None (or every field None) ends the override from `effective_period` on."""
+    override = override or PriceOverride()
+    for value in (override.prompt, override.completion, override.adapter_surcharge):
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
             raise ValueError("override prices must be non-negative integers of micro-units")
-    row = session.get(TenantPriceOverride, tenant_id)
-    empty = override is None or all(
-        v is None for v in (override.prompt, override.completion, override.adapter_surcharge)
-    )
-    if empty:
-        if row is not None:
-            session.delete(row)
-        session.flush()
-        return
+    period = _period(effective_period)
+    row = session.scalars(
+        select(TenantPrice).where(TenantPrice.tenant_id == tenant_id, TenantPrice.effective_period == period)
+    ).first()
     if row is None:
-        row = TenantPriceOverride(tenant_id=tenant_id)
+        row = TenantPrice(tenant_id=tenant_id, effective_period=period)
         session.add(row)
     row.prompt_price = override.prompt
     row.completion_price = override.completion
@@ -71,21 +86,30 @@ def set_tenant_override(session: Session, tenant_id: int, override: PriceOverrid
     session.flush()
 
 
-def price_for_tenant(session: Session, tenant: Tenant) -> Price:
-    return effective_price(plan_price(session, tenant.plan_id) or plan_price(session, None),
-                           tenant_override(session, tenant.id))
+def price_for_tenant(session: Session, tenant: Tenant, period: str | None = None) -> Price:
+    """The prices a tenant pays in `period` (default: now): its plan's list, else the no-plan list, then
+    its own overrides field by field."""
+    plan = plan_price(session, tenant.plan_id, period) if tenant.plan_id is not None else None
+    return effective_price(plan or plan_price(session, None, period), tenant_override(session, tenant.id, period))
 
 
-def price_lists(session: Session) -> list[dict]:
-    """Every plan with its price list (None where a plan has none), the no-plan default first."""
-    default = plan_price(session, None)
-    out = [{"plan_id": None, "plan": "(no plan)", "price": default}]
-    for plan in session.scalars(select(Plan).order_by(Plan.name)):
-        out.append({"plan_id": plan.id, "plan": plan.name, "price": plan_price(session, plan.id)})
+def price_lists(session: Session, period: str | None = None) -> list[dict]:
+    """Every plan with the prices in force in `period` and any later scheduled change, no-plan list first."""
+    period = _period(period)
+    plans: list[tuple[int | None, str]] = [(None, "(no plan)")]
+    plans += [(p.id, p.name) for p in session.scalars(select(Plan).order_by(Plan.name))]
+    out = []
+    for plan_id, name in plans:
+        scheduled = session.scalars(
+            select(PlanPrice.effective_period).where(_plan_cond(plan_id), PlanPrice.effective_period > period)
+            .order_by(PlanPrice.effective_period)
+        ).all()
+        out.append({"plan_id": plan_id, "plan": name, "price": plan_price(session, plan_id, period),
+                    "scheduled": list(scheduled)})
     return out
 
 
 __all__ = [
-    "DEFAULT_CURRENCY", "plan_price", "price_for_tenant", "price_lists", "set_plan_price", "set_tenant_override",
+    "ALWAYS", "plan_price", "price_for_tenant", "price_lists", "set_plan_price", "set_tenant_override",
     "tenant_override",
 ]

@@ -2,8 +2,8 @@
 
 Closed days come from the daily rollups; today, yesterday (late batched writes may still land) and any day
 no rollup has covered are summed live from the usage records, so a report is never stale or incomplete.
-Amounts are priced at the tenant's current prices and rounded once per row: an estimate. Statements are
-the authoritative bill.
+Amounts use the prices in force for each day's month and are rounded once per row: an estimate.
+Statements are the authoritative bill.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from sqlalchemy.orm import Session
 from loraplex.platform.billing.aggregate import UsageTotals, adapter_label, aggregate_records
 from loraplex.platform.billing.models import BASE_ADAPTER, NO_KEY, UsageRollup
 from loraplex.platform.billing.money import TOKENS_PER_PRICE_UNIT
-from loraplex.platform.billing.periods import day_range, days_in, today_utc
+from loraplex.platform.billing.periods import day_range, days_in, period_of, today_utc
 from loraplex.platform.billing.prices import price_for_tenant
 from loraplex.platform.billing.pricing import Price
 from loraplex.platform.billing.rollups import rolled_up_days
@@ -121,7 +121,14 @@ def usage_report(
         totals = [(d, t) for d, t in totals if t.adapter_name == adapter]
     tenant_rows = {t.tenant_id for _, t in totals}
     tenants = {t.id: t for t in session.scalars(select(Tenant).where(Tenant.id.in_(tenant_rows)))} if tenant_rows else {}
-    prices: dict[int, Price] = {tid: price_for_tenant(session, t) for tid, t in tenants.items()}
+    prices: dict[tuple[int, str], Price] = {}
+
+    def price_of(tenant_id: int, day: date) -> Price:
+        key = (tenant_id, period_of(day))
+        if key not in prices:
+            prices[key] = price_for_tenant(session, tenants[tenant_id], key[1])
+        return prices[key]
+
     key_ids = {t.api_key_id for _, t in totals if t.api_key_id != NO_KEY}
     keys = {}
     if "key" in dims and key_ids:
@@ -145,7 +152,7 @@ def usage_report(
                      if "key" in dims else None),
                 adapter=group[3],
             )
-        price = prices[t.tenant_id]
+        price = price_of(t.tenant_id, day)
         row.requests += t.requests
         row.failed_requests += t.failed_requests
         row.prompt_tokens += t.prompt_tokens

@@ -1,7 +1,8 @@
 """Monthly statements: the tenant's usage records of a UTC month, priced, one rounding per line.
 
 A statement of a month still open (or not yet finalized) is computed live and never stored; finalizing a
-closed month stores it with its lines and unit prices, and it never changes afterwards.
+closed month stores it with its lines and unit prices, and it never changes afterwards. Prices are those in
+force for the statement's own month (see prices.py).
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ class StatementView:
 def compute_statement(session: Session, tenant: Tenant, period: str) -> StatementView:
     first, nxt = period_bounds(period)
     totals = aggregate_records(session, day_start(first), day_start(nxt), tenant_ids=[tenant.id], by_key=False)
-    price = price_for_tenant(session, tenant)
+    price = price_for_tenant(session, tenant, period)
     groups = [
         UsageGroup(adapter_label(t.adapter_name, t.adapter_version), t.requests, t.prompt_tokens, t.completion_tokens)
         for t in totals

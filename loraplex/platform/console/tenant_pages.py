@@ -8,6 +8,7 @@ from pydantic import ValidationError
 from sqlalchemy import func, select
 
 from loraplex.platform.billing.money import format_micros
+from loraplex.platform.billing.periods import upcoming_periods
 from loraplex.platform.billing.prices import price_for_tenant, set_tenant_override, tenant_override
 from loraplex.platform.billing.pricing import PriceOverride
 from loraplex.platform.console import forms
@@ -88,13 +89,16 @@ async def plans_create(request: Request, _context: ConsolePostDep, services: Ser
 
 
 def _tenant_page(request: Request, context, services, tenant_id: int, *, new_key=None, status_code=200):
+    periods = upcoming_periods()
+    period = request.query_params.get("period")
+    period = period if period in periods else periods[0]
     with services.sessions() as session:
         try:
             tenant = get_tenant(session, tenant_id)
         except TenantError:
             return render(request, "not_found.html", context, status_code=404, what=f"tenant {tenant_id}")
-        override = tenant_override(session, tenant.id)
-        price = price_for_tenant(session, tenant)
+        override = tenant_override(session, tenant.id, period)
+        price = price_for_tenant(session, tenant, period)
         keys = [key_public(k) for k in session.scalars(
             select(ApiKey).where(ApiKey.tenant_id == tenant.id).order_by(ApiKey.id.desc()))]
         plans = list(session.scalars(select(Plan).order_by(Plan.name)))
@@ -106,7 +110,7 @@ def _tenant_page(request: Request, context, services, tenant_id: int, *, new_key
     return render(
         request, "tenant.html", context, status_code=status_code, tenant=public, keys=keys, plans=plans,
         new_key=new_key, quota_fields=QUOTA_FIELDS, price_fields=PRICE_FIELDS, price=vars(price) | {"currency": price.currency},
-        override_values=override_values, scopes=ALL_SCOPES,
+        override_values=override_values, scopes=ALL_SCOPES, period=period, periods=periods,
     )
 
 
@@ -156,12 +160,14 @@ async def tenant_prices(request: Request, _context: ConsolePostDep, services: Se
     back = f"/console/tenants/{tenant_id}"
     try:
         override = PriceOverride(**{f: forms.money(form, f) for f, _ in PRICE_FIELDS})
+        period = forms.text(form, "period")
         with services.sessions() as session:
-            set_tenant_override(session, get_tenant(session, tenant_id).id, override)
+            set_tenant_override(session, get_tenant(session, tenant_id).id, override, period)
             session.commit()
     except (TenantError, forms.FormError, ValueError) as exc:
         return redirect(request, back, error=f"Prices not saved: {_problem(exc)}")
-    return redirect(request, back, flash="Prices saved.")
+    return redirect(request, f"{back}?period={period}" if period else back,
+                    flash=f"Prices saved, in force from {period or 'this month'} on.")
 
 
 @router.post("/tenants/{tenant_id}/keys", response_class=HTMLResponse)

@@ -10,7 +10,14 @@ from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse, Resp
 from sqlalchemy import select
 
 from loraplex.platform.billing.export import statement_dict, statements_summary_csv
-from loraplex.platform.billing.periods import days_in, period_of, previous_period, resolve_range, today_utc
+from loraplex.platform.billing.periods import (
+    days_in,
+    period_of,
+    previous_period,
+    resolve_range,
+    today_utc,
+    upcoming_periods,
+)
 from loraplex.platform.billing.prices import price_lists, set_plan_price
 from loraplex.platform.billing.pricing import Price
 from loraplex.platform.billing.reports import DIMENSIONS, usage_report
@@ -97,8 +104,8 @@ def billing_page(request: Request, context: ConsoleDep, services: ServicesDep) -
             views = [get_statement(session, t, period) for t in tenants]
         except ValueError:
             return redirect(request, "/console/billing", error=f"Not a period: {period!r} (use YYYY-MM).")
-        prices = price_lists(session)
-    periods = _recent_periods(12)
+        prices = price_lists(session, period)
+    periods = sorted(set(_recent_periods(12)) | set(upcoming_periods()), reverse=True)
     return render(request, "billing.html", context, period=period, periods=periods, statements=views,
                   prices=prices, closed=is_closed(period), total=sum(v.total_amount for v in views))
 
@@ -136,12 +143,13 @@ async def billing_prices(request: Request, _context: ConsolePostDep, services: S
         if any(v is None for v in values):
             raise forms.FormError("all three prices are needed (0 is a price)")
         price = Price(*values, currency=(forms.text(form, "currency") or "USD").upper())
+        period = forms.text(form, "period") or period_of(today_utc())
         with services.sessions() as session:
-            set_plan_price(session, int(plan) if plan else None, price)
+            set_plan_price(session, int(plan) if plan else None, price, period)
             session.commit()
     except (forms.FormError, ValueError, LookupError) as exc:
         return redirect(request, "/console/billing", error=f"Prices not saved: {exc}")
-    return redirect(request, "/console/billing", flash="Prices saved.")
+    return redirect(request, f"/console/billing?period={period}", flash=f"Prices saved, in force from {period} on.")
 
 
 @router.post("/billing/finalize")
