@@ -49,6 +49,8 @@ def test_operator_journey(live_console, page, screenshots):
     page.fill("#upload-form input[name=name]", "sql-helper")
     page.set_input_files("#upload-file", str(live_console.adapter_zip))
     page.click("#upload-form button[type=submit]")
+    # the XHR's upload progress fills the bar before the page polls validation and reloads on "ready"
+    expect(page.locator("#upload-bar")).to_have_attribute("style", re.compile(r"width: 100%"))
     expect(page.locator(".panel.adapter[data-name=sql-helper] .badge.ready").first).to_be_visible(timeout=60_000)
     _shot(page, screenshots, "04-adapters")
 
