@@ -8,6 +8,7 @@ from sqlalchemy import delete, select
 from sqlalchemy.orm import Session
 
 from loraplex.platform.billing.aggregate import aggregate_records
+from loraplex.platform.billing.locks import ROLLUP_DAY, serialize
 from loraplex.platform.billing.models import RollupRun, UsageRollup
 from loraplex.platform.billing.periods import day_range
 from loraplex.platform.models import utcnow
@@ -18,6 +19,7 @@ def rollup_day(session: Session, day: date) -> int:
 
     The caller commits; the delete and the inserts land together, so a reader never sees half a day.
     """
+    serialize(session, ROLLUP_DAY, day.toordinal())
     start, end = day_range(day)
     totals = aggregate_records(session, start, end)
     session.execute(delete(UsageRollup).where(UsageRollup.day == day))

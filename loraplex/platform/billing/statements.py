@@ -15,6 +15,7 @@ from sqlalchemy.orm import Session
 
 from loraplex.platform.billing.aggregate import adapter_label, aggregate_records
 from loraplex.platform.billing.lines import Line, UsageGroup, build_lines, total_amount
+from loraplex.platform.billing.locks import STATEMENT_TENANT, serialize
 from loraplex.platform.billing.models import Statement, StatementLine
 from loraplex.platform.billing.periods import day_start, period_bounds
 from loraplex.platform.billing.prices import price_for_tenant
@@ -83,6 +84,7 @@ def finalize_statement(session: Session, tenant: Tenant, period: str, *, now: da
     """Store the statement of a closed month; idempotent (an existing final statement is returned as is)."""
     if not is_closed(period, now):
         raise ValueError(f"period {period} is not closed yet; statements are final only after the month ends")
+    serialize(session, STATEMENT_TENANT, tenant.id)  # one finalizer per tenant at a time, whatever the period
     existing = session.scalars(
         select(Statement).where(Statement.tenant_id == tenant.id, Statement.period == period)
     ).first()
