@@ -52,7 +52,10 @@ def test_tenant_statements_list_and_detail_are_its_own(client, usage, admin_key)
     assert body["total_amount"] == 300 + 90 + 55
     assert body["total_amount"] == sum(line["amount"] for line in body["lines"])
     listing = client.get("/v1/billing/statements", headers=b.headers).json()["data"]
-    assert [s["tenant"] for s in listing] == ["globex"]
+    assert {s["tenant"] for s in listing} == {"globex"}
+    assert [s["period"] for s in listing][0] == period and all(s["status"] == "draft" for s in listing)
+    mine = client.get("/v1/billing/statements", headers=a.headers).json()["data"]
+    assert [(s["period"], s["prompt_tokens"]) for s in mine][1][1] == 1000  # last month's draft
     csv_text = client.get(f"/v1/billing/statements/{period}?format=csv", headers=a.headers).text
     assert csv_text.strip().splitlines()[-1].endswith("total,330,,0.000445")
     assert client.get("/v1/billing/statements/2026-13", headers=a.headers).status_code == 400

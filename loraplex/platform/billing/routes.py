@@ -8,7 +8,7 @@ from fastapi import APIRouter, Query
 from fastapi.responses import JSONResponse, Response
 
 from loraplex.platform.billing.export import statement_dict
-from loraplex.platform.billing.periods import parse_period, period_of, today_utc
+from loraplex.platform.billing.periods import parse_period, period_of, previous_period, today_utc
 from loraplex.platform.billing.reports import usage_report
 from loraplex.platform.billing.responses import (
     EndQuery,
@@ -52,12 +52,12 @@ def usage_report_route(
 
 @router.get("/billing/statements")
 def statements(*, caller: UsageKeyDep, session: SessionDep) -> JSONResponse:
-    """Final statements, newest first, plus the current month's draft."""
+    """Final statements, newest first, with drafts for this month and last month while they are not final."""
     tenant = session.get(Tenant, caller.tenant_id)
-    current = period_of(today_utc())
-    rows = list_statements(session, tenant_ids=[caller.tenant_id])
-    data = [statement_dict(get_statement(session, tenant, current))] if current not in {r.period for r in rows} else []
-    data += [statement_dict(get_statement(session, tenant, r.period)) for r in rows]
+    today = today_utc()
+    final = {r.period for r in list_statements(session, tenant_ids=[caller.tenant_id])}
+    drafts = [p for p in (period_of(today), previous_period(today)) if p not in final]
+    data = [statement_dict(get_statement(session, tenant, p)) for p in sorted(set(drafts) | final, reverse=True)]
     for item in data:
         item.pop("lines")
     return JSONResponse({"object": "list", "data": data})
