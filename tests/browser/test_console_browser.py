@@ -95,6 +95,7 @@ def test_operator_journey(live_console, page, screenshots):
     page.goto(f"{base}/console/dashboard")
     expect(page.locator("#dash-status")).to_contain_text("updated", timeout=10_000)
     expect(page.locator("#resident-body")).to_contain_text("sql-helper")
+    expect(page.locator("#spark-tokens svg")).to_be_visible(timeout=10_000)  # a second refresh, meters settled
     _shot(page, screenshots, "09-dashboard")
 
     page.click("#logout")

@@ -77,7 +77,8 @@ const Charts = (() => {
     }
     const width = container.clientWidth || 200, height = opts.height || 56;
     const svg = svgEl("svg", { viewBox: `0 0 ${width} ${height}`, width: "100%", height });
-    const max = Math.max(1e-9, ...values);
+    const max = Math.max(1e-9, ...values) * 1.25;  // headroom: a steady rate sits below the top edge
+    svg.append(svgEl("line", { x1: 0, x2: width, y1: height - 1, y2: height - 1, stroke: "#dfe3ea" }));
     const pts = values.map((v, i) => `${(i * width) / (values.length - 1)},${height - 2 - ((height - 4) * v) / max}`);
     svg.append(svgEl("polyline", { points: pts.join(" "), fill: "none", stroke: "#3b5bdb", "stroke-width": 1.8 }));
     container.append(svg);
