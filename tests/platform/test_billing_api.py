@@ -66,6 +66,8 @@ def test_tenant_usage_report_filters_and_never_leaks(client, usage):
     a, b, last_month = usage
     r = client.get("/v1/usage/report?group_by=adapter", headers=a.headers)
     assert r.status_code == 200
+    assert r.json()["object"] == "usage_report"
+    assert all("day" not in row and "tenant" not in row and "amount_decimal" in row for row in r.json()["data"])
     adapters = {row["adapter"]: row for row in r.json()["data"]}
     assert set(adapters) == {"", "sql@" + "a" * 12}
     only_sql = client.get("/v1/usage/report?adapter=sql&group_by=day", headers=a.headers).json()

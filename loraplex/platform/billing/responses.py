@@ -11,6 +11,7 @@ from fastapi.responses import JSONResponse, Response
 from loraplex.platform.billing.export import rows_to_csv, statement_csv, statement_dict, with_decimal_amounts
 from loraplex.platform.billing.periods import resolve_range
 from loraplex.platform.billing.reports import DIMENSIONS, ReportRow
+from loraplex.platform.billing.schemas import ReportRowPublic, StatementPublic, UsageReportPublic
 from loraplex.platform.billing.statements import StatementView
 from loraplex.platform.errors import bad_request
 
@@ -49,11 +50,15 @@ def report_response(
         "prompt_tokens": sum(r.prompt_tokens for r in rows),
         "completion_tokens": sum(r.completion_tokens for r in rows),
     }
-    return JSONResponse({
-        "object": "usage_report", "start": start.isoformat(), "end": end.isoformat(), "group_by": list(dims),
-        "totals": totals, "data": [with_decimal_amounts(d) for d in data],
-        "note": "amounts are estimates at current prices, rounded once per row; statements are the bill",
-    })
+    body = UsageReportPublic(
+        start=start.isoformat(), end=end.isoformat(), group_by=list(dims), totals=totals,
+        data=[with_decimal_amounts(d) for d in data],
+        note="amounts are estimates at each month's prices, rounded once per row; statements are the bill",
+    ).model_dump(mode="json")
+    # rows carry only the dimensions they were grouped by
+    body["data"] = [row.model_dump(mode="json", exclude_unset=True) for row in
+                    (ReportRowPublic.model_validate(with_decimal_amounts(d)) for d in data)]
+    return JSONResponse(body)
 
 
 def statement_response(view: StatementView, fmt: Format) -> Response:
@@ -61,4 +66,4 @@ def statement_response(view: StatementView, fmt: Format) -> Response:
         return Response(statement_csv(view), media_type="text/csv; charset=utf-8", headers={
             "content-disposition": f'attachment; filename="statement-{view.tenant}-{view.period}.csv"',
         })
-    return JSONResponse(statement_dict(view))
+    return JSONResponse(StatementPublic.model_validate(statement_dict(view)).model_dump(mode="json"))

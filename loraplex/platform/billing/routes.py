@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Annotated
 
 from fastapi import APIRouter, Query
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from loraplex.platform.billing.export import statement_dict
 from loraplex.platform.billing.periods import parse_period, period_of, previous_period, today_utc
@@ -20,6 +20,13 @@ from loraplex.platform.billing.responses import (
     report_response,
     statement_response,
 )
+from loraplex.platform.billing.schemas import (
+    CSV_OR_JSON,
+    StatementList,
+    StatementPublic,
+    StatementSummary,
+    UsageReportPublic,
+)
 from loraplex.platform.billing.statements import get_statement, list_statements
 from loraplex.platform.deps import SessionDep, UsageKeyDep
 from loraplex.platform.errors import bad_request
@@ -32,7 +39,7 @@ TENANT_DIMENSIONS = ("day", "key", "adapter")
 def tenant_usage(
     session, tenant_id: int, *, start, end, group_by: str, adapter: str | None, api_key_id: int | None, fmt
 ) -> Response:
-    """The body of GET /v1/usage: one tenant's usage, filtered and grouped (no tenant dimension)."""
+    """One tenant's usage, filtered and grouped (there is no tenant dimension to group by)."""
     start, end = date_range(start, end)
     dims = dimensions(group_by, TENANT_DIMENSIONS)
     rows = usage_report(session, start, end, group_by=dims, tenant_ids=[tenant_id],
@@ -40,7 +47,8 @@ def tenant_usage(
     return report_response(rows, dims, start, end, fmt, "usage")
 
 
-@router.get("/usage/report")
+@router.get("/usage/report", response_model=None,
+            responses={200: {"model": UsageReportPublic, **CSV_OR_JSON}})
 def usage_report_route(
     *, caller: UsageKeyDep, session: SessionDep, start: StartQuery = None, end: EndQuery = None,
     group_by: GroupByQuery = "day,adapter", adapter: Annotated[str | None, Query()] = None,
@@ -50,20 +58,19 @@ def usage_report_route(
                         api_key_id=api_key_id, fmt=format)
 
 
-@router.get("/billing/statements")
-def statements(*, caller: UsageKeyDep, session: SessionDep) -> JSONResponse:
+@router.get("/billing/statements", response_model=StatementList)
+def statements(*, caller: UsageKeyDep, session: SessionDep) -> StatementList:
     """Final statements, newest first, with drafts for this month and last month while they are not final."""
     tenant = session.get(Tenant, caller.tenant_id)
     today = today_utc()
     final = {r.period for r in list_statements(session, tenant_ids=[caller.tenant_id])}
     drafts = [p for p in (period_of(today), previous_period(today)) if p not in final]
     data = [statement_dict(get_statement(session, tenant, p)) for p in sorted(set(drafts) | final, reverse=True)]
-    for item in data:
-        item.pop("lines")
-    return JSONResponse({"object": "list", "data": data})
+    return StatementList(data=[StatementSummary.model_validate(item) for item in data])
 
 
-@router.get("/billing/statements/{period}")
+@router.get("/billing/statements/{period}", response_model=None,
+            responses={200: {"model": StatementPublic, **CSV_OR_JSON}})
 def statement(*, caller: UsageKeyDep, session: SessionDep, period: str, format: FormatQuery = "json") -> Response:
     try:
         parse_period(period)
