@@ -16,6 +16,7 @@ import torch
 from loraplex.engine.adapter_slots import AdapterSlots
 from loraplex.engine.block_manager import BlockManager
 from loraplex.engine.config import EngineConfig, EngineLimits
+from loraplex.engine.cpu_tuning import keep_freed_memory
 from loraplex.engine.errors import InvalidRequestError, ModelLoadError
 from loraplex.engine.lora_request import LoRARequest
 from loraplex.engine.model_loader import iter_weights, load_model_config, resolve_model_dir
@@ -64,6 +65,8 @@ class LLMEngine:
         self.config = config
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
+        if self.device.type == "cpu":
+            keep_freed_memory()
         torch.manual_seed(config.seed)
         self.model_dir = resolve_model_dir(config.model)
         hf_config = load_model_config(self.model_dir)
