@@ -98,6 +98,10 @@ def test_usage_and_billing_pages_show_inference_done_through_the_api(console, ma
     assert data["totals"]["completion_tokens"] == usage["completion_tokens"]
     csv_text = console.client.get("/console/usage/export?format=csv").text
     assert csv_text.splitlines()[0].startswith("day,tenant_id,tenant,adapter,requests")
+    per_key = console.client.get(f"/console/usage?tenant_id={tk.tenant_id}").text
+    assert 'id="usage-keys"' in per_key and tk.key[:12] in per_key
+    tenant_page = console.client.get(f"/console/tenants/{tk.tenant_id}").text
+    assert f"/console/billing/statements/{tk.tenant_id}/" in tenant_page
     billing = console.client.get("/console/billing")
     assert billing.status_code == 200 and "globex" in billing.text
     dashboard = console.client.get("/console/api/dashboard").json()

@@ -11,6 +11,7 @@ from loraplex.platform.billing.money import format_micros
 from loraplex.platform.billing.periods import upcoming_periods
 from loraplex.platform.billing.prices import price_for_tenant, set_tenant_override, tenant_override
 from loraplex.platform.billing.pricing import PriceOverride
+from loraplex.platform.billing.statements import get_statement
 from loraplex.platform.console import forms
 from loraplex.platform.console.deps import ConsoleDep, ConsolePostDep
 from loraplex.platform.console.templating import redirect, render
@@ -99,6 +100,7 @@ def _tenant_page(request: Request, context, services, tenant_id: int, *, new_key
             return render(request, "not_found.html", context, status_code=404, what=f"tenant {tenant_id}")
         override = tenant_override(session, tenant.id, period)
         price = price_for_tenant(session, tenant, period)
+        this_month = get_statement(session, tenant, periods[0])
         keys = [key_public(k) for k in session.scalars(
             select(ApiKey).where(ApiKey.tenant_id == tenant.id).order_by(ApiKey.id.desc()))]
         plans = list(session.scalars(select(Plan).order_by(Plan.name)))
@@ -110,7 +112,7 @@ def _tenant_page(request: Request, context, services, tenant_id: int, *, new_key
     return render(
         request, "tenant.html", context, status_code=status_code, tenant=public, keys=keys, plans=plans,
         new_key=new_key, quota_fields=QUOTA_FIELDS, price_fields=PRICE_FIELDS, price=vars(price) | {"currency": price.currency},
-        override_values=override_values, scopes=ALL_SCOPES, period=period, periods=periods,
+        override_values=override_values, scopes=ALL_SCOPES, period=period, periods=periods, this_month=this_month,
     )
 
 

@@ -59,6 +59,7 @@ def usage_page(request: Request, context: ConsoleDep, services: ServicesDep) -> 
         by_day = usage_report(session, start, end, group_by=("day",), tenant_ids=tenant_ids)
         by_adapter = usage_report(session, start, end, group_by=("adapter",), tenant_ids=tenant_ids)
         by_tenant = usage_report(session, start, end, group_by=("tenant", "adapter"), tenant_ids=tenant_ids)
+        by_key = usage_report(session, start, end, group_by=("key",), tenant_ids=tenant_ids) if tenant_id else []
     per_day = {r.day: r for r in by_day}
     chart_data = {
         # every day of the range, zeros included, so the time axis has no gaps
@@ -71,7 +72,7 @@ def usage_page(request: Request, context: ConsoleDep, services: ServicesDep) -> 
     query = f"start={start}&end={end}" + (f"&tenant_id={tenant_id}" if tenant_id else "")
     return render(
         request, "usage.html", context, tenants=tenants, start=start, end=end, tenant_id=tenant_id,
-        by_day=by_day, by_adapter=by_adapter, by_tenant=by_tenant, query=query, error=error,
+        by_day=by_day, by_adapter=by_adapter, by_tenant=by_tenant, by_key=by_key, query=query, error=error,
         # </script> cannot appear: json.dumps escapes "/" only if asked, so escape "<" instead
         chart_json=json.dumps(chart_data).replace("<", "\\u003c"),
         totals={
