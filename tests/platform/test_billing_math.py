@@ -97,3 +97,10 @@ def test_base_model_lines_have_no_surcharge_and_come_first():
         ("z@1", "prompt"), ("z@1", "completion"), ("z@1", "adapter_surcharge"),
     ]
     assert [line.amount for line in lines] == [100, 100, 10, 10, 8]  # 7.5 rounds half up to 8
+
+
+def test_csv_export_keeps_user_text_from_becoming_a_formula():
+    from loraplex.platform.billing.export import rows_to_csv
+
+    text = rows_to_csv([{"key": "=HYPERLINK(\"http://x\")", "amount": 1_500_000, "tokens": 3}])
+    assert text.splitlines() == ["key,amount,tokens", "\"'=HYPERLINK(\"\"http://x\"\")\",1.500000,3"]

@@ -25,9 +25,15 @@ def rows_to_csv(rows: Iterable[dict]) -> str:
     return buf.getvalue()
 
 
+FORMULA_STARTS = ("=", "+", "-", "@", "\t", "\r")
+
+
 def _cell(key: str, value):
     if key in AMOUNT_FIELDS and isinstance(value, int):
         return format_micros(value)
+    if isinstance(value, str) and value.startswith(FORMULA_STARTS):
+        # a key name like "=HYPERLINK(...)" must stay text when finance opens the file in a spreadsheet
+        return "'" + value
     return "" if value is None else value
 
 
