@@ -31,6 +31,7 @@ class AttentionMetadata:
     decode_block_tables: torch.Tensor | None = None  # int64 [num_decodes, max_blocks]
     decode_context_lens: torch.Tensor | None = None  # int64 [num_decodes]
     decode_max_context_len: int = 0
+    decode_mask: torch.Tensor | None = None  # bool [1, num_decodes, 1, max_blocks * block_size]
     prefills: list[PrefillSegment] = field(default_factory=list)
 
 

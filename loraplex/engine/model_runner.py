@@ -14,6 +14,7 @@ from loraplex.engine.models.llama import LlamaForCausalLM
 from loraplex.engine.sampler import Sampler, SamplerOutput
 from loraplex.engine.scheduler import ScheduledBatch
 from loraplex.engine.sequence import Sequence
+from loraplex.kernels.attention import decode_mask
 
 
 def kv_block_bytes(model: LlamaForCausalLM, block_size: int, dtype: torch.dtype) -> int:
@@ -106,6 +107,7 @@ class ModelRunner:
             meta.decode_block_tables = torch.tensor(padded, dtype=torch.long, device=self.device)
             meta.decode_context_lens = torch.tensor(decode_lens, dtype=torch.long, device=self.device)
             meta.decode_max_context_len = max(decode_lens)
+            meta.decode_mask = decode_mask(meta.decode_block_tables, meta.decode_context_lens, bs)
         lora = None
         if any(key is not None for key in token_adapters):
             if self.adapter_slots is None:

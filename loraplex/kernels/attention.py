@@ -31,6 +31,14 @@ def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
     return gathered.view(num_kv_heads, batch, max_blocks * block_size, head_dim)
 
 
+def decode_mask(block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int) -> torch.Tensor:
+    """[1, batch, 1, max_blocks * block_size] bool: which gathered positions hold a sequence's tokens.
+    Built once per step and shared by every layer."""
+    max_len = block_tables.shape[1] * block_size
+    valid = torch.arange(max_len, device=block_tables.device).view(1, -1) < context_lens.view(-1, 1)
+    return valid.view(1, -1, 1, max_len)
+
+
 def decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -38,25 +46,24 @@ def decode_attention(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query token per sequence. q: [batch, num_heads, head_dim] -> [batch, num_heads, head_dim].
 
-    All sequences are handled by one batched matmul over K/V gathered through the block tables and
-    padded to the longest context; padding is masked out.
+    All sequences are handled by one fused attention call over K/V gathered through the block tables and
+    padded to the longest context; padding is masked out. The gathered layout puts KV heads first, so the
+    call sees them as the batch and the sequences as heads, and each KV head serves its group of query
+    heads as that head's queries: no K/V expansion for grouped-query attention.
     """
     batch, num_heads, head_dim = q.shape
-    num_kv_heads = k_cache.shape[0]
+    num_kv_heads, _, block_size, _ = k_cache.shape
     group = num_heads // num_kv_heads
+    if mask is None:
+        mask = decode_mask(block_tables, context_lens, block_size)
     keys = gather_kv(k_cache, block_tables)  # [Hkv, B, L, D]
     values = gather_kv(v_cache, block_tables)
-    max_len = keys.shape[2]
-    # Grouped queries: each KV head serves `group` query heads, so no K/V expansion is needed.
     qg = q.view(batch, num_kv_heads, group, head_dim).transpose(0, 1)  # [Hkv, B, G, D]
-    scores = torch.matmul(qg * scale, keys.transpose(-1, -2))  # [Hkv, B, G, L]
-    pad = torch.arange(max_len, device=q.device).view(1, -1) >= context_lens.view(-1, 1)
-    scores.masked_fill_(pad.view(1, batch, 1, max_len), float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    out = torch.matmul(probs, values)  # [Hkv, B, G, D]
+    out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask, scale=scale)  # [Hkv, B, G, D]
     return out.transpose(0, 1).reshape(batch, num_heads, head_dim)
 
 

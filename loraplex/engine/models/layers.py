@@ -144,14 +144,15 @@ class PagedAttention(nn.Module):
         num_decodes = meta.num_decode_tokens
         if not meta.prefills:
             out = decode_attention(
-                q, self.k_cache, self.v_cache, meta.decode_block_tables, meta.decode_context_lens, self.scale
+                q, self.k_cache, self.v_cache, meta.decode_block_tables, meta.decode_context_lens, self.scale,
+                meta.decode_mask,
             )
             return out.reshape(q.shape[0], -1)
         out = torch.empty_like(q)
         if num_decodes:
             out[:num_decodes] = decode_attention(
                 q[:num_decodes], self.k_cache, self.v_cache, meta.decode_block_tables,
-                meta.decode_context_lens, self.scale,
+                meta.decode_context_lens, self.scale, meta.decode_mask,
             )
         for seg in meta.prefills:
             rows = slice(seg.query_start, seg.query_start + seg.query_len)
