@@ -6,6 +6,8 @@ from contextlib import contextmanager
 
 import click
 
+from loraplex.platform.billing.cli import billing
+
 
 @contextmanager
 def _session():
@@ -201,3 +203,6 @@ def create_admin_key_cmd(name):
     with _session() as (session, settings):
         _, secret = create_admin_key(session, settings, name=name)
         click.echo(secret)
+
+
+admin.add_command(billing)

@@ -1,0 +1,59 @@
+"""`loraplex admin billing` against an embedded SQLite database."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import uuid
+from datetime import UTC, datetime
+
+from click.testing import CliRunner
+
+from loraplex.cli import main
+
+
+def _run(args, env):
+    result = CliRunner().invoke(main, ["admin", *args], env=env, catch_exceptions=False)
+    return result
+
+
+def test_prices_statement_report_and_finalize_from_the_command_line(tmp_path):
+    env = {"LORAPLEX_DATA_DIR": str(tmp_path), "LORAPLEX_ENVIRONMENT": "test"}
+    assert _run(["create-tenant", "acme"], env).exit_code == 0
+    r = _run(["billing", "set-price", "--prompt", "1.5", "--completion", "3", "--surcharge", "0.25",
+              "--from", "2026-10"], env)
+    assert r.exit_code == 0, r.output
+    bad = _run(["billing", "set-price", "--prompt", "0.1234567", "--completion", "1"], env)
+    assert bad.exit_code != 0 and "more than 6 decimals" in bad.output
+
+    from loraplex.config import Settings
+    from loraplex.platform.db import make_engine, make_session_factory, session_scope
+    from loraplex.platform.models import Tenant, UsageRecord
+
+    engine = make_engine(Settings(data_dir=tmp_path).resolved_database_url)
+    with session_scope(make_session_factory(engine)) as s:
+        tenant = s.query(Tenant).one()
+        for adapter in (None, "sql"):
+            s.add(UsageRecord(request_id=uuid.uuid4().hex, tenant_id=tenant.id, api_key_id=1, model="m",
+                              adapter_name=adapter, adapter_version="c" * 64 if adapter else None, endpoint="chat",
+                              prompt_tokens=1_000_000, completion_tokens=500_000, ttft_ms=1, latency_ms=2, status="ok",
+                              created_at=datetime(2026, 10, 3, tzinfo=UTC)))
+    engine.dispose()
+
+    statement = _run(["billing", "statement", "acme", "2026-10", "--format", "json"], env)
+    body = json.loads(statement.output)
+    # 2M prompt x 1.5 + 1M completion x 3 + 1.5M adapter tokens x 0.25
+    assert body["total_amount"] == 3_000_000 + 3_000_000 + 375_000 and body["status"] == "draft"
+    final = _run(["billing", "finalize", "2026-10"], env)
+    assert final.exit_code == 0 and "1 statements" in final.output
+    again = json.loads(_run(["billing", "statement", "acme", "2026-10", "--format", "json"], env).output)
+    assert again["status"] == "final" and again["total_amount"] == body["total_amount"]
+    report = _run(["billing", "report", "--start", "2026-10-01", "--end", "2026-10-31", "--group-by", "tenant,adapter"],
+                  env)
+    rows = list(csv.DictReader(io.StringIO(report.output)))
+    assert [(r["tenant"], r["adapter"], r["prompt_tokens"]) for r in rows] == [
+        ("acme", "", "1000000"), ("acme", "sql@cccccccccccc", "1000000")]
+    rolled = _run(["billing", "rollup", "2026-10-03"], env)
+    assert rolled.output.strip() == "2026-10-03: 2 rows"
+    assert _run(["billing", "finalize", "2999-01"], env).exit_code != 0
