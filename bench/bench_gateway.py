@@ -95,7 +95,7 @@ async def run_http(url: str, key: str, model: str, n: int, warmup: int) -> list[
 
 
 def build(tmp: Path, model_dir: Path, engine, name: str):
-    from conftest import make_settings
+    from platform_helpers import make_settings
 
     from loraplex.platform.app import create_app
     from loraplex.platform.bootstrap import prepare_database

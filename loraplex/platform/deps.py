@@ -40,7 +40,9 @@ def get_session(services: ServicesDep) -> Iterator[Session]:
             raise
 
 
-SessionDep = Annotated[Session, Depends(get_session)]
+# scope="function": the commit happens before the response is sent, so a client that gets its answer can
+# rely on the change (a revoked key is refused by its very next request).
+SessionDep = Annotated[Session, Depends(get_session, scope="function")]
 
 AuthorizationHeader = Annotated[str | None, Header(alias="authorization", include_in_schema=False)]
 

@@ -5,16 +5,14 @@ from __future__ import annotations
 
 import shutil
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 from fake_engine import FakeEngine
 from fastapi.testclient import TestClient
+from platform_helpers import TenantKey, make_settings
 
 from loraplex.config import Settings
-
-TEST_SECRET = "test-secret-0123456789abcdef"
 
 
 @pytest.fixture(scope="session")
@@ -25,14 +23,6 @@ def migrated_sqlite_template(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("dbtemplate") / "template.db"
     upgrade_to_head(f"sqlite:///{path}")
     return path
-
-
-def make_settings(data_dir: Path, **overrides) -> Settings:
-    values = dict(environment="test", secret_key=TEST_SECRET, data_dir=data_dir, warm_adapters_interval=0,
-                  database_url=f"sqlite:///{data_dir / 'loraplex.db'}", auto_migrate=False,
-                  embedded_engine=False, redis_url=None, usage_flush_interval=0.05)
-    values.update(overrides)
-    return Settings(**values)
 
 
 @pytest.fixture
@@ -77,18 +67,6 @@ def admin_key(app, client) -> str:
     return secret
 
 
-@dataclass
-class TenantKey:
-    tenant_id: int
-    tenant_name: str
-    key_id: int
-    key: str
-
-    @property
-    def headers(self) -> dict[str, str]:
-        return {"Authorization": f"Bearer {self.key}"}
-
-
 @pytest.fixture
 def make_tenant(app, client) -> Callable[..., TenantKey]:
     """Create a tenant (with quota overrides) and one key, directly in the database."""
@@ -127,12 +105,6 @@ def peft_adapter_zip(peft_adapter_dir: Path, tmp_path_factory: pytest.TempPathFa
             if f.is_file():
                 zf.write(f, f"my-adapter/{f.name}")
     return path
-
-
-def upload(client, tenant: TenantKey, name: str, files: list[tuple[str, bytes]], *, wait: bool = True):
-    """POST /v1/adapters with the given (filename, content) pairs."""
-    return client.post("/v1/adapters", params={"wait": str(wait).lower()}, headers=tenant.headers,
-                       data={"name": name}, files=[("file", (fn, content)) for fn, content in files])
 
 
 @pytest.fixture

@@ -9,7 +9,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from conftest import upload
+from platform_helpers import upload
 
 from loraplex.adapters import BaseModelSpec, load_adapter
 

@@ -7,9 +7,9 @@ import asyncio
 import time
 
 import httpx
-from conftest import make_settings
 from fake_engine import FakeEngine
 from live_server import live_server
+from platform_helpers import make_settings
 from sqlalchemy import select
 
 from loraplex.platform.models import UsageRecord

@@ -17,6 +17,7 @@ _COMMON = dict(acks_late=True, reject_on_worker_lost=True)
 
 
 def configure(settings: Settings) -> Celery:
+    previous = (app.conf.broker_url, app.conf.task_default_queue, dict(app.conf.task_routes or {}))
     app.conf.update(
         broker_url=settings.redis_url or "memory://",
         result_backend=None,
@@ -40,7 +41,19 @@ def configure(settings: Settings) -> Celery:
             "finalize-statements": {"task": "loraplex.finalize_statements", "schedule": 6 * 3600.0},
         },
     )
+    if previous != (app.conf.broker_url, app.conf.task_default_queue, dict(app.conf.task_routes or {})):
+        _forget_connections()
     return app
+
+
+def _forget_connections() -> None:
+    """Celery builds its queues, routes and connection pool once, from the configuration of the moment; a
+    process configured again (tests, an embedded app after another) must not keep sending to the old ones."""
+    pool = getattr(app, "_pool", None)
+    if pool is not None:
+        pool.force_close_all()
+        app._pool = None
+    app.__dict__.pop("amqp", None)
 
 
 @app.task(name="loraplex.validate_adapter", bind=True, max_retries=3, **_COMMON)

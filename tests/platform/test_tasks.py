@@ -1,0 +1,64 @@
+"""Celery task bodies: idempotent validation, and keeping the busiest adapters of the last hour warm."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+
+from platform_helpers import upload
+
+from loraplex.platform.models import UsageRecord
+from loraplex.platform.tasks import jobs
+from loraplex.platform.tasks.context import get_context
+
+
+def _usage(session, tenant_id: int, content_hash: str | None, n: int, age: timedelta = timedelta(minutes=5)):
+    for _ in range(n):
+        _usage.counter += 1
+        session.add(UsageRecord(request_id=f"req_t{_usage.counter}", tenant_id=tenant_id, api_key_id=None,
+                                model="m", adapter_name="a", adapter_version=content_hash, endpoint="completions",
+                                prompt_tokens=1, completion_tokens=1, latency_ms=1, status="ok",
+                                created_at=datetime.now(UTC) - age))
+
+
+_usage.counter = 0
+
+
+def test_busiest_adapters_of_the_last_hour_are_warmed(app, client, make_tenant, fake_engine, peft_adapter_dir,
+                                                      peft_adapter_zip):
+    tenant = make_tenant()
+    a = upload(client, tenant, "a", [("a.zip", peft_adapter_zip.read_bytes())]).json()
+    files = [(n, (peft_adapter_dir / n).read_bytes()) for n in ("adapter_config.json", "adapter_model.safetensors")]
+    import json
+
+    config = json.loads(dict(files)["adapter_config.json"])
+    config["lora_alpha"] = 3  # other weights after folding alpha/r: another version
+    files = [(n, json.dumps(config).encode() if n == "adapter_config.json" else c) for n, c in files]
+    b = upload(client, tenant, "b", files).json()
+    assert b.get("status") == "ready", b
+    assert a["content_hash"] != b["content_hash"]
+    services = app.state.services
+    services.tasks.join()
+    fake_engine.prefetched.clear()
+    with services.sessions() as session:
+        _usage(session, tenant.tenant_id, b["content_hash"], 3)
+        _usage(session, tenant.tenant_id, a["content_hash"], 1)
+        _usage(session, tenant.tenant_id, a["content_hash"], 9, age=timedelta(hours=2))  # too old to count
+        _usage(session, tenant.tenant_id, None, 20)  # base model traffic
+        session.commit()
+
+    assert jobs.busiest_versions(get_context()) == [b["id"], a["id"]]
+    services.tasks.send("loraplex.warm_popular_adapters")
+    services.tasks.join()
+    services.tasks.join()  # the prefetches it sent
+    assert [h for h, _ in fake_engine.prefetched] == [b["content_hash"], a["content_hash"]]
+
+
+def test_validation_is_idempotent(app, client, make_tenant, peft_adapter_zip):
+    tenant = make_tenant()
+    version = upload(client, tenant, "a", [("a.zip", peft_adapter_zip.read_bytes())]).json()
+    ctx = get_context()
+    assert jobs.validate_adapter(ctx, version["id"]) == "ready"  # a redelivery finds the work done
+    detail = client.get("/v1/adapters/a", headers=tenant.headers).json()
+    assert detail["versions"][0]["ready_at"] == version["ready_at"]
+    client.delete("/v1/adapters/a", headers=tenant.headers)
+    assert jobs.validate_adapter(ctx, version["id"]) == "missing"

@@ -1,0 +1,91 @@
+"""The local usage journal: a crash loses no finished request's record, replays never duplicate one."""
+
+from __future__ import annotations
+
+import asyncio
+import fcntl
+import os
+
+from sqlalchemy import func, select
+
+from loraplex.platform.db import make_engine, make_session_factory
+from loraplex.platform.models import Tenant, UsageRecord
+from loraplex.platform.usage import UsageEvent, UsageRecorder
+from loraplex.platform.usage.file_journal import FileJournal
+
+
+def _event(tenant_id: int, i: int) -> UsageEvent:
+    return UsageEvent(request_id=f"req_{i}", tenant_id=tenant_id, api_key_id=1, model="m", adapter_name=None,
+                      adapter_version=None, endpoint="completions", prompt_tokens=2, completion_tokens=i,
+                      ttft_ms=1, latency_ms=3, status="ok", end_user=None, created_at=UsageEvent.now_iso())
+
+
+def _sessions(settings):
+    sessions = make_session_factory(make_engine(settings.resolved_database_url))
+    with sessions() as session:
+        tenant = Tenant(name="journal")
+        session.add(tenant)
+        session.commit()
+        return sessions, tenant.id
+
+
+def _count(sessions) -> tuple[int, int]:
+    with sessions() as session:
+        return session.execute(select(func.count(), func.coalesce(func.sum(UsageRecord.completion_tokens), 0))).one()
+
+
+def test_crashed_process_journal_is_replayed_once(settings):
+    sessions, tenant_id = _sessions(settings)
+    journal_dir = settings.data_dir / "usage-journal"
+    crashed = FileJournal(journal_dir)
+    for i in range(5):
+        crashed.append(_event(tenant_id, i))
+    with open(crashed._path, "ab") as f:  # a write torn by the crash
+        f.write(b'{"request_id": "req_torn", "tena')
+    os.close(crashed._fd)  # the process dies: its lock goes with it, nothing was flushed
+
+    recorder = UsageRecorder(sessions, FileJournal(journal_dir))
+    assert asyncio.run(recorder.flush()) == 5
+    assert _count(sessions) == (5, 0 + 1 + 2 + 3 + 4)
+    # the same events journaled again (a replay after a crash mid-flush) change nothing
+    again = FileJournal(journal_dir)
+    for i in range(5):
+        again.append(_event(tenant_id, i))
+    again.seal()
+    assert asyncio.run(recorder.flush()) == 0
+    assert _count(sessions) == (5, 10)
+    assert not [p for p in journal_dir.iterdir() if p != recorder.journal._path and p != again._path]
+
+
+def test_live_journal_of_another_process_is_left_alone(settings):
+    sessions, tenant_id = _sessions(settings)
+    journal_dir = settings.data_dir / "usage-journal"
+    other = FileJournal(journal_dir)  # holds its flock, like a running process
+    other.append(_event(tenant_id, 1))
+    recorder = UsageRecorder(sessions, FileJournal(journal_dir))
+    assert asyncio.run(recorder.flush()) == 0
+    assert other._path.exists()
+    fcntl.flock(other._fd, fcntl.LOCK_UN)  # that process has exited
+    assert asyncio.run(recorder.flush()) == 1
+
+
+def test_records_are_journaled_before_the_response(data_dir, tiny_llama_dir, make_tenant_factory):
+    from fake_engine import FakeEngine
+    from fastapi.testclient import TestClient
+    from platform_helpers import make_settings
+
+    settings = make_settings(data_dir, model=str(tiny_llama_dir), usage_flush_interval=3600)
+    app, make = make_tenant_factory(settings, FakeEngine())
+    with TestClient(app) as client:
+        tenant = make()
+        r = client.post("/v1/completions", headers=tenant.headers, json={"model": "fake-base", "prompt": "x",
+                                                                        "max_tokens": 2, "user": "end-user-7"})
+        request_id = r.headers["x-request-id"]
+        journal = app.state.services.usage.journal
+        on_disk = journal._path.read_text()  # written before the response, long before any flush
+        assert request_id in on_disk and "end-user-7" in on_disk
+        with app.state.services.sessions() as session:
+            assert session.scalar(select(func.count()).select_from(UsageRecord)) == 0
+    with app.state.services.sessions() as session:  # shutdown flushes
+        record = session.scalar(select(UsageRecord).where(UsageRecord.request_id == request_id))
+    assert record.end_user == "end-user-7" and record.completion_tokens == 2
