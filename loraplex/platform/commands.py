@@ -51,8 +51,11 @@ def serve(model, host, port, data_dir, no_engine):
     secret = ensure_admin_key(settings)
     if secret:
         _print_admin_key(secret)
-    mode = "production (PostgreSQL/Redis, Celery workers)" if settings.redis_url else "embedded (SQLite, in-process tasks)"
-    click.echo(f"loraplex: {mode}; model {settings.model}; http://{settings.host}:{settings.port}", err=True)
+    database = "SQLite" if settings.resolved_database_url.startswith("sqlite") else "PostgreSQL"
+    tasks = "in-process tasks" if settings.tasks_eager else "Celery tasks via Redis (run `loraplex worker`)"
+    engine_where = "engine in this process" if settings.embedded_engine else "engines from `loraplex engine`"
+    click.echo(f"loraplex: {database}, {tasks}, {engine_where}; model {settings.model}; "
+               f"http://{settings.host}:{settings.port}", err=True)
     app = create_app(settings)
     if settings.redis_url and settings.embedded_engine:
         from loraplex.platform.engine_worker import consume_engine_queue_with_app

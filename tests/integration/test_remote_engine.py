@@ -50,7 +50,7 @@ def remote_stack(tmp_path, tiny_llama_dir):
     import redis
 
     client = redis.Redis.from_url(REDIS_URL)
-    for k in client.scan_iter(f"{prefix}*"):
+    for k in client.scan_iter(f"*{prefix}*"):  # our keys and kombu's queue bindings
         client.delete(k)
     shutil.rmtree(tmp_path / "uploads", ignore_errors=True)
 
