@@ -90,7 +90,20 @@ def browser():
 @pytest.fixture
 def page(browser):
     context = browser.new_context(viewport={"width": 1366, "height": 768}, device_scale_factor=1)
+    external: list[str] = []
+
+    def local_only(route) -> None:
+        # the console must work offline: any request off this machine is refused and remembered
+        url = route.request.url
+        if url.startswith(("http://127.0.0.1:", "data:", "blob:")):
+            route.continue_()
+        else:
+            external.append(url)
+            route.abort()
+
+    context.route("**/*", local_only)
     pg = context.new_page()
+    pg.external_requests = external
     errors: list[str] = []
     pg.on("pageerror", lambda exc: errors.append(str(exc)))
     # refused requests (a wrong sign-in is a 401) show up as console errors too; only script errors count

@@ -103,3 +103,4 @@ def test_operator_journey(live_console, page, screenshots):
     page.goto(f"{base}/console/dashboard")
     expect(page).to_have_url(re.compile(r"/console/login"))
     assert not page.js_errors, page.js_errors
+    assert not page.external_requests, page.external_requests
