@@ -6,8 +6,9 @@ by slot once per step; every LoRA-aware projection of every layer reuses it.
 `LoraSlotWeights` holds one projection's weights for all device slots. A projection may be fused from
 several PEFT modules (qkv, gate_up): each is a *slice* with its own output columns and its own A/B.
 Per slot, the A rows of the slices are packed back to back (rank_offsets), so one matmul shrinks every
-slice at once and an adapter of rank 8 costs rank 8, not the largest rank a slot could hold. B keeps a
-row per output feature; a slice's columns beyond its rank are never read.
+slice at once and an adapter of rank 8 costs rank 8, not the largest rank a slot could hold. B is kept
+transposed, rank-major ([rank, out]): expanding is then a sum of contiguous output rows scaled by the
+token's shrunk values, and a slice's rows beyond its rank are never read.
 
 The torch path (CPU, and the oracle for the Triton kernels) loops over the adapters present in the step,
 never over tokens.
@@ -79,7 +80,7 @@ class LoraSlotWeights:
     """One projection's LoRA weights for every device slot, allocated once.
 
     a: [num_slots, num_slices * max_rank, in_features]   A rows of all slices, packed per slot
-    b: [num_slots, sum(out_slices), max_rank]            B, row n belongs to the slice that owns column n
+    b: [num_slots, max_rank, sum(out_slices)]            B transposed; column n belongs to the slice that owns it
     """
 
     def __init__(
@@ -102,7 +103,7 @@ class LoraSlotWeights:
         self.max_rank = max_rank
         num_slices = len(out_slices)
         self.a = torch.zeros(num_slots, num_slices * max_rank, in_features, dtype=dtype, device=device)
-        self.b = torch.zeros(num_slots, self.out_features, max_rank, dtype=dtype, device=device)
+        self.b = torch.zeros(num_slots, max_rank, self.out_features, dtype=dtype, device=device)
         # host copies drive the torch path's loop; device copies drive the Triton kernels
         self.ranks: list[list[int]] = [[0] * num_slices for _ in range(num_slots)]
         self.rank_offsets: list[list[int]] = [[0] * num_slices for _ in range(num_slots)]
@@ -140,7 +141,7 @@ class LoraSlotWeights:
                 raise ValueError(f"rank {r} exceeds the slot capacity max_rank={self.max_rank}")
             self.a[slot, offset : offset + r].copy_(a, non_blocking=True)
             o = self.out_offsets[i]
-            self.b[slot, o : o + self.out_slices[i], :r].copy_(b, non_blocking=True)
+            self.b[slot, :r, o : o + self.out_slices[i]].copy_(b.t(), non_blocking=True)
             ranks.append(r)
             offsets.append(offset)
             offset += r
@@ -189,7 +190,7 @@ def lora_expand_torch(y: torch.Tensor, shrunk: torch.Tensor, w: LoraSlotWeights,
         for r, roff, o, size in zip(w.ranks[slot], w.rank_offsets[slot], w.out_offsets, w.out_slices, strict=True):
             if r == 0:
                 continue
-            ys[rows, o : o + size].addmm_(shrunk[rows, roff : roff + r], w.b[slot, o : o + size, :r].t())
+            ys[rows, o : o + size].addmm_(shrunk[rows, roff : roff + r], w.b[slot, :r, o : o + size])
     if delta is not None:
         y.index_add_(0, batch.sorted_token_ids, delta)
 

@@ -74,25 +74,40 @@ void lora_small_groups(torch::Tensor y, torch::Tensor x, torch::Tensor a, torch:
     }
   });
 
-  // Expand work items: one per (group, slice, output feature); each (token, feature) has one writer.
+  // Expand work items: one per (group, slice, chunk of CHUNK output columns); each (token, column) has
+  // exactly one writer. B is rank-major, so each step is an AXPY over contiguous columns.
+  constexpr int64_t CHUNK = 128;
   std::vector<int64_t> exp_start(G * S + 1, 0);
   for (int64_t i = 0; i < G; ++i)
     for (int64_t s = 0; s < S; ++s) {
       int64_t slot = g[3 * i];
-      int64_t n = rk[slot * S + s] > 0 ? om[2 * s + 1] : 0;
+      int64_t n = rk[slot * S + s] > 0 ? (om[2 * s + 1] + CHUNK - 1) / CHUNK : 0;
       exp_start[i * S + s + 1] = exp_start[i * S + s] + n;
     }
-  at::parallel_for(0, exp_start[G * S], 64, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, exp_start[G * S], 1, [&](int64_t begin, int64_t end) {
     int64_t k = std::upper_bound(exp_start.begin(), exp_start.end(), begin) - exp_start.begin() - 1;
     for (int64_t w = begin; w < end; ++w) {
       while (w >= exp_start[k + 1]) ++k;
       const int64_t i = k / S, s = k % S;
       const int64_t slot = g[3 * i], start = g[3 * i + 1], count = g[3 * i + 2];
       const int64_t r = rk[slot * S + s], roff = ro[slot * S + s];
-      const int64_t col = om[2 * s] + (w - exp_start[k]);
-      const float* brow = bp + slot * bs0 + col * bs1;
-      for (int64_t t = 0; t < count; ++t)
-        yp[ids[start + t] * ys + col] += dot(brow, sp + (start + t) * ss + roff, r);
+      const int64_t c0 = (w - exp_start[k]) * CHUNK;
+      const int64_t width = std::min(CHUNK, om[2 * s + 1] - c0);
+      const int64_t col = om[2 * s] + c0;
+      for (int64_t t = 0; t < count; ++t) {
+        float* __restrict yrow = yp + ids[start + t] * ys + col;
+        const float* srow = sp + (start + t) * ss + roff;
+        float acc[CHUNK];
+        for (int64_t c = 0; c < width; ++c) acc[c] = 0.f;
+        for (int64_t q = 0; q < r; ++q) {
+          const float sv = srow[q];
+          const float* __restrict brow = bp + slot * bs0 + q * bs1 + col;
+          #pragma omp simd
+          for (int64_t c = 0; c < width; ++c) acc[c] += sv * brow[c];
+        }
+        #pragma omp simd
+        for (int64_t c = 0; c < width; ++c) yrow[c] += acc[c];
+      }
     }
   });
 }
@@ -116,7 +131,7 @@ def _load():
                 from torch.utils.cpp_extension import load_inline
 
                 _module = load_inline(
-                    name="loraplex_lora_cpu_v1",
+                    name="loraplex_lora_cpu_v2",
                     cpp_sources=[_SOURCE],
                     functions=["lora_small_groups"],
                     extra_cflags=["-O3", "-march=native", "-fopenmp"],
@@ -187,6 +202,6 @@ def add_lora_cpu(y: torch.Tensor, x: torch.Tensor, w: LoraSlotWeights, batch: Lo
             ys = delta
         for r, roff, o, size in zip(w.ranks[slot], w.rank_offsets[slot], w.out_offsets, w.out_slices, strict=True):
             if r:
-                ys[:, o : o + size].addmm_(s[:, roff : roff + r], w.b[slot, o : o + size, :r].t())
+                ys[:, o : o + size].addmm_(s[:, roff : roff + r], w.b[slot, :r, o : o + size])
         if delta is not None:
             y.index_add_(0, rows, delta)

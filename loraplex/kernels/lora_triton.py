@@ -176,7 +176,7 @@ def lora_expand_triton(y: torch.Tensor, shrunk: torch.Tensor, w: LoraSlotWeights
         w.ranks_t, w.rank_offsets_t, w.out_sizes_t, w.out_offsets_t,
         w.num_slices, max_out,
         shrunk.stride(0), shrunk.stride(1),
-        w.b.stride(0), w.b.stride(1), w.b.stride(2),
+        w.b.stride(0), w.b.stride(2), w.b.stride(1),
         y.stride(0), y.stride(1),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         PRECISION=_precision(w.b.dtype),
