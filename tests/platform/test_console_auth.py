@@ -157,3 +157,20 @@ def test_sign_in_redirects_only_inside_the_console(console):
     r = console.client.post("/console/login", data={"csrf_token": token, "credential": console.admin_key,
                                                     "next": "//evil.example/x"}, follow_redirects=False)
     assert r.headers["location"] == "/console/dashboard"
+
+
+def test_dead_sessions_are_cleared_at_the_next_sign_in(console):
+    from datetime import timedelta
+
+    from loraplex.platform.console.models import ConsoleSession
+    from loraplex.platform.models import utcnow
+
+    console.sign_in()
+    with console.sessions() as s:
+        row = s.scalars(select(ConsoleSession)).one()
+        row.expires_at = utcnow() - timedelta(seconds=1)
+        s.commit()
+    assert console.client.get("/console/api/dashboard").status_code == 401  # expired means signed out
+    console.sign_in()
+    with console.sessions() as s:
+        assert s.scalar(select(func.count()).select_from(ConsoleSession)) == 1

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 
 from itsdangerous import BadSignature, URLSafeTimedSerializer
-from sqlalchemy import select, update
+from sqlalchemy import delete, or_, select, update
 from sqlalchemy.orm import Session
 
 from loraplex.config import Settings
@@ -53,7 +53,11 @@ def verify_admin_credential(session: Session, settings: Settings, credential: st
 
 
 def start_session(session: Session, settings: Settings, admin_key: AdminKey) -> str:
-    """Create a session row; returns the signed cookie value."""
+    """Create a session row (and clear out dead ones); returns the signed cookie value."""
+    now = utcnow()
+    session.execute(delete(ConsoleSession).where(
+        or_(ConsoleSession.expires_at < now, ConsoleSession.ended_at < now - SESSION_TTL)
+    ))
     sid = secrets.token_urlsafe(32)
     session.add(ConsoleSession(
         sid_hash=_sid_hash(sid), csrf_token=secrets.token_urlsafe(32), admin_key_id=admin_key.id,
