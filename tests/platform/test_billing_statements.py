@@ -47,7 +47,7 @@ def session(sessions):
 
 
 def _tenant(session, name, plan=None) -> Tenant:
-    t = Tenant(name=name, plan=plan)
+    t = Tenant(name=name, plan=plan, created_at=datetime(2026, 10, 1, tzinfo=UTC))  # before every month used here
     session.add(t)
     session.flush()
     return t
@@ -244,3 +244,12 @@ def test_each_month_is_priced_with_the_prices_in_force_for_it(session):
     assert [(r.day, r.amount) for r in rows] == [(oct_day.date(), 2_000_000), (nov_day.date(), 1_000_000)]
     lists = {p["plan"]: p for p in price_lists(session, "2026-11")}
     assert lists["(no plan)"]["price"].prompt == 3_000_000 and lists["(no plan)"]["scheduled"] == ["2027-01"]
+
+
+def test_tenants_created_after_a_month_get_no_statement_for_it(session):
+    old = Tenant(name="old", created_at=datetime(2026, 11, 2, tzinfo=UTC))
+    late = Tenant(name="late", created_at=datetime(2026, 12, 15, tzinfo=UTC))
+    session.add_all([old, late])
+    session.flush()
+    assert finalize_period(session, "2026-11", now=datetime(2026, 12, 20, tzinfo=UTC)) == 1
+    assert [s.tenant_id for s in list_statements(session, period="2026-11")] == [old.id]

@@ -26,12 +26,16 @@ def test_rollup_task_reruns_give_identical_rows(app, client, make_tenant):
     a, b = make_tenant("acme"), make_tenant("globex")
     day = datetime.now(UTC).date() - timedelta(days=2)
     noon = datetime.combine(day, datetime.min.time(), tzinfo=UTC) + timedelta(hours=12)
+    last_month_day = datetime.now(UTC).replace(day=1) - timedelta(days=5)
     with session_scope(services.sessions) as s:
         for tenant, adapter, prompt in ((a, "sql", 10), (a, None, 20), (a, "sql", 5), (b, None, 7)):
             s.add(UsageRecord(request_id=uuid.uuid4().hex, tenant_id=tenant.tenant_id, api_key_id=tenant.key_id,
                               model="m", adapter_name=adapter, adapter_version="f" * 64 if adapter else None,
                               endpoint="chat.completions", prompt_tokens=prompt, completion_tokens=1, ttft_ms=1,
                               latency_ms=3, status="ok", created_at=noon))
+        s.add(UsageRecord(request_id=uuid.uuid4().hex, tenant_id=b.tenant_id, api_key_id=b.key_id, model="m",
+                          endpoint="chat.completions", prompt_tokens=3, completion_tokens=1, latency_ms=3,
+                          status="ok", created_at=last_month_day))
     previous = get_context()
     set_context(TaskContext(services.settings, services.sessions))
     try:
@@ -45,8 +49,9 @@ def test_rollup_task_reruns_give_identical_rows(app, client, make_tenant):
         finalized = celery_app.finalize_statements.apply()
         assert finalized.successful()
         with services.sessions() as s:
-            periods = {st.period for st in s.scalars(select(Statement))}
-        last_month = (datetime.now(UTC).date().replace(day=1) - timedelta(days=1)).strftime("%Y-%m")
-        assert periods == ({last_month} if is_closed(last_month) else set())
+            finals = {(st.tenant_id, st.period, st.prompt_tokens) for st in s.scalars(select(Statement))}
+        last_month = last_month_day.strftime("%Y-%m")
+        # globex used the service last month, acme (created this month, no usage then) gets no statement
+        assert finals == ({(b.tenant_id, last_month, 3)} if is_closed(last_month) else set())
     finally:
         set_context(previous)

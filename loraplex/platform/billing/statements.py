@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 
-from sqlalchemy import select
+from sqlalchemy import or_, select
 from sqlalchemy.orm import Session
 
 from loraplex.platform.billing.aggregate import adapter_label, aggregate_records
@@ -19,7 +19,7 @@ from loraplex.platform.billing.locks import STATEMENT_TENANT, serialize
 from loraplex.platform.billing.models import Statement, StatementLine
 from loraplex.platform.billing.periods import day_start, period_bounds
 from loraplex.platform.billing.prices import price_for_tenant
-from loraplex.platform.models import Tenant, utcnow
+from loraplex.platform.models import Tenant, UsageRecord, utcnow
 
 # usage records are flushed in batches; a month is final only once late writes can no longer arrive
 FINALIZE_GRACE = timedelta(hours=1)
@@ -108,8 +108,14 @@ def finalize_statement(session: Session, tenant: Tenant, period: str, *, now: da
 
 
 def finalize_period(session: Session, period: str, *, now: datetime | None = None) -> int:
-    """Finalize `period` for every tenant; returns how many statements exist for it afterwards."""
-    tenants = list(session.scalars(select(Tenant).order_by(Tenant.id)))
+    """Finalize `period` for every tenant that existed in it or has usage in it (tenants created later get no
+    empty statement for a month before their time); returns how many statements it has afterwards."""
+    first, nxt = period_bounds(period)
+    used = select(UsageRecord.tenant_id).where(
+        UsageRecord.created_at >= day_start(first), UsageRecord.created_at < day_start(nxt))
+    tenants = list(session.scalars(
+        select(Tenant).where(or_(Tenant.created_at < day_start(nxt), Tenant.id.in_(used))).order_by(Tenant.id)
+    ))
     for tenant in tenants:
         finalize_statement(session, tenant, period, now=now)
     return len(tenants)
