@@ -10,16 +10,20 @@ from loraplex.engine.llm import LLM
 from loraplex.engine.sampling_params import SamplingParams
 
 
-@pytest.fixture(params=["llama", "qwen2", "tied", "mistral"])
+@pytest.fixture(scope="module", params=["llama", "qwen2", "tied", "mistral"])
 def model_dir(request):
     return request.getfixturevalue(f"tiny_{request.param}_dir")
 
 
-def test_greedy_tokens_match_transformers(model_dir):
+@pytest.fixture(scope="module")
+def hf(model_dir):
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
-    llm = LLM(str(model_dir), num_kv_blocks=64)
+    return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+
+
+def test_greedy_tokens_match_transformers(model_dir, hf):
+    llm = LLM(str(model_dir), num_kv_blocks=64, max_loras=0)
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     outs = llm.generate(PROMPTS, params, use_tqdm=False)
     for prompt, out in zip(PROMPTS, outs, strict=True):
@@ -32,11 +36,8 @@ def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max())
 
 
-def test_logits_match_transformers_in_prefill_and_decode(model_dir):
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
-    llm = LLM(str(model_dir), num_kv_blocks=64, block_size=4)
+def test_logits_match_transformers_in_prefill_and_decode(model_dir, hf):
+    llm = LLM(str(model_dir), num_kv_blocks=64, block_size=4, max_loras=0)
     eng = llm.engine
     ids = llm.tokenizer.encode(PROMPTS[2])
     eng.add_request("r", ids, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
