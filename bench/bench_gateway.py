@@ -34,7 +34,7 @@ def pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
 
 
-async def run_pair(app, engine, key: str, model: str, adapter, n: int, warmup: int):
+async def run_pair(app, engine, key: str, model: str, adapter, n: int, warmup: int, tenant: str = "1"):
     from loraplex.engine.sampling_params import SamplingParams
 
     headers = {"Authorization": f"Bearer {key}"}
@@ -46,7 +46,7 @@ async def run_pair(app, engine, key: str, model: str, adapter, n: int, warmup: i
             t0 = time.perf_counter()
             ids = engine.encode_chat(MESSAGES)
             async for _ in engine.generate(ids, SamplingParams(max_tokens=1, temperature=0), f"direct-{i}",
-                                           adapter=adapter):
+                                           adapter=adapter, tenant=tenant):
                 pass
             t1 = time.perf_counter()
             r = await client.post("/v1/chat/completions", headers=headers, json=body)

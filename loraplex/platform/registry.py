@@ -4,9 +4,10 @@ always within the caller's tenant."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import UTC
 from pathlib import Path
 
-from sqlalchemy import select
+from sqlalchemy import Engine, bindparam, select
 from sqlalchemy.orm import Session
 
 from loraplex.engine.lora_request import LoRARequest
@@ -39,27 +40,56 @@ def resolve_model(session: Session, tenant_id: int, model: str, base_model: str,
     if model == base_model:
         return ModelTarget(model=model)
     name, _, version = model.partition("@")
+    if version and len(version) < MIN_VERSION_CHARS:
+        raise ModelNotFound(f"The model '{model}' does not exist: give at least {MIN_VERSION_CHARS} "
+                            "characters of the version.")
     scope = TenantScope(session, tenant_id)
-    adapter = scope.one_or_none(Adapter, Adapter.name == name)
-    if adapter is None:
-        raise ModelNotFound(f"The model '{model}' does not exist or you do not have access to it.")
-    criteria = [AdapterVersion.adapter_id == adapter.id, AdapterVersion.status == VersionStatus.ready.value]
+    # One query on the hot path: the newest ready version(s) of the tenant's adapter of that name.
+    stmt = (scope.select(AdapterVersion, AdapterVersion.status == VersionStatus.ready.value)
+            .join(Adapter, Adapter.id == AdapterVersion.adapter_id).where(Adapter.name == name)
+            .with_only_columns(AdapterVersion.content_hash, AdapterVersion.created_at)
+            .order_by(AdapterVersion.id.desc()).limit(2))
     if version:
-        if len(version) < MIN_VERSION_CHARS:
-            raise ModelNotFound(f"The model '{model}' does not exist: give at least {MIN_VERSION_CHARS} "
-                                "characters of the version.")
-        criteria.append(AdapterVersion.content_hash.startswith(version.lower(), autoescape=True))
-    stmt = scope.select(AdapterVersion, *criteria).order_by(AdapterVersion.id.desc()).limit(2)
-    found = list(session.scalars(stmt))
+        stmt = stmt.where(AdapterVersion.content_hash.startswith(version.lower(), autoescape=True))
+    found = session.execute(stmt).all()
     if not found:
+        if scope.one_or_none(Adapter, Adapter.name == name) is None:
+            raise ModelNotFound(f"The model '{model}' does not exist or you do not have access to it.")
         what = f"version {version} of adapter '{name}'" if version else f"adapter '{name}'"
         raise ModelNotFound(f"The model '{model}' does not exist: {what} has no ready version.")
     if version and len(found) > 1 and found[0].content_hash != found[1].content_hash:
         raise ModelNotFound(f"The version '{version}' of '{name}' is ambiguous; give more characters.")
-    v = found[0]
-    path = store_path(store_dir, v.content_hash) if store_dir is not None else ""
-    return ModelTarget(model=model, adapter=LoRARequest(name=name, content_hash=v.content_hash, path=path),
-                       adapter_name=name, created=int(v.created_at.timestamp()))
+    content_hash, created_at = found[0]
+    path = store_path(store_dir, content_hash) if store_dir is not None else ""
+    return ModelTarget(model=model, adapter=LoRARequest(name=name, content_hash=content_hash, path=path),
+                       adapter_name=name, created=int(created_at.timestamp()))
+
+
+_LATEST_READY = (
+    select(AdapterVersion.content_hash, AdapterVersion.created_at)
+    .join(Adapter, Adapter.id == AdapterVersion.adapter_id)
+    .where(AdapterVersion.tenant_id == bindparam("tenant_id"), Adapter.name == bindparam("name"),
+           AdapterVersion.status == VersionStatus.ready.value)
+    .order_by(AdapterVersion.id.desc()).limit(1)
+)
+
+
+def resolve_latest_fast(db: Engine, tenant_id: int, model: str, base_model: str, store_dir: Path) -> ModelTarget:
+    """resolve_model for the common case (`name`, its newest ready version) as one prebuilt Core query;
+    anything else, or a miss, takes the full path for its exact answer or error."""
+    if model == base_model:
+        return ModelTarget(model=model)
+    if "@" not in model:
+        with db.connect() as conn:
+            row = conn.execute(_LATEST_READY, {"tenant_id": tenant_id, "name": model}).first()
+        if row is not None:
+            content_hash, created_at = row
+            created = created_at if created_at.tzinfo else created_at.replace(tzinfo=UTC)
+            return ModelTarget(model=model, adapter=LoRARequest(name=model, content_hash=content_hash,
+                                                                path=store_path(store_dir, content_hash)),
+                               adapter_name=model, created=int(created.timestamp()))
+    with Session(db) as session:
+        return resolve_model(session, tenant_id, model, base_model, store_dir)
 
 
 def list_model_ids(session: Session, tenant_id: int) -> list[tuple[str, int, str]]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,11 @@ class Services:
     shutdown_hooks: list[Any] = field(default_factory=list)  # async (services) -> None
     owns_engine: bool = False  # started and shut down with the app
     on_request_finished: Any = None  # metrics hook: callable(endpoint, status, tenant, adapter, ...)
+
+    @cached_property
+    def store_dir(self) -> Path:
+        """Absolute: engine processes may run elsewhere than this process's working directory."""
+        return self.settings.resolved_adapter_store_dir.resolve()
 
     @property
     def base_model_name(self) -> str:

@@ -22,7 +22,7 @@ from loraplex.platform.inference.params import (
     encode_chat,
 )
 from loraplex.platform.inference.streaming import ClientDisconnected, EventStreamResponse, unless_disconnected
-from loraplex.platform.registry import ModelNotFound, ModelTarget, resolve_model
+from loraplex.platform.registry import ModelNotFound, ModelTarget, resolve_latest_fast
 from loraplex.platform.schemas.openai import ChatCompletionRequest, CompletionRequest
 from loraplex.platform.services import Services
 
@@ -33,11 +33,11 @@ async def resolve_target(services: Services, tenant: TenantContext, model: str) 
         return ModelTarget(model=model)
 
     def lookup() -> ModelTarget:
-        with services.sessions() as session:
-            return resolve_model(session, tenant.tenant_id, model, base,
-                                 services.settings.resolved_adapter_store_dir.resolve())
+        return resolve_latest_fast(services.db, tenant.tenant_id, model, base, services.store_dir)
 
     try:
+        if services.db.dialect.name == "sqlite":  # local and indexed: cheaper than a threadpool hop
+            return lookup()
         return await asyncio.to_thread(lookup)
     except ModelNotFound as exc:
         raise not_found(str(exc), param="model", code="model_not_found") from exc
