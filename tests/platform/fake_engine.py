@@ -34,6 +34,7 @@ class FakeEngine:
         self.max_model_len = max_model_len
         self.token_delay = token_delay
         self.eos_rate = eos_rate  # 1 in eos_rate steps emits EOS; 0: never
+        self.fail_at_step: int | None = None  # raise at this step, as a failing device would
         self.started = False
         self.running: set[str] = set()
         self.aborted: list[str] = []
@@ -100,6 +101,8 @@ class FakeEngine:
         done = False
         try:
             for step in range(max_tokens):
+                if step == self.fail_at_step:
+                    raise RuntimeError("engine step failed: device lost")
                 if self.token_delay:
                     await asyncio.sleep(self.token_delay)
                 else:

@@ -123,3 +123,21 @@ def test_usage_endpoint_groups_by_day_and_adapter(client, make_tenant, app):
     data = r.json()["data"]
     assert len(data) == 1 and data[0]["requests"] == 3 and data[0]["completion_tokens"] == 6
     assert data[0]["adapter"] is None
+
+
+def test_failure_mid_stream_is_reported_in_the_stream(client, make_tenant, fake_engine, app):
+    from sqlalchemy import select
+
+    from loraplex.platform.models import UsageRecord
+
+    tenant = make_tenant()
+    fake_engine.fail_at_step = 3
+    r = _chat(client, tenant, stream=True, max_tokens=10)
+    assert r.status_code == 200
+    events = _events(r.text)
+    assert events[-1] == "[DONE]"
+    assert events[-2]["error"]["type"] == "server_error" and "device lost" in events[-2]["error"]["message"]
+    client.portal.call(app.state.services.usage.flush)
+    with app.state.services.sessions() as session:
+        record = session.scalar(select(UsageRecord).where(UsageRecord.request_id == r.headers["x-request-id"]))
+    assert record.status == "error" and record.completion_tokens == 3

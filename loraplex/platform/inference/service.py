@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator
 
@@ -11,7 +12,7 @@ from fastapi.responses import JSONResponse, Response
 
 from loraplex.engine.outputs import CompletionOutput, RequestOutput
 from loraplex.platform.auth import TenantContext
-from loraplex.platform.errors import not_found
+from loraplex.platform.errors import APIError, not_found
 from loraplex.platform.inference import format as fmt
 from loraplex.platform.inference.job import InferenceJob
 from loraplex.platform.inference.params import (
@@ -25,6 +26,8 @@ from loraplex.platform.inference.streaming import ClientDisconnected, EventStrea
 from loraplex.platform.registry import ModelNotFound, ModelTarget, resolve_latest_fast
 from loraplex.platform.schemas.openai import ChatCompletionRequest, CompletionRequest
 from loraplex.platform.services import Services
+
+log = logging.getLogger(__name__)
 
 
 async def resolve_target(services: Services, tenant: TenantContext, model: str) -> ModelTarget:
@@ -153,6 +156,8 @@ async def _chat_events(job: InferenceJob, outputs, first, response_id: str, crea
                            "model": model, "choices": [],
                            "usage": fmt.usage_dict(job.prompt_tokens, job.completion_tokens)})
         yield fmt.SSE_DONE
+    except Exception as exc:  # headers are sent: report the failure in the stream, as OpenAI does
+        yield _stream_error(exc)
     finally:
         await outputs.aclose()
 
@@ -185,5 +190,13 @@ async def _completion_events(job: InferenceJob, outputs, first, response_id: str
             yield fmt.sse({"id": response_id, "object": "text_completion", "created": created, "model": model,
                            "choices": [], "usage": fmt.usage_dict(job.prompt_tokens, job.completion_tokens)})
         yield fmt.SSE_DONE
+    except Exception as exc:
+        yield _stream_error(exc)
     finally:
         await outputs.aclose()
+
+
+def _stream_error(exc: Exception) -> bytes:
+    log.error("stream failed after it started: %r", exc)
+    error = exc if isinstance(exc, APIError) else APIError(500, f"The stream failed: {exc}", type="server_error")
+    return fmt.sse(error.body()) + fmt.SSE_DONE

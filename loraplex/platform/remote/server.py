@@ -159,7 +159,11 @@ def run_engine_server(settings: Settings, *, host: str, port: int, advertise: st
 
     from loraplex.platform.engine_factory import build_engine
 
+    if advertise is None:
+        # a wildcard address is no address to reach: advertise the host's name (a container's service name)
+        reachable = socket.gethostname() if host in ("0.0.0.0", "::", "") else host
+        advertise = f"http://{reachable}:{port}"
     engine = build_engine(settings)
     redis = aioredis.from_url(settings.redis_url)
-    app = build_engine_app(settings, engine, advertise=advertise or f"http://{host}:{port}", redis=redis)
+    app = build_engine_app(settings, engine, advertise=advertise, redis=redis)
     uvicorn.run(app, host=host, port=port, log_level="info")

@@ -8,6 +8,7 @@ import uuid
 
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse
+from sqlalchemy.exc import IntegrityError
 
 from loraplex.platform.adapter_registry import (
     TERMINAL,
@@ -68,9 +69,17 @@ async def handle_upload(services: Services, tenant_id: int, request: Request, wa
 
 
 def _register(services: Services, tenant_id: int, upload) -> tuple[int, bool]:
-    with session_scope(services.sessions) as session:
-        version, created = register_upload(session, TenantScope(session, tenant_id), services.settings, upload)
-        return version.id, created
+    for attempt in range(2):
+        try:
+            with session_scope(services.sessions) as session:
+                version, created = register_upload(session, TenantScope(session, tenant_id), services.settings,
+                                                   upload)
+                return version.id, created
+        except IntegrityError:
+            # two first uploads of one name raced to create the adapter; the second now finds it
+            if attempt:
+                raise
+    raise AssertionError("unreachable")
 
 
 async def _wait_for(services: Services, version_id: int, timeout: float) -> AdapterVersionPublic:
