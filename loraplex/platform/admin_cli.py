@@ -206,3 +206,23 @@ def create_admin_key_cmd(name):
 
 
 admin.add_command(billing)
+
+
+# Command groups other areas add under `loraplex admin` (module, attribute), included when present.
+OPTIONAL_GROUPS = (("loraplex.platform.billing.cli", "billing"),)
+
+
+def _attach_optional_groups() -> None:
+    import importlib
+
+    for module_name, attr in OPTIONAL_GROUPS:
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as exc:
+            if exc.name != module_name:
+                raise
+            continue
+        admin.add_command(getattr(module, attr))
+
+
+_attach_optional_groups()
