@@ -130,10 +130,9 @@ class Scheduler:
             seq.holds_adapter_slot = False
 
     def _salt(self, seq: Sequence) -> bytes:
-        salt = getattr(seq, "_salt", None)
-        if salt is None:
-            salt = seq._salt = cache_salt(seq.adapter_key, seq.tenant)
-        return salt
+        if seq.cache_salt is None:
+            seq.cache_salt = cache_salt(seq.adapter_key, seq.tenant)
+        return seq.cache_salt
 
     # -- one step ---------------------------------------------------------------------------------------
     def schedule(self) -> ScheduledBatch:

@@ -48,6 +48,7 @@ class Sequence:
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at the last admission
         self.num_full_blocks_hashed = 0  # leading blocks of block_table registered in the prefix cache
         self.block_hashes: list[bytes] = []  # chained hashes of the leading full blocks
+        self.cache_salt: bytes | None = None  # prefix-cache salt: adapter content hash and tenant
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.cumulative_logprob = 0.0
