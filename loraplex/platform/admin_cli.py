@@ -94,6 +94,7 @@ def create_tenant_cmd(name, plan, **quotas):
 
 @admin.command("list-tenants")
 def list_tenants_cmd():
+    """Every tenant with its status, plan and effective quotas."""
     from sqlalchemy import select
 
     from loraplex.platform.models import Tenant
@@ -128,12 +129,14 @@ def set_quota_cmd(tenant, plan, **quotas):
 @admin.command("suspend")
 @click.argument("tenant")
 def suspend_cmd(tenant):
+    """Refuse every key of TENANT (403) until it is resumed."""
     _set_status(tenant, "suspended")
 
 
 @admin.command("resume")
 @click.argument("tenant")
 def resume_cmd(tenant):
+    """Let a suspended TENANT in again."""
     _set_status(tenant, "active")
 
 
@@ -167,6 +170,7 @@ def create_key_cmd(tenant, name, scopes):
 @admin.command("list-keys")
 @click.argument("tenant")
 def list_keys_cmd(tenant):
+    """TENANT's keys: id, display prefix, name, scopes, state (never the secret)."""
     from sqlalchemy import select
 
     from loraplex.platform.models import ApiKey

@@ -105,54 +105,90 @@ def _loop():
     return get_context().loop
 
 
+class CountingEngine:
+    """Delegates to a real engine and records how many requests each tenant has running at once."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.running: dict[str | None, int] = {}
+        self.max_running: dict[str | None, int] = {}
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+    async def generate(self, prompt, params, request_id, *, adapter=None, tenant=None):
+        self.running[tenant] = self.running.get(tenant, 0) + 1
+        self.max_running[tenant] = max(self.max_running.get(tenant, 0), self.running[tenant])
+        try:
+            async for out in self.engine.generate(prompt, params, request_id, adapter=adapter, tenant=tenant):
+                yield out
+        finally:
+            self.running[tenant] -= 1
+
+
 def test_many_clients_three_tenants_tight_quotas(data_dir, tiny_llama_dir, make_tenant_factory):
+    """200 requests from 20 concurrent clients across 3 tenants, on the real engine (tiny model)."""
+    from loraplex.engine.async_engine import AsyncEngine
+    from loraplex.engine.config import EngineConfig
     from loraplex.platform.quotas.memory import MemoryQuotaLimiter
 
-    engine = FakeEngine(token_delay=0.002)
+    real = AsyncEngine(EngineConfig(model=str(tiny_llama_dir), num_kv_blocks=512, max_model_len=256))
+    engine = CountingEngine(real)
+    asyncio.run(real.start())  # the step thread outlives this loop; the server's loop drives the streams
     frozen = time.time()  # one quota window for the whole test, whatever the wall clock does
-    app, make = make_tenant_factory(make_settings(data_dir, model=str(tiny_llama_dir)), engine,
-                                    limiter=MemoryQuotaLimiter(clock=lambda: frozen))
-    with live_server(app) as url:
-        tenants = {
-            "conc": make(max_concurrent=2),
-            "rpm": make(requests_per_minute=25),
-            "tpm": make(tokens_per_minute=600),
-        }
-        results: list[tuple[str, int, str, dict | None]] = []
+    app, make = make_tenant_factory(make_settings(data_dir, model=str(tiny_llama_dir), served_model_name="tiny"),
+                                    engine, limiter=MemoryQuotaLimiter(clock=lambda: frozen))
+    try:
+        with live_server(app) as url:
+            _run_many_clients(app, url, make, engine)
+    finally:
+        asyncio.run(real.shutdown())
 
-        async def worker(client_index: int):
-            async with httpx.AsyncClient(base_url=url, timeout=60) as client:
-                for i in range(10):
-                    label = list(tenants)[(client_index + i) % 3]
-                    tenant = tenants[label]
-                    r = await client.post("/v1/completions", headers=tenant.headers, json={
-                        "model": "fake-base", "prompt": f"request {client_index}-{i}", "max_tokens": 8})
-                    usage = r.json().get("usage") if r.status_code == 200 else None
-                    results.append((label, r.status_code, r.headers["x-request-id"], usage))
 
-        async def main():
-            await asyncio.gather(*(worker(c) for c in range(20)))
+def _run_many_clients(app, url, make, engine) -> None:
+    tenants = {
+        "conc": make(max_concurrent=2),
+        "rpm": make(requests_per_minute=25),
+        "tpm": make(tokens_per_minute=600),
+    }
+    generated_before = engine.stats().generation_tokens_total
+    results: list[tuple[str, int, str, dict | None]] = []
 
-        asyncio.run(main())
-        assert len(results) == 200
-        assert {status for _, status, _, _ in results} <= {200, 429}
-        ok = {label: [(rid, u) for lab, s, rid, u in results if lab == label and s == 200] for label in tenants}
+    async def worker(client_index: int):
+        async with httpx.AsyncClient(base_url=url, timeout=120) as client:
+            for i in range(10):
+                label = list(tenants)[(client_index + i) % 3]
+                r = await client.post("/v1/completions", headers=tenants[label].headers, json={
+                    "model": "tiny", "prompt": f"request {client_index}-{i}", "max_tokens": 8,
+                    "ignore_eos": True})
+                usage = r.json().get("usage") if r.status_code == 200 else None
+                results.append((label, r.status_code, r.headers["x-request-id"], usage))
 
-        tenant_of = {str(t.tenant_id): label for label, t in tenants.items()}
-        max_running = {tenant_of[k]: v for k, v in engine.max_running_by_tenant.items()}
-        assert max_running["conc"] <= 2
-        assert len(ok["rpm"]) == 25
-        tpm_tokens = sum(u["total_tokens"] for _, u in ok["tpm"])
-        assert 0 < tpm_tokens <= 600
-        assert any(s == 429 for lab, s, _, _ in results if lab == "tpm")
+    async def main():
+        await asyncio.gather(*(worker(c) for c in range(20)))
 
-        asyncio.run_coroutine_threadsafe(app.state.services.usage.flush(), _loop()).result(30)
-        with app.state.services.sessions() as session:
-            records = session.scalars(select(UsageRecord)).all()
-        completed = {rid: (label, u) for label in ok for rid, u in ok[label]}
-        assert sorted(r.request_id for r in records) == sorted(completed)  # one record each, no extras
-        for r in records:
-            label, usage = completed[r.request_id]
-            assert r.tenant_id == tenants[label].tenant_id
-            assert (r.prompt_tokens, r.completion_tokens) == (usage["prompt_tokens"], usage["completion_tokens"])
-        assert sum(r.completion_tokens for r in records) == engine.generated_tokens
+    asyncio.run(main())
+    assert len(results) == 200
+    assert {status for _, status, _, _ in results} <= {200, 429}
+    ok = {label: [(rid, u) for lab, s, rid, u in results if lab == label and s == 200] for label in tenants}
+
+    tenant_of = {str(t.tenant_id): label for label, t in tenants.items()}
+    max_running = {tenant_of[k]: v for k, v in engine.max_running.items()}
+    assert max_running["conc"] <= 2
+    assert len(ok["rpm"]) == 25
+    tpm_tokens = sum(u["total_tokens"] for _, u in ok["tpm"])
+    assert 0 < tpm_tokens <= 600
+    assert any(s == 429 for lab, s, _, _ in results if lab == "tpm")
+    assert all(u["completion_tokens"] == 8 for label in ok for _, u in ok[label])
+
+    asyncio.run_coroutine_threadsafe(app.state.services.usage.flush(), _loop()).result(30)
+    with app.state.services.sessions() as session:
+        records = session.scalars(select(UsageRecord)).all()
+    completed = {rid: (label, u) for label in ok for rid, u in ok[label]}
+    assert sorted(r.request_id for r in records) == sorted(completed)  # one record each, no extras
+    for r in records:
+        label, usage = completed[r.request_id]
+        assert r.tenant_id == tenants[label].tenant_id
+        assert (r.prompt_tokens, r.completion_tokens) == (usage["prompt_tokens"], usage["completion_tokens"])
+    # the engine generated exactly the tokens the records bill
+    assert sum(r.completion_tokens for r in records) == engine.stats().generation_tokens_total - generated_before
