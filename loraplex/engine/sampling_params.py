@@ -82,3 +82,6 @@ class SamplingParams:
             raise bad("at most 16 stop strings are allowed", "stop")
         if any(t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids must be non-negative", "stop_token_ids")
+        # A per-choice generator is seeded with seed + index, and torch takes only 64-bit seeds.
+        if self.seed is not None and not (-(2**63) <= self.seed < 2**63):
+            raise bad(f"seed must be a 64-bit signed integer, got {self.seed}", "seed")
