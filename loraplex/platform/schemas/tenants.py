@@ -10,19 +10,25 @@ from loraplex.platform.models import ALL_SCOPES
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
 
 
+# Quotas are stored in INTEGER (32-bit on PostgreSQL) and BIGINT columns: larger numbers are refused here
+# rather than failing in the database.
+INT32_MAX = 2**31 - 1
+INT64_MAX = 2**63 - 1
+
+
 class QuotaFields(BaseModel):
-    requests_per_minute: int | None = Field(default=None, ge=1)
-    tokens_per_minute: int | None = Field(default=None, ge=1)
-    max_concurrent: int | None = Field(default=None, ge=1)
-    monthly_token_budget: int | None = Field(default=None, ge=1)
+    requests_per_minute: int | None = Field(default=None, ge=1, le=INT32_MAX)
+    tokens_per_minute: int | None = Field(default=None, ge=1, le=INT32_MAX)
+    max_concurrent: int | None = Field(default=None, ge=1, le=INT32_MAX)
+    monthly_token_budget: int | None = Field(default=None, ge=1, le=INT64_MAX)
 
 
 class PlanBase(BaseModel):
     name: str = Field(pattern=NAME_PATTERN)
-    requests_per_minute: int = Field(ge=1)
-    tokens_per_minute: int = Field(ge=1)
-    max_concurrent: int = Field(ge=1)
-    monthly_token_budget: int = Field(ge=1)
+    requests_per_minute: int = Field(ge=1, le=INT32_MAX)
+    tokens_per_minute: int = Field(ge=1, le=INT32_MAX)
+    max_concurrent: int = Field(ge=1, le=INT32_MAX)
+    monthly_token_budget: int = Field(ge=1, le=INT64_MAX)
 
 
 class PlanCreate(PlanBase):
