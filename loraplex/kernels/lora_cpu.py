@@ -24,6 +24,8 @@ log = logging.getLogger(__name__)
 
 # Groups larger than this go through MKL matmuls; below it the hand loop wins on overhead.
 DENSE_GROUP_MIN = 16
+# Below this many multiply-adds a call stays on one thread: waking the other costs more than it saves.
+MIN_PARALLEL_COST = 200_000
 
 _SOURCE = r"""
 #include <torch/extension.h>
@@ -40,7 +42,8 @@ static inline float dot(const float* __restrict a, const float* __restrict b, in
 // out_meta: int64 [S, 2] (offset, size). y += expand(shrink(x)) for groups with count < dense_min.
 void lora_small_groups(torch::Tensor y, torch::Tensor x, torch::Tensor a, torch::Tensor b,
                        torch::Tensor sorted_ids, torch::Tensor groups, torch::Tensor ranks,
-                       torch::Tensor rank_offsets, torch::Tensor out_meta, torch::Tensor shrunk) {
+                       torch::Tensor rank_offsets, torch::Tensor out_meta, torch::Tensor shrunk,
+                       int64_t min_parallel_cost) {
   const int64_t G = groups.size(0), S = ranks.size(1), in = x.size(1);
   const int64_t* g = groups.data_ptr<int64_t>();
   const int64_t* ids = sorted_ids.data_ptr<int64_t>();
@@ -55,60 +58,70 @@ void lora_small_groups(torch::Tensor y, torch::Tensor x, torch::Tensor a, torch:
   const int64_t xs = x.stride(0), ys = y.stride(0), ss = shrunk.stride(0);
   const int64_t as0 = a.stride(0), as1 = a.stride(1), bs0 = b.stride(0), bs1 = b.stride(1);
 
-  // Shrink work items: one per (group, packed rank row).
-  std::vector<int64_t> item_start(G + 1, 0);
-  for (int64_t i = 0; i < G; ++i) {
-    int64_t slot = g[3 * i], total = 0;
+  constexpr int64_t CHUNK = 128;
+  // One group (an adapter's tokens): shrink, then expand. B is rank-major, so the expand is AXPYs over
+  // contiguous output columns; every weight row is read once and reused for the group's tokens.
+  auto run_group = [&](int64_t i) {
+    const int64_t slot = g[3 * i], start = g[3 * i + 1], count = g[3 * i + 2];
+    int64_t total = 0;
     for (int64_t s = 0; s < S; ++s) total += rk[slot * S + s];
-    item_start[i + 1] = item_start[i] + total;
-  }
-  at::parallel_for(0, item_start[G], 16, [&](int64_t begin, int64_t end) {
-    int64_t i = std::upper_bound(item_start.begin(), item_start.end(), begin) - item_start.begin() - 1;
-    for (int64_t w = begin; w < end; ++w) {
-      while (w >= item_start[i + 1]) ++i;
-      const int64_t slot = g[3 * i], start = g[3 * i + 1], count = g[3 * i + 2];
-      const int64_t j = w - item_start[i];
+    for (int64_t j = 0; j < total; ++j) {
       const float* arow = ap + slot * as0 + j * as1;
       for (int64_t t = 0; t < count; ++t)
         sp[(start + t) * ss + j] = dot(arow, xp + ids[start + t] * xs, in);
     }
-  });
-
-  // Expand work items: one per (group, slice, chunk of CHUNK output columns); each (token, column) has
-  // exactly one writer. B is rank-major, so each step is an AXPY over contiguous columns.
-  constexpr int64_t CHUNK = 128;
-  std::vector<int64_t> exp_start(G * S + 1, 0);
-  for (int64_t i = 0; i < G; ++i)
     for (int64_t s = 0; s < S; ++s) {
-      int64_t slot = g[3 * i];
-      int64_t n = rk[slot * S + s] > 0 ? (om[2 * s + 1] + CHUNK - 1) / CHUNK : 0;
-      exp_start[i * S + s + 1] = exp_start[i * S + s] + n;
-    }
-  at::parallel_for(0, exp_start[G * S], 1, [&](int64_t begin, int64_t end) {
-    int64_t k = std::upper_bound(exp_start.begin(), exp_start.end(), begin) - exp_start.begin() - 1;
-    for (int64_t w = begin; w < end; ++w) {
-      while (w >= exp_start[k + 1]) ++k;
-      const int64_t i = k / S, s = k % S;
-      const int64_t slot = g[3 * i], start = g[3 * i + 1], count = g[3 * i + 2];
       const int64_t r = rk[slot * S + s], roff = ro[slot * S + s];
-      const int64_t c0 = (w - exp_start[k]) * CHUNK;
-      const int64_t width = std::min(CHUNK, om[2 * s + 1] - c0);
-      const int64_t col = om[2 * s] + c0;
-      for (int64_t t = 0; t < count; ++t) {
-        float* __restrict yrow = yp + ids[start + t] * ys + col;
-        const float* srow = sp + (start + t) * ss + roff;
-        float acc[CHUNK];
-        for (int64_t c = 0; c < width; ++c) acc[c] = 0.f;
-        for (int64_t q = 0; q < r; ++q) {
-          const float sv = srow[q];
-          const float* __restrict brow = bp + slot * bs0 + q * bs1 + col;
+      if (r == 0) continue;
+      for (int64_t c0 = 0; c0 < om[2 * s + 1]; c0 += CHUNK) {
+        const int64_t width = std::min(CHUNK, om[2 * s + 1] - c0);
+        const int64_t col = om[2 * s] + c0;
+        for (int64_t t = 0; t < count; ++t) {
+          float* __restrict yrow = yp + ids[start + t] * ys + col;
+          const float* srow = sp + (start + t) * ss + roff;
+          float acc[CHUNK];
+          for (int64_t c = 0; c < width; ++c) acc[c] = 0.f;
+          for (int64_t q = 0; q < r; ++q) {
+            const float sv = srow[q];
+            const float* __restrict brow = bp + slot * bs0 + q * bs1 + col;
+            #pragma omp simd
+            for (int64_t c = 0; c < width; ++c) acc[c] += sv * brow[c];
+          }
           #pragma omp simd
-          for (int64_t c = 0; c < width; ++c) acc[c] += sv * brow[c];
+          for (int64_t c = 0; c < width; ++c) yrow[c] += acc[c];
         }
-        #pragma omp simd
-        for (int64_t c = 0; c < width; ++c) yrow[c] += acc[c];
       }
     }
+  };
+
+  // Groups never share output rows, so threads take whole groups: one parallel region per call and no
+  // barrier between shrink and expand (barriers are what hurts on a busy 2-core machine). Groups are
+  // dealt to threads by cost, largest first.
+  const int64_t out_total = om[2 * (S - 1)] + om[2 * (S - 1) + 1];
+  std::vector<std::pair<int64_t, int64_t>> cost(G);
+  int64_t total_cost = 0;
+  for (int64_t i = 0; i < G; ++i) {
+    int64_t slot = g[3 * i], r = 0;
+    for (int64_t s = 0; s < S; ++s) r += rk[slot * S + s];
+    cost[i] = {g[3 * i + 2] * r * (in + out_total), i};
+    total_cost += cost[i].first;
+  }
+  const int64_t bins = total_cost < min_parallel_cost ? 1 : std::min<int64_t>(at::get_num_threads(), G);
+  if (bins <= 1) {
+    for (int64_t i = 0; i < G; ++i) run_group(i);
+    return;
+  }
+  std::sort(cost.begin(), cost.end(), std::greater<>());
+  std::vector<std::vector<int64_t>> assigned(bins);
+  std::vector<int64_t> load(bins, 0);
+  for (auto& [c, i] : cost) {
+    int64_t b = std::min_element(load.begin(), load.end()) - load.begin();
+    assigned[b].push_back(i);
+    load[b] += c;
+  }
+  at::parallel_for(0, bins, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b)
+      for (int64_t i : assigned[b]) run_group(i);
   });
 }
 """
@@ -131,7 +144,7 @@ def _load():
                 from torch.utils.cpp_extension import load_inline
 
                 _module = load_inline(
-                    name="loraplex_lora_cpu_v2",
+                    name="loraplex_lora_cpu_v3",
                     cpp_sources=[_SOURCE],
                     functions=["lora_small_groups"],
                     extra_cflags=["-O3", "-march=native", "-fopenmp"],
@@ -186,7 +199,7 @@ def add_lora_cpu(y: torch.Tensor, x: torch.Tensor, w: LoraSlotWeights, batch: Lo
     if groups.small.shape[0]:
         mod.lora_small_groups(
             y, x, w.a, w.b, batch.sorted_token_ids, groups.small, w.ranks_t, w.rank_offsets_t, w.out_meta,
-            shrunk,
+            shrunk, MIN_PARALLEL_COST,
         )
     for slot, start, count in groups.large:
         rt = w.rank_total(slot)
