@@ -12,6 +12,8 @@ from loraplex.platform.schemas.openai import ChatCompletionRequest, CompletionRe
 
 
 def _sampling(req, *, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    if req.logit_bias:
+        raise bad_request("logit_bias is not supported", param="logit_bias")
     try:
         return SamplingParams(
             n=req.n, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k if req.top_k else -1,
@@ -26,6 +28,9 @@ def _sampling(req, *, max_tokens: int | None, logprobs: int | None) -> SamplingP
 def chat_sampling(req: ChatCompletionRequest) -> SamplingParams:
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs requires logprobs to be true", param="top_logprobs")
+    if req.response_format is not None and req.response_format.get("type", "text") != "text":
+        raise bad_request(f"response_format {req.response_format.get('type')!r} is not supported; only 'text' is",
+                          param="response_format")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     return _sampling(req, max_tokens=req.max_completion_tokens or req.max_tokens, logprobs=logprobs)
 
@@ -45,6 +50,10 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
     out = []
     for i, m in enumerate(req.messages):
         content = m.content
+        # Only an assistant turn may omit its content (OpenAI allows it next to tool calls).
+        if content is None and m.role != "assistant":
+            raise bad_request(f"messages[{i}].content is required for role {m.role!r}",
+                              param=f"messages[{i}].content")
         if isinstance(content, list):
             texts = []
             for j, part in enumerate(content):

@@ -40,6 +40,8 @@ class _Sampling(BaseModel):
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     user: str | None = Field(default=None, max_length=256)
+    # Declared only so that a request relying on it is refused instead of silently ignored.
+    logit_bias: dict[str, float] | None = None
     # vLLM-style extras that are handy for tests and tools
     top_k: int | None = None
     min_tokens: int = Field(default=0, ge=0)
@@ -58,6 +60,7 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    response_format: dict[str, Any] | None = None
 
 
 class CompletionRequest(_Sampling):
