@@ -27,6 +27,8 @@ model.add_command(fetch)
 @click.option("--seed", default=None, type=int)
 def generate(prompt, model_name, chat, system, adapter, max_tokens, temperature, top_p, seed) -> None:
     """Print a completion of PROMPT."""
+    if system is not None and not chat:
+        raise click.UsageError("--system applies only with --chat (the chat template places it)")
     from loraplex.config import get_settings
     from loraplex.engine.errors import EngineError
     from loraplex.engine.llm import LLM
