@@ -52,6 +52,12 @@ class InferenceJob:
         return sum(len(p) for p in self.prompts)
 
     @property
+    def billed_prompt_tokens(self) -> int:
+        """Prompts count once the engine has worked on them; a request refused or dropped before its first
+        output cost nothing."""
+        return self.prompt_tokens if self.generated else 0
+
+    @property
     def completion_tokens(self) -> int:
         return sum(self.generated.values())
 
@@ -130,7 +136,7 @@ class InferenceJob:
         """Settle the reservation and journal the usage record. Both happen once, whatever calls this."""
         if self.reservation is None or self.reservation.settled:
             return
-        used = self.prompt_tokens + self.completion_tokens
+        used = self.billed_prompt_tokens + self.completion_tokens
         try:
             await self.services.limiter.settle(self.reservation, used)
         except Exception:
@@ -141,7 +147,8 @@ class InferenceJob:
             request_id=self.request_id, tenant_id=self.tenant.tenant_id, api_key_id=self.tenant.key_id,
             model=self.target.model, adapter_name=self.target.adapter_name,
             adapter_version=self.target.adapter.content_hash if self.target.adapter else None,
-            endpoint=self.endpoint, prompt_tokens=self.prompt_tokens, completion_tokens=self.completion_tokens,
+            endpoint=self.endpoint, prompt_tokens=self.billed_prompt_tokens,
+            completion_tokens=self.completion_tokens,
             ttft_ms=ttft_ms, latency_ms=int((now - self.started) * 1000), status=status, end_user=self.user,
             created_at=UsageEvent.now_iso(),
         )
@@ -155,7 +162,7 @@ class InferenceJob:
             return
         try:
             hook(endpoint=self.endpoint, status=status, tenant=self.tenant.tenant_name,
-                 adapter=self.target.adapter_name, prompt_tokens=self.prompt_tokens if status != "rejected" else 0,
+                 adapter=self.target.adapter_name, prompt_tokens=self.billed_prompt_tokens,
                  completion_tokens=completion_tokens, ttft_s=ttft_s, e2e_s=time.perf_counter() - self.started)
         except Exception:
             log.exception("metrics hook failed")
