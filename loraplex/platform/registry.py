@@ -108,7 +108,3 @@ def list_model_ids(session: Session, tenant_id: int) -> list[tuple[str, int, str
             out.append((name, created, name))
         out.append((f"{name}@{version.version}", created, name))
     return out
-
-
-def adapter_by_name(session: Session, tenant_id: int, name: str) -> Adapter | None:
-    return session.scalars(select(Adapter).where(Adapter.tenant_id == tenant_id, Adapter.name == name)).one_or_none()

@@ -3,8 +3,6 @@ number of API processes share one budget without overshooting."""
 
 from __future__ import annotations
 
-import math
-
 from loraplex.platform.quotas.base import (
     WINDOW_SECONDS,
     QuotaLimits,
@@ -96,7 +94,3 @@ class RedisQuotaLimiter:
 
     async def close(self) -> None:
         return None
-
-
-def retry_after_seconds(seconds: float) -> int:
-    return max(1, math.ceil(seconds))

@@ -69,9 +69,3 @@ class CompletionRequest(_Sampling):
     echo: bool = False
     best_of: int | None = Field(default=None, ge=1)
     suffix: str | None = None
-
-
-class Usage(BaseModel):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
