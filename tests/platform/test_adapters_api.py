@@ -222,3 +222,13 @@ def test_admin_lists_every_tenants_adapters_and_prefetches(app, client, make_ten
     assert (r.json()["content_hash"], True) in fake_engine.prefetched
     assert client.delete(f"/admin/api/tenants/{b.tenant_id}/adapters/two", headers=admin).status_code == 200
     assert client.get("/v1/adapters", headers=b.headers).json()["data"] == []
+
+
+def test_upload_tar_gz(client, make_tenant, peft_adapter_dir):
+    tenant = make_tenant()
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz") as tf:
+        for name in ("adapter_config.json", "adapter_model.safetensors"):
+            tf.add(peft_adapter_dir / name, arcname=f"bot/{name}")
+    r = upload(client, tenant, "tarred", [("bot.tar.gz", buf.getvalue())])
+    assert r.status_code == 201 and r.json()["status"] == "ready", r.text

@@ -86,3 +86,21 @@ def test_serve_prints_admin_key_once_and_serves(cli_env, tiny_llama_dir):
     assert (cli_env / "loraplex.db").exists()
     second, _ = run_once()
     assert "lpx_admin_" not in second
+
+
+def test_serve_refuses_the_default_secret_in_production(cli_env, monkeypatch):
+    from loraplex.platform.commands import serve
+
+    monkeypatch.delenv("LORAPLEX_SECRET_KEY")
+    monkeypatch.setenv("LORAPLEX_ENVIRONMENT", "production")
+    r = CliRunner().invoke(serve, [])
+    assert r.exit_code == 1 and "LORAPLEX_SECRET_KEY must be set" in r.output
+    assert "Traceback" not in r.output
+
+
+def test_worker_and_engine_need_redis(cli_env):
+    from loraplex.platform.commands import engine, worker
+
+    for command in (worker, engine):
+        r = CliRunner().invoke(command, [])
+        assert r.exit_code == 1 and "LORAPLEX_REDIS_URL" in r.output
