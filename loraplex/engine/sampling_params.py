@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from loraplex.engine.errors import InvalidRequestError
@@ -54,8 +55,9 @@ class SamplingParams:
             raise bad(f"n must be at least 1, got {self.n}", "n")
         if self.n > 128:
             raise bad(f"n must be at most 128, got {self.n}", "n")
-        if self.temperature < 0:
-            raise bad(f"temperature must be non-negative, got {self.temperature}", "temperature")
+        # NaN fails every comparison, so the check is written to let only finite, non-negative values through.
+        if not (0 <= self.temperature < math.inf):
+            raise bad(f"temperature must be a finite non-negative number, got {self.temperature}", "temperature")
         if not (0.0 < self.top_p <= 1.0):
             raise bad(f"top_p must be in (0, 1], got {self.top_p}", "top_p")
         if self.top_k is None:
