@@ -23,6 +23,9 @@ WEIGHTS_NAME = "adapter_model.safetensors"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
 
 
+_ARCHIVE_SUFFIXES = (".zip", ".tar", ".tar.gz", ".tgz", ".tar.bz2", ".tar.xz")
+
+
 def load_adapter(path: str | Path, spec: BaseModelSpec, limits: AdapterLimits | None = None) -> CanonicalAdapter:
     """Validate the adapter at `path` against `spec` and return its canonical weights.
 
@@ -45,6 +48,10 @@ def load_adapter(path: str | Path, spec: BaseModelSpec, limits: AdapterLimits | 
             return entry
         return _load_pair(path.with_name(CONFIG_NAME), path, spec, limits)
     if archive_kind(path) is None:
+        if path.name.lower().endswith(_ARCHIVE_SUFFIXES):
+            raise AdapterValidationError(
+                f"{path.name} is named like an archive but its content is not a zip or tar archive",
+                ErrorCode.ARCHIVE_CORRUPT)
         raise AdapterValidationError(
             f"{path.name} is not an adapter folder, a .zip or .tar.gz archive, or a safetensors file",
             ErrorCode.UNSUPPORTED_FORMAT)
