@@ -47,6 +47,7 @@ def test_client_disconnect_mid_stream_aborts_engine_request(data_dir, tiny_llama
         with app.state.services.sessions() as session:
             record = session.scalar(select(UsageRecord).where(UsageRecord.request_id == request_id))
         assert record.status == "cancelled" and 0 < record.completion_tokens < 200
+        assert not app.state.services.limiter._inflight[tenant.tenant_id]
 
 
 def test_client_disconnect_on_non_streaming_request_aborts(data_dir, tiny_llama_dir, make_tenant_factory):
@@ -61,6 +62,8 @@ def test_client_disconnect_on_non_streaming_request_aborts(data_dir, tiny_llama_
             pass
         assert _wait_until(lambda: len(engine.aborted) == 1, timeout=2.0), (engine.requests, engine.finished)
         assert not engine.finished and engine.generated_tokens < 200
+        limiter = app.state.services.limiter
+        assert _wait_until(lambda: not limiter._inflight[tenant.tenant_id], timeout=2.0)  # slot given back
 
 
 def test_streamed_upload_is_cut_off_at_the_limit(data_dir, tiny_llama_dir, make_tenant_factory):

@@ -107,3 +107,12 @@ async def test_concurrent_acquires_never_overshoot(limiter):
 
     results = await asyncio.gather(*(one(i) for i in range(60)))
     assert sum(r is not None for r in results) == 500 // 30
+
+
+async def test_a_lost_request_frees_its_slot_after_the_ttl(limiter):
+    limits = QuotaLimits(requests_per_minute=100, tokens_per_minute=1000, max_concurrent=1,
+                         monthly_token_budget=10**6)
+    await limiter.acquire(1, limits, "lost", 1, now=T0)  # its process died: never settled
+    with pytest.raises(QuotaExceeded):
+        await limiter.acquire(1, limits, "next", 1, now=T0 + 60)
+    await limiter.acquire(1, limits, "later", 1, now=T0 + 601)

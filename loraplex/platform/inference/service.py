@@ -7,6 +7,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 
+import anyio
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
@@ -74,10 +75,9 @@ async def chat_completion(services: Services, tenant: TenantContext, request: Re
         outputs = job.run()
         first = await _prime(outputs)
         return EventStreamResponse(_chat_events(job, outputs, first, response_id, created, body.model,
-                                                include_usage), headers=job.rate_headers)
-    try:
-        last = await unless_disconnected(request, _collect(job))
-    except ClientDisconnected:
+                                                include_usage), headers=job.rate_headers, on_close=outputs.aclose)
+    last = await _collect_unless_disconnected(job, request)
+    if last is None:
         return Response(status_code=499)
     outs = last[0].outputs if 0 in last else []
     usage = fmt.usage_dict(job.prompt_tokens, job.completion_tokens)
@@ -101,10 +101,10 @@ async def text_completion(services: Services, tenant: TenantContext, request: Re
         outputs = job.run()
         first = await _prime(outputs)
         return EventStreamResponse(_completion_events(job, outputs, first, response_id, created, body.model,
-                                                      include_usage), headers=job.rate_headers)
-    try:
-        last = await unless_disconnected(request, _collect(job))
-    except ClientDisconnected:
+                                                      include_usage), headers=job.rate_headers,
+                                   on_close=outputs.aclose)
+    last = await _collect_unless_disconnected(job, request)
+    if last is None:
         return Response(status_code=499)
     n = params.n
     choices: list[tuple[int, CompletionOutput]] = []
@@ -113,6 +113,18 @@ async def text_completion(services: Services, tenant: TenantContext, request: Re
     usage = fmt.usage_dict(job.prompt_tokens, job.completion_tokens)
     return JSONResponse(fmt.completion_response(response_id, created, body.model, choices, usage),
                         headers=job.rate_headers)
+
+
+async def _collect_unless_disconnected(job: InferenceJob, request: Request) -> dict[int, RequestOutput] | None:
+    """The outputs, or None when the client left first. The reservation is settled on every path, even
+    when the work was cancelled before it could start."""
+    try:
+        return await unless_disconnected(request, _collect(job))
+    except ClientDisconnected:
+        return None
+    finally:
+        with anyio.CancelScope(shield=True):
+            await job.finish("cancelled")  # a no-op when the run settled it already
 
 
 async def _collect(job: InferenceJob) -> dict[int, RequestOutput]:

@@ -14,9 +14,10 @@ from starlette.types import Send
 class EventStreamResponse(StreamingResponse):
     media_type = "text/event-stream"
 
-    def __init__(self, content, headers: dict[str, str] | None = None):
+    def __init__(self, content, headers: dict[str, str] | None = None, on_close=None):
         super().__init__(content, headers={"cache-control": "no-cache", **(headers or {})},
                          media_type=self.media_type)
+        self.on_close = on_close  # runs even when the body never started (client gone before the first byte)
 
     async def stream_response(self, send: Send) -> None:
         try:
@@ -24,6 +25,8 @@ class EventStreamResponse(StreamingResponse):
         finally:
             with anyio.CancelScope(shield=True):
                 await self.body_iterator.aclose()
+                if self.on_close is not None:
+                    await self.on_close()
 
 
 class ClientDisconnected(Exception):

@@ -14,6 +14,8 @@ from loraplex.platform.quotas.base import (
     rate_headers,
 )
 
+INFLIGHT_TTL_SECONDS = 600
+
 
 class MemoryQuotaLimiter:
     def __init__(self, clock=None) -> None:
@@ -22,7 +24,8 @@ class MemoryQuotaLimiter:
         self._requests: dict[tuple[int, int], int] = defaultdict(int)  # (tenant, minute) -> count
         self._tokens: dict[tuple[int, int], int] = defaultdict(int)
         self._monthly: dict[tuple[int, str], int] = defaultdict(int)
-        self._inflight: dict[int, set[str]] = defaultdict(set)
+        # tenant -> request id -> when acquired; entries a lost request never settled expire like Redis's
+        self._inflight: dict[int, dict[str, float]] = defaultdict(dict)
 
     async def acquire(self, tenant_id: int, limits: QuotaLimits, request_id: str,
                       reserve_tokens: int, *, now: float | None = None) -> Reservation:
@@ -36,6 +39,8 @@ class MemoryQuotaLimiter:
             toks = self._tokens[(tenant_id, minute)]
             spent = self._monthly[(tenant_id, month)]
             inflight = self._inflight[tenant_id]
+            for stale in [r for r, at in inflight.items() if at < t - INFLIGHT_TTL_SECONDS]:
+                del inflight[stale]
             kind = None
             if len(inflight) >= limits.max_concurrent:
                 kind = "concurrent"
@@ -50,7 +55,7 @@ class MemoryQuotaLimiter:
             self._requests[(tenant_id, minute)] = reqs + 1
             self._tokens[(tenant_id, minute)] = toks + reserve_tokens
             self._monthly[(tenant_id, month)] = spent + reserve_tokens
-            inflight.add(request_id)
+            inflight[request_id] = t
         return Reservation(tenant_id, request_id, reserve_tokens, minute, month,
                            headers=rate_headers(limits, reqs + 1, toks + reserve_tokens, reset_in))
 
@@ -65,7 +70,7 @@ class MemoryQuotaLimiter:
                 self._tokens[key] = max(0, self._tokens[key] + delta)
             mkey = (reservation.tenant_id, reservation.month)
             self._monthly[mkey] = max(0, self._monthly[mkey] + delta)
-            self._inflight[reservation.tenant_id].discard(reservation.request_id)
+            self._inflight[reservation.tenant_id].pop(reservation.request_id, None)
 
     async def close(self) -> None:
         return None
