@@ -63,7 +63,14 @@ class Tokenizer:
         return None if pad is None else self.backend.token_to_id(pad)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        return self._encode(text, add_special_tokens, param="prompt")
+
+    def _encode(self, text: str, add_special_tokens: bool, *, param: str) -> list[int]:
+        try:
+            return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        except TypeError:
+            _refuse_lone_surrogates(text, param)
+            raise
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
@@ -85,7 +92,7 @@ class Tokenizer:
     def apply_chat_template(
         self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True
     ) -> list[int]:
-        return self.encode(self.render_chat(messages, add_generation_prompt), add_special_tokens=False)
+        return self._encode(self.render_chat(messages, add_generation_prompt), False, param="messages")
 
     def render_chat(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True) -> str:
         if not self.chat_template:
@@ -106,6 +113,19 @@ class Tokenizer:
         except Exception as exc:  # templates raise their own errors (e.g. "roles must alternate")
             raise InvalidRequestError(f"the chat template rejected these messages: {exc}", param="messages") from exc
         return rendered[0]
+
+
+def _refuse_lone_surrogates(text: Any, param: str) -> None:
+    """JSON's \\ud800 escapes decode to lone surrogates, which are not Unicode text and which the tokenizer
+    cannot take; say so instead of failing inside it."""
+    if not isinstance(text, str):
+        return
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidRequestError(
+            f"the {param} is not valid Unicode: a lone surrogate (U+{ord(text[exc.start]):04X}) at character "
+            f"{exc.start}", param=param) from None
 
 
 def _check_messages(messages: Any) -> list[Any]:
