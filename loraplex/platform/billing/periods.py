@@ -21,7 +21,11 @@ def parse_period(period: str) -> tuple[int, int]:
     match = _PERIOD.match(period or "")
     if not match or not 1 <= int(match.group(2)) <= 12:
         raise ValueError(f"period must look like 2026-01, got {period!r}")
-    return int(match.group(1)), int(match.group(2))
+    year = int(match.group(1))
+    # a period's bounds include the first day of the next month, which datetime.date must be able to hold
+    if not 1 <= year < 9999:
+        raise ValueError(f"period year must be between 0001 and 9998, got {period!r}")
+    return year, int(match.group(2))
 
 
 def period_bounds(period: str) -> tuple[date, date]:
