@@ -53,7 +53,10 @@ class FakeEngine:
         self.started = False
 
     def encode(self, text: str) -> list[int]:
-        return list(text.encode())
+        try:
+            return list(text.encode())
+        except UnicodeEncodeError:
+            raise InvalidRequestError("the prompt is not valid Unicode text", param="prompt") from None
 
     def encode_chat(self, messages: Sequence[dict[str, Any]], *, add_generation_prompt: bool = True) -> list[int]:
         if not messages:

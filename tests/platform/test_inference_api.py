@@ -141,3 +141,16 @@ def test_failure_mid_stream_is_reported_in_the_stream(client, make_tenant, fake_
     with app.state.services.sessions() as session:
         record = session.scalar(select(UsageRecord).where(UsageRecord.request_id == r.headers["x-request-id"]))
     assert record.status == "error" and record.completion_tokens == 3
+
+
+@pytest.mark.parametrize("path,body,param", [
+    ("/v1/completions", '{"model": "\\ud800", "prompt": "hi"}', "model"),
+    ("/v1/completions", '{"model": "fake-base", "prompt": ["\\ud800"]}', "prompt"),
+    ("/v1/chat/completions", '{"model": "x@\\ud800abcdef", "messages": [{"role": "user", "content": "hi"}]}',
+     "model"),
+])
+def test_lone_surrogates_are_400_not_500(client, make_tenant, path, body, param):
+    tenant = make_tenant()
+    r = client.post(path, headers={**tenant.headers, "content-type": "application/json"}, content=body.encode())
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param

@@ -89,3 +89,21 @@ def test_records_are_journaled_before_the_response(data_dir, tiny_llama_dir, mak
     with app.state.services.sessions() as session:  # shutdown flushes
         record = session.scalar(select(UsageRecord).where(UsageRecord.request_id == request_id))
     assert record.end_user == "end-user-7" and record.completion_tokens == 2
+
+
+def test_a_record_the_database_refuses_does_not_block_the_others(settings, caplog):
+    from dataclasses import replace
+
+    sessions, tenant_id = _sessions(settings)
+    recorder = UsageRecorder(sessions, FileJournal(settings.data_dir / "usage-journal"))
+    good = [_event(tenant_id, i) for i in range(3)]
+    bad = replace(_event(tenant_id, 9), end_user="\ud800")  # no database stores a lone surrogate
+
+    async def main():
+        for event in (good[0], bad, good[1], good[2]):
+            await recorder.record(event)
+        return await recorder.flush()
+
+    assert asyncio.run(main()) == 3
+    assert _count(sessions) == (3, 0 + 1 + 2)
+    assert "req_9" in caplog.text

@@ -86,7 +86,10 @@ def completion_prompts(engine: EngineClient, req: CompletionRequest) -> list[lis
         raise bad_request("prompt must not be empty", param="prompt")
     out = []
     for item in prompts:
-        ids = engine.encode(item) if isinstance(item, str) else list(item)
+        try:
+            ids = engine.encode(item) if isinstance(item, str) else list(item)
+        except InvalidRequestError as exc:
+            raise from_engine_error(exc) from exc
         if not ids:
             raise bad_request("prompt must not be empty", param="prompt")
         out.append(ids)
@@ -108,3 +111,12 @@ def check_context(engine: EngineClient, prompt_len: int, params: SamplingParams,
                           f"{params.max_tokens} for the completion). Please reduce the length of the {param} "
                           "or the completion.", param="max_tokens", code="context_length_exceeded")
     return params.max_tokens
+
+
+def check_text(value: str, param: str) -> str:
+    """JSON can carry lone surrogates ("\\ud800") that no database or tokenizer accepts: refuse them here."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise bad_request(f"'{param}' is not valid Unicode text (it holds a lone surrogate)", param=param) from None
+    return value

@@ -19,6 +19,7 @@ from loraplex.platform.inference.job import InferenceJob
 from loraplex.platform.inference.params import (
     chat_sampling,
     check_context,
+    check_text,
     completion_prompts,
     completion_sampling,
     encode_chat,
@@ -32,6 +33,7 @@ log = logging.getLogger(__name__)
 
 
 async def resolve_target(services: Services, tenant: TenantContext, model: str) -> ModelTarget:
+    check_text(model, "model")
     base = services.base_model_name
     if model == base:  # the common case needs no database round trip
         return ModelTarget(model=model)
