@@ -6,7 +6,7 @@ import asyncio
 from collections.abc import Iterator
 from typing import Annotated
 
-from fastapi import Depends, Header, Request
+from fastapi import Depends, Header, Path, Request
 from sqlalchemy.orm import Session
 
 from loraplex.platform.auth import (
@@ -86,3 +86,6 @@ def get_admin(services: ServicesDep, authorization: AuthorizationHeader = None) 
 
 
 AdminDep = Annotated[AdminContext, Depends(get_admin)]
+
+# Row ids in paths: out-of-range numbers are a 400 here, not a database overflow later.
+IdPath = Annotated[int, Path(ge=1, le=2**31 - 1)]

@@ -71,3 +71,16 @@ def test_suspended_tenant_gets_403(client, admin_key, make_tenant):
     client.patch(f"/admin/api/tenants/{tenant.tenant_id}", headers=_admin(admin_key), json={"status": "suspended"})
     r = client.get("/v1/models", headers=tenant.headers)
     assert r.status_code == 403 and r.json()["error"]["code"] == "tenant_suspended"
+
+
+def test_out_of_range_quota_is_400(client, admin_key):
+    r = client.post("/admin/api/tenants", headers=_admin(admin_key),
+                    json={"name": "huge", "requests_per_minute": 10**12})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "requests_per_minute"
+
+
+def test_out_of_range_ids_are_4xx(client, admin_key):
+    for path in ("/admin/api/tenants/99999999999999999999", "/admin/api/tenants/0/keys"):
+        r = client.get(path, headers=_admin(admin_key))
+        assert r.status_code == 400, r.text
+    assert client.get("/admin/api/tenants/12345", headers=_admin(admin_key)).status_code == 404

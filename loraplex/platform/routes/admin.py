@@ -5,7 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter, status
 from sqlalchemy import select
 
-from loraplex.platform.deps import AdminDep, ServicesDep, SessionDep
+from loraplex.platform.deps import AdminDep, IdPath, ServicesDep, SessionDep
 from loraplex.platform.errors import not_found
 from loraplex.platform.models import ApiKey, Plan, Tenant
 from loraplex.platform.schemas.tenants import (
@@ -53,31 +53,31 @@ def add_tenant(*, _admin: AdminDep, session: SessionDep, services: ServicesDep, 
 
 
 @router.get("/tenants/{tenant_id}", response_model=TenantPublic)
-def read_tenant(*, _admin: AdminDep, session: SessionDep, services: ServicesDep, tenant_id: int) -> TenantPublic:
+def read_tenant(*, _admin: AdminDep, session: SessionDep, services: ServicesDep, tenant_id: IdPath) -> TenantPublic:
     return tenant_public(get_tenant(session, tenant_id), services.settings)
 
 
 @router.patch("/tenants/{tenant_id}", response_model=TenantPublic)
-def edit_tenant(*, _admin: AdminDep, session: SessionDep, services: ServicesDep, tenant_id: int,
+def edit_tenant(*, _admin: AdminDep, session: SessionDep, services: ServicesDep, tenant_id: IdPath,
                 body: TenantUpdate) -> TenantPublic:
     return tenant_public(update_tenant(session, get_tenant(session, tenant_id), body), services.settings)
 
 
 @router.get("/tenants/{tenant_id}/keys", response_model=list[KeyPublic])
-def list_keys(*, _admin: AdminDep, session: SessionDep, tenant_id: int) -> list[KeyPublic]:
+def list_keys(*, _admin: AdminDep, session: SessionDep, tenant_id: IdPath) -> list[KeyPublic]:
     tenant = get_tenant(session, tenant_id)
     keys = session.scalars(select(ApiKey).where(ApiKey.tenant_id == tenant.id).order_by(ApiKey.id))
     return [key_public(k) for k in keys]
 
 
 @router.post("/tenants/{tenant_id}/keys", response_model=KeyCreated, status_code=status.HTTP_201_CREATED)
-def add_key(*, _admin: AdminDep, session: SessionDep, services: ServicesDep, tenant_id: int,
+def add_key(*, _admin: AdminDep, session: SessionDep, services: ServicesDep, tenant_id: IdPath,
             body: KeyCreate) -> KeyCreated:
     return create_api_key(session, services.settings, get_tenant(session, tenant_id), body)
 
 
 @router.delete("/keys/{key_id}", response_model=KeyPublic)
-def revoke_key(*, _admin: AdminDep, session: SessionDep, key_id: int) -> KeyPublic:
+def revoke_key(*, _admin: AdminDep, session: SessionDep, key_id: IdPath) -> KeyPublic:
     key = session.get(ApiKey, key_id)
     if key is None:
         raise not_found(f"no API key with id {key_id}", param="key_id")

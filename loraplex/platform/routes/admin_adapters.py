@@ -8,7 +8,7 @@ from pydantic import BaseModel
 from sqlalchemy import select
 
 from loraplex.platform.adapter_registry import adapter_public
-from loraplex.platform.deps import AdminDep, ServicesDep, SessionDep
+from loraplex.platform.deps import AdminDep, IdPath, ServicesDep, SessionDep
 from loraplex.platform.errors import bad_request, not_found
 from loraplex.platform.models import Adapter, AdapterVersion, Tenant, VersionStatus
 from loraplex.platform.routes.adapters import handle_delete, handle_upload
@@ -42,7 +42,7 @@ def list_all_adapters(*, _admin: AdminDep, session: SessionDep, services: Servic
 
 
 @router.post("/tenants/{tenant_id}/adapters", response_model=None, status_code=201)
-async def upload_for_tenant(*, _admin: AdminDep, services: ServicesDep, request: Request, tenant_id: int,
+async def upload_for_tenant(*, _admin: AdminDep, services: ServicesDep, request: Request, tenant_id: IdPath,
                             wait: bool = Query(default=False)) -> JSONResponse:
     with services.sessions() as session:
         get_tenant(session, tenant_id)
@@ -50,7 +50,7 @@ async def upload_for_tenant(*, _admin: AdminDep, services: ServicesDep, request:
 
 
 @router.delete("/tenants/{tenant_id}/adapters/{name}", response_model=AdapterDeleted)
-async def delete_for_tenant(*, _admin: AdminDep, services: ServicesDep, tenant_id: int, name: str) -> AdapterDeleted:
+async def delete_for_tenant(*, _admin: AdminDep, services: ServicesDep, tenant_id: IdPath, name: str) -> AdapterDeleted:
     return await handle_delete(services, tenant_id, name)
 
 
@@ -62,7 +62,7 @@ class PrefetchResult(BaseModel):
 
 
 @router.post("/adapter-versions/{version_id}/prefetch", response_model=PrefetchResult)
-async def prefetch_version(*, _admin: AdminDep, services: ServicesDep, version_id: int,
+async def prefetch_version(*, _admin: AdminDep, services: ServicesDep, version_id: IdPath,
                            body: PrefetchRequest | None = None) -> PrefetchResult:
     body = body or PrefetchRequest()
     with services.sessions() as session:
