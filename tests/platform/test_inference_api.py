@@ -154,3 +154,12 @@ def test_lone_surrogates_are_400_not_500(client, make_tenant, path, body, param)
     r = client.post(path, headers={**tenant.headers, "content-type": "application/json"}, content=body.encode())
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param
+
+
+@pytest.mark.parametrize("query,param", [("start=2026-02-01&end=2026-01-01", "start"),
+                                         ("start=2020-01-01&end=2026-01-01", "start"),
+                                         ("end=9999-12-31", "end"), ("start=yesterday", "start")])
+def test_usage_range_errors(client, make_tenant, query, param):
+    tenant = make_tenant()
+    r = client.get(f"/v1/usage?{query}", headers=tenant.headers)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text

@@ -27,6 +27,8 @@ def read_usage(*, tenant: UsageKeyDep, session: SessionDep,
                ) -> UsageReport | Response:
     end = end or datetime.now(UTC).date()
     start = start or end - timedelta(days=29)
+    if end >= date.max - timedelta(days=1):
+        raise bad_request("end is out of range", param="end")
     if start > end:
         raise bad_request("start must not be after end", param="start")
     if (end - start).days >= MAX_DAYS:
