@@ -97,6 +97,10 @@ async def start_services(services: Services, app: FastAPI) -> None:
         services.background.append(asyncio.create_task(_warm_loop(services), name="warm-adapters"))
     if services.tasks.eager:
         services.background.append(asyncio.create_task(_billing_loop(services), name="billing"))
+    from loraplex.platform.recovery import remove_stale_staging, resume_validations
+
+    await asyncio.to_thread(remove_stale_staging, services)
+    await asyncio.to_thread(resume_validations, services)
     # A journal left by an earlier (crashed) process is replayed before new traffic arrives.
     await services.usage.flush()
     services.background.append(asyncio.create_task(services.usage.run(), name="usage-flusher"))

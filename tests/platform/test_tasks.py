@@ -62,3 +62,41 @@ def test_validation_is_idempotent(app, client, make_tenant, peft_adapter_zip):
     assert detail["versions"][0]["ready_at"] == version["ready_at"]
     client.delete("/v1/adapters/a", headers=tenant.headers)
     assert jobs.validate_adapter(ctx, version["id"]) == "missing"
+
+
+def test_startup_resumes_unfinished_validations_and_clears_stale_staging(app, client, make_tenant,
+                                                                          peft_adapter_zip):
+    import os
+    import time
+
+    from loraplex.platform.adapter_registry import uploads_root, version_upload_dir
+    from loraplex.platform.db import session_scope
+    from loraplex.platform.models import Adapter, AdapterVersion
+    from loraplex.platform.recovery import remove_stale_staging, resume_validations
+
+    services = app.state.services
+    tenant = make_tenant()
+    with session_scope(services.sessions) as session:  # a process died while validating this upload
+        adapter = Adapter(tenant_id=tenant.tenant_id, name="interrupted")
+        session.add(adapter)
+        session.flush()
+        version = AdapterVersion(adapter_id=adapter.id, tenant_id=tenant.tenant_id, status="validating",
+                                 upload_sha256="0" * 64, upload_filename="a.zip",
+                                 upload_bytes=peft_adapter_zip.stat().st_size)
+        session.add(version)
+        session.flush()
+        version_id = version.id
+    folder = version_upload_dir(services.settings, version_id)
+    folder.mkdir(parents=True)
+    (folder / "a.zip").write_bytes(peft_adapter_zip.read_bytes())
+    stale = uploads_root(services.settings) / "incoming-dead"
+    fresh = uploads_root(services.settings) / "incoming-live"
+    stale.mkdir()
+    fresh.mkdir()
+    os.utime(stale, (time.time() - 7200, time.time() - 7200))
+
+    assert remove_stale_staging(services) == 1 and not stale.exists() and fresh.exists()
+    assert resume_validations(services) == 1
+    services.tasks.join()
+    detail = client.get("/v1/adapters/interrupted", headers=tenant.headers).json()
+    assert detail["status"] == "ready"

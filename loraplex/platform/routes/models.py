@@ -6,6 +6,7 @@ from fastapi import APIRouter
 
 from loraplex.platform.deps import InferenceKeyDep, ServicesDep, SessionDep
 from loraplex.platform.errors import not_found
+from loraplex.platform.inference.params import check_text
 from loraplex.platform.registry import ModelNotFound, list_model_ids, resolve_model
 from loraplex.platform.schemas.openai import ModelCard, ModelList
 
@@ -23,6 +24,7 @@ def list_models(*, tenant: InferenceKeyDep, services: ServicesDep, session: Sess
 
 @router.get("/models/{model_id:path}", response_model=ModelCard)
 def read_model(*, tenant: InferenceKeyDep, services: ServicesDep, session: SessionDep, model_id: str) -> ModelCard:
+    check_text(model_id, "model")
     if model_id == services.base_model_name:
         return ModelCard(id=model_id, created=0, owned_by="loraplex")
     try:

@@ -1,0 +1,43 @@
+"""Start-up repairs after a crash: staging folders of interrupted uploads, validations that never finished."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import time
+
+from sqlalchemy import select
+
+from loraplex.platform.adapter_registry import uploads_root
+from loraplex.platform.models import AdapterVersion, VersionStatus
+from loraplex.platform.services import Services
+
+log = logging.getLogger(__name__)
+STALE_STAGING_SECONDS = 3600  # another process may be receiving an upload right now
+
+
+def remove_stale_staging(services: Services, *, older_than: float = STALE_STAGING_SECONDS) -> int:
+    root = uploads_root(services.settings)
+    if not root.exists():
+        return 0
+    removed = 0
+    for folder in root.glob("incoming-*"):
+        if time.time() - folder.stat().st_mtime > older_than:
+            shutil.rmtree(folder, ignore_errors=True)
+            removed += 1
+    return removed
+
+
+def resume_validations(services: Services) -> int:
+    """In-process tasks die with their process; the embedded default sends unfinished ones again (the task
+    is idempotent). With a broker, Celery redelivers them itself (acks late)."""
+    if not services.tasks.eager:
+        return 0
+    with services.sessions() as session:
+        ids = list(session.scalars(select(AdapterVersion.id).where(
+            AdapterVersion.status.in_([VersionStatus.pending.value, VersionStatus.validating.value]))))
+    for version_id in ids:
+        services.tasks.send("loraplex.validate_adapter", version_id)
+    if ids:
+        log.info("resumed validation of %d adapter version(s)", len(ids))
+    return len(ids)
