@@ -19,6 +19,7 @@ Scheduler interface (all on the step thread):
 from __future__ import annotations
 
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -34,6 +35,8 @@ from loraplex.kernels.lora import LoraBatch, LoraSlotWeights
 # (layer index, PEFT module name) -> (A [r, in], B [out, r]) with the scaling folded into B
 ModuleWeights = Mapping[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
 LoadFn = Callable[[LoRARequest], ModuleWeights]
+
+PENDING_TTL_S = 30.0
 
 
 @dataclass
@@ -121,7 +124,9 @@ class LoraManager:
         self._slot_key: list[str | None] = [None] * max_loras
         self._refs: dict[str, int] = {}
         self._pinned: set[str] = set()
-        self._requests: dict[str, LoRARequest] = {}
+        # loaded (or loading) for a waiting request that has not run yet -> when; lapses after PENDING_TTL_S
+        # so an aborted request cannot hold a place for ever
+        self._pending: dict[str, float] = {}
         self.loads_total = self.evictions_total = self.hits_total = self.misses_total = 0
         self.source = None  # an AdapterSource when built for an engine: resolves user paths
 
@@ -165,7 +170,6 @@ class LoraManager:
     def request_load(self, lora: LoRARequest) -> Future:
         """Start loading into host memory unless it is there or on its way. Never blocks on the load."""
         with self._lock:
-            self._requests[lora.key] = lora
             fut = self._loading.get(lora.key)
             if fut is not None:
                 return fut
@@ -199,18 +203,17 @@ class LoraManager:
             self._trim_host()
 
     def _trim_host(self) -> None:
-        # Host copies of resident adapters may go: a later eviction then reloads from the store.
+        # Oldest first, sparing adapters that are pinned, running, or loaded for a request still waiting;
+        # host copies of resident adapters may go (an eviction from the slot then reloads from the store).
         while len(self._host) > self.max_cpu_loras:
-            victim = next(
-                (k for k in self._host if k not in self._pinned and k not in self._refs), next(iter(self._host))
-            )
+            spare = self._pinned | self._pending.keys() | self._refs.keys()
+            victim = next((k for k in self._host if k not in spare), next(iter(self._host)))
             del self._host[victim]
 
     def put_host(self, lora: LoRARequest, weights: ModuleWeights) -> None:
         """Hand over weights already read (a path just validated), sparing a second read."""
         host = to_host_adapter(lora, weights, self.projections, self.max_rank, pin=self.device.type == "cuda")
         with self._lock:
-            self._requests[lora.key] = lora
             if lora.key not in self._host:
                 self.loads_total += 1
             self._host[lora.key] = host
@@ -227,6 +230,7 @@ class LoraManager:
 
         def _activate(done: Future) -> None:
             if done.exception() is not None:
+                self.unpin(lora.key)
                 result.set_exception(done.exception())
                 return
             with self._lock:
@@ -244,11 +248,22 @@ class LoraManager:
 
     def ready(self, lora: LoRARequest) -> bool:
         with self._lock:
-            if lora.key in self._slot_of or lora.key in self._host:
+            key = lora.key
+            if key in self._slot_of or key in self._host:
                 return True
-            error = self._errors.pop(lora.key, None)
+            error = self._errors.pop(key, None)
             if error is not None:
+                self._pending.pop(key, None)
                 raise error
+            if key not in self._pending:
+                # Loading for every waiting request at once would push adapters loaded for earlier ones
+                # out of the host LRU before they ever run: keep at most a slot-cache's worth in flight.
+                now = time.monotonic()
+                for k in [k for k, t in self._pending.items() if now - t > PENDING_TTL_S]:
+                    del self._pending[k]
+                if len(self._pending) >= self.max_loras:
+                    return False
+                self._pending[key] = now
         self.request_load(lora)
         return False
 
@@ -280,6 +295,7 @@ class LoraManager:
                 self._activate(key, slot)
             self._slot_of.move_to_end(key)
             self._refs[key] = self._refs.get(key, 0) + 1
+            self._pending.pop(key, None)
             return slot
 
     def release(self, key: str) -> None:
@@ -309,6 +325,7 @@ class LoraManager:
             if self._refs.get(key):
                 return False
             self._pinned.discard(key)
+            self._pending.pop(key, None)
             self._host.pop(key, None)
             slot = self._slot_of.pop(key, None)
             if slot is not None:

@@ -10,8 +10,8 @@ slice at once and an adapter of rank 8 costs rank 8, not the largest rank a slot
 transposed, rank-major ([rank, out]): expanding is then a sum of contiguous output rows scaled by the
 token's shrunk values, and a slice's rows beyond its rank are never read.
 
-The torch path (CPU, and the oracle for the Triton kernels) loops over the adapters present in the step,
-never over tokens.
+The torch path (the oracle for the Triton and CPU kernels, and the fallback) loops over the adapters
+present in the step, never over tokens.
 """
 
 from __future__ import annotations
@@ -202,7 +202,8 @@ def add_lora_torch(y: torch.Tensor, x: torch.Tensor, w: LoraSlotWeights, batch: 
 
 
 def add_lora(y: torch.Tensor, x: torch.Tensor, w: LoraSlotWeights, batch: LoraBatch) -> None:
-    """y += LoRA delta of each token's adapter. Triton on CUDA, torch elsewhere."""
+    """y += LoRA delta of each token's adapter: Triton on CUDA; on the CPU the fused kernel of `lora_cpu`
+    (the torch path where it cannot be compiled)."""
     if batch.empty:
         return
     if y.is_cuda:

@@ -165,3 +165,25 @@ def test_remove_refuses_while_in_use_and_validates_shapes():
     store.adapters["big"] = {(0, "o_proj"): (torch.zeros(16, 16), torch.zeros(16, 16))}
     with pytest.raises(AdapterLoadError, match="max_lora_rank"):
         m.request_load(big).result(5)
+
+
+def test_waiting_requests_do_not_thrash_the_host_cache():
+    # Six requests wait for six adapters; only two fit in host memory. Asking every step must not load
+    # and drop adapters in a circle: loads stay bounded by what can be used next.
+    store = FakeStore()
+    m = _manager(store, max_loras=2, max_cpu_loras=2)
+    loras = [store.add(n, 2) for n in "abcdef"]
+    served = []
+    for _ in range(40):
+        for lora in loras:
+            if lora.key in served:
+                continue
+            if m.ready(lora) and m.try_acquire(lora) is not None:
+                served.append(lora.key)
+                m.release(lora.key)  # the request ran to the end
+        for fut in list(m._loading.values()):
+            fut.result(5)
+        if len(served) == len(loras):
+            break
+    assert sorted(served) == list("abcdef")
+    assert m.loads_total == 6 and store.calls.count("a") == 1
