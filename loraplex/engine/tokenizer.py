@@ -12,6 +12,10 @@ from loraplex.engine.errors import InvalidRequestError, ModelLoadError
 
 CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 
+# The tokenizers library holds the GIL for all of encode() but releases it in encode_batch(): a long text
+# goes through the batch call, so that tokenizing megabytes in a worker thread does not stall the thread
+# running the server's event loop. Short texts keep the cheaper single call.
+RELEASE_GIL_CHARS = 16 * 1024
 
 SPECIAL_TOKEN_ATTRIBUTES = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
 
@@ -67,6 +71,8 @@ class Tokenizer:
 
     def _encode(self, text: str, add_special_tokens: bool, *, param: str) -> list[int]:
         try:
+            if isinstance(text, str) and len(text) > RELEASE_GIL_CHARS:
+                return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
             return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
         except TypeError:
             _refuse_lone_surrogates(text, param)
