@@ -173,6 +173,7 @@ def main() -> None:
     ap.add_argument("--no-many", action="store_true", help="skip the 100-adapter run")
     ap.add_argument("--peft-single-requests", type=int, default=4,
                     help="requests timed one at a time with set_adapter (the rate is extrapolated)")
+    ap.add_argument("--rounds", type=int, default=2, help="alternating rounds; each contender keeps its best")
     ap.add_argument("--workdir", default=None, help="where the generated adapters go (default: a temp dir)")
     args = ap.parse_args()
 
@@ -191,15 +192,35 @@ def main() -> None:
     per_request = [eight[i % 8] for i in range(len(prompts))]
 
     rows: dict[str, dict] = {}
+
+    def keep_best(name: str, result: dict) -> None:
+        # The machine is shared: each contender keeps its best round, and rounds alternate between them.
+        if name not in rows or result["tok_s"] > rows[name]["tok_s"]:
+            rows[name] = result
+        print(f"  {name}: {result['tok_s']:.1f} tok/s (load average {os.getloadavg()[0]:.2f})", flush=True)
+
     store = root / "store"
     llm = LLM(str(model_dir), max_loras=8, max_cpu_loras=16, max_num_seqs=64, adapter_store=str(store))
-    loras = [llm.resolve_adapter(str(p)) for p in eight]  # validated, hashed, in host memory
+    loras = [llm.resolve_adapter(str(p)) for p in eight]  # registration: validated, hashed, stored
     llm.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True),
                  adapter=loras[:2], use_tqdm=False)  # warm-up
-    rows["loraplex base only"] = loraplex_run(llm, prompts, None)
-    print(f"loraplex base: {rows['loraplex base only']['tok_s']:.1f} tok/s", flush=True)
-    rows["loraplex 8 adapters"] = loraplex_run(llm, prompts, [loras[i % 8] for i in range(len(prompts))])
-    print(f"loraplex 8 adapters: {rows['loraplex 8 adapters']['tok_s']:.1f} tok/s", flush=True)
+    peft = None
+    names = [f"a{i % 8}" for i in range(len(prompts))]
+    mixed_name = "transformers+PEFT mixed (adapter_names, batch 16)"
+    if not args.no_peft:
+        peft = peft_model(model_dir, eight)
+        peft_generate(*peft, prompts[:2], adapter_names=names[:2])  # warm-up
+    for round_no in range(args.rounds):
+        print(f"round {round_no + 1} of {args.rounds}", flush=True)
+        keep_best("loraplex base only", loraplex_run(llm, prompts, None))
+        keep_best("loraplex 8 adapters", loraplex_run(llm, prompts, [loras[i % 8] for i in range(len(prompts))]))
+        if peft is not None:
+            keep_best(mixed_name, peft_mixed(*peft, prompts, names))
+    if peft is not None:
+        k = args.peft_single_requests
+        keep_best(f"transformers+PEFT one at a time (set_adapter; {k} of {len(prompts)} requests, extrapolated)",
+                  peft_one_at_a_time(*peft, prompts[:k], names[:k]))
+        del peft
 
     load_dir = make_adapters(model_dir, root / "load", 5, seed=7, ranks=(16,))
     register_ms, load_ms = measure_load_ms(llm, load_dir)
@@ -213,23 +234,10 @@ def main() -> None:
         llm = LLM(str(model_dir), max_loras=32, max_cpu_loras=64, max_num_seqs=64, adapter_store=str(store))
         many_loras = [llm.resolve_adapter(str(p)) for p in many]  # registration: validate + hash
         order = [many_loras[i % 100] for i in range(128)]
-        rows["loraplex 100 adapters, 32 slots"] = loraplex_run(llm, prompts128, order)
-        print(f"loraplex 100 adapters: {rows['loraplex 100 adapters, 32 slots']['tok_s']:.1f} tok/s "
-              f"(loads {llm.engine.adapter_slots.loads_total}, "
-              f"evictions {llm.engine.adapter_slots.evictions_total})", flush=True)
+        keep_best("loraplex 128 requests over 100 adapters, 32 slots", loraplex_run(llm, prompts128, order))
+        cache = llm.engine.adapter_slots
+        print(f"  adapter loads {cache.loads_total}, evictions {cache.evictions_total}", flush=True)
         del llm
-
-    if not args.no_peft:
-        model, tok = peft_model(model_dir, eight)
-        names = [f"a{i % 8}" for i in range(len(prompts))]
-        peft_generate(model, tok, prompts[:2], adapter_names=names[:2])  # warm-up
-        rows["transformers+PEFT mixed (adapter_names, batch 16)"] = peft_mixed(model, tok, prompts, names)
-        print(f"PEFT mixed: {rows['transformers+PEFT mixed (adapter_names, batch 16)']['tok_s']:.1f} tok/s",
-              flush=True)
-        k = args.peft_single_requests
-        rows[f"transformers+PEFT one at a time (set_adapter; {k} of {len(prompts)} requests, rate extrapolated)"] = \
-            peft_one_at_a_time(model, tok, prompts[:k], names[:k])
-        del model
 
     vllm = None if args.no_vllm else vllm_peer(model_dir, prompts, per_request)
     if vllm is not None:
@@ -237,14 +245,16 @@ def main() -> None:
 
     ours = rows["loraplex 8 adapters"]["tok_s"]
     print()
+    print(f"best of {args.rounds} alternating rounds for loraplex and PEFT mixed; the others ran once")
     print(f"{'run':<86} {'tokens':>7} {'seconds':>8} {'tok/s':>7} {'loraplex 8-adapter / this':>26}")
     for name, r in rows.items():
         print(f"{name:<86} {r['tokens']:>7} {r['seconds']:>8.1f} {r['tok_s']:>7.1f} {ours / r['tok_s']:>25.2f}x")
     print()
     base = rows["loraplex base only"]["tok_s"]
     checks = [("8 adapters vs own base-only", ours / base, 0.85, "%")]
-    if "loraplex 100 adapters, 32 slots" in rows:
-        checks.append(("100 adapters vs 8 adapters", rows["loraplex 100 adapters, 32 slots"]["tok_s"] / ours, 0.70, "%"))
+    many_name = "loraplex 128 requests over 100 adapters, 32 slots"
+    if many_name in rows:
+        checks.append(("100 adapters vs 8 adapters", rows[many_name]["tok_s"] / ours, 0.70, "%"))
     for name, r in rows.items():
         if name.startswith("transformers+PEFT mixed"):
             checks.append(("vs PEFT mixed batches", ours / r["tok_s"], 5.0, "x"))
