@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from contextlib import contextmanager
+from pathlib import Path
 
 import click
 
@@ -12,6 +13,7 @@ from loraplex.platform.billing.cli import billing
 @contextmanager
 def _session():
     from pydantic import ValidationError
+    from sqlalchemy.engine import make_url
     from sqlalchemy.exc import OperationalError
 
     from loraplex.config import Settings
@@ -23,10 +25,20 @@ def _session():
         settings = Settings()
     except ValidationError as exc:
         raise click.ClickException("; ".join(e["msg"] for e in exc.errors())) from exc
+    # Run from another folder than the server, the embedded default would quietly start a second, empty
+    # database there: tenants and keys made in it never reach the server. Say so when that happens.
+    url = make_url(settings.resolved_database_url)
+    sqlite_file = Path(url.database).resolve() if url.get_backend_name() == "sqlite" and url.database else None
+    is_new = sqlite_file is not None and not sqlite_file.exists()
     try:
         prepare_database(settings)
     except OperationalError as exc:
         raise click.ClickException(f"cannot reach the database {settings.resolved_database_url}: {exc.orig}") from exc
+    if is_new:
+        click.echo(f"loraplex admin: there was no database at {sqlite_file}, so a new, empty one was created. "
+                   "`loraplex serve` uses the one under its data folder (LORAPLEX_DATA_DIR, by default "
+                   "./.loraplex in the folder it runs from); run `loraplex admin` there to manage its tenants.",
+                   err=True)
     engine = make_engine(settings.resolved_database_url, pooled=False)
     try:
         with session_scope(make_session_factory(engine)) as session:
