@@ -39,8 +39,9 @@ def resolve_model(session: Session, tenant_id: int, model: str, base_model: str,
                   store_dir: Path | None = None) -> ModelTarget:
     if model == base_model:
         return ModelTarget(model=model)
-    name, _, version = model.partition("@")
-    if version and len(version) < MIN_VERSION_CHARS:
+    name, at, version = model.partition("@")
+    # "name@" with nothing after it names no version: refused like any too-short one, not read as the latest
+    if at and len(version) < MIN_VERSION_CHARS:
         raise ModelNotFound(f"The model '{model}' does not exist: give at least {MIN_VERSION_CHARS} "
                             "characters of the version.")
     scope = TenantScope(session, tenant_id)
