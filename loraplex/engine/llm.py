@@ -61,10 +61,16 @@ class LLM:
             raise InvalidRequestError("sampling_params and adapter lists must match the number of prompts")
         loras = [self.resolve_adapter(a) for a in adapters]
         order = []
-        for prompt, p, lora in zip(prompts, params_list, loras, strict=True):
-            request_id = f"llm-{next(self._ids)}"
-            self.engine.add_request(request_id, prompt, p, lora=lora, tenant=tenant)
-            order.append(request_id)
+        try:
+            for prompt, p, lora in zip(prompts, params_list, loras, strict=True):
+                request_id = f"llm-{next(self._ids)}"
+                self.engine.add_request(request_id, prompt, p, lora=lora, tenant=tenant)
+                order.append(request_id)
+        except BaseException:
+            # one refused prompt refuses the batch: the ones already queued must not run in a later call
+            for request_id in order:
+                self.engine.abort_request(request_id)
+            raise
         return self._run(order, use_tqdm)
 
     def chat(
