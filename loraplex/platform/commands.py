@@ -27,6 +27,21 @@ def _print_admin_key(secret: str) -> None:
                f"{bar}\n", err=True)
 
 
+def _refuse_busy_port(host: str, port: int) -> None:
+    """uvicorn binds only after the database, the one-time admin key and the model are ready, so a busy port
+    would show after all of them (and after the key was printed into the failed run's output)."""
+    import socket
+
+    try:
+        family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does
+            probe.bind(address)
+    except OSError as exc:
+        raise click.ClickException(f"cannot listen on {host}:{port}: {exc.strerror or exc}; "
+                                   "pass --port (or --host), or stop what holds it") from exc
+
+
 @click.command()
 @click.option("--model", default=None, help="base model: local HF folder, .gguf file, Hub id or 'smollm2-135m'")
 @click.option("--host", default=None, help="address to listen on (default 127.0.0.1)")
@@ -44,6 +59,7 @@ def serve(model, host, port, data_dir, no_engine):
                          embedded_engine=False if no_engine else None)
     if no_engine and not settings.redis_url:
         raise click.ClickException("--no-engine needs LORAPLEX_REDIS_URL: engines register themselves in Redis")
+    _refuse_busy_port(settings.host, settings.port)
     try:
         prepare_database(settings)
     except Exception as exc:

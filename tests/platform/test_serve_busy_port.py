@@ -1,0 +1,41 @@
+"""`loraplex serve` on a port already in use fails at once: before it creates the database, prints the
+one-time admin key into a run that is about to fail, or spends time loading the model."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+from click.testing import CliRunner
+
+from loraplex.platform.commands import serve
+
+
+@pytest.fixture
+def data_dir(tmp_path, monkeypatch):
+    for key in list(os.environ):
+        if key.startswith("LORAPLEX_"):
+            monkeypatch.delenv(key)
+    monkeypatch.setenv("LORAPLEX_DATA_DIR", str(tmp_path / "data"))
+    return tmp_path / "data"
+
+
+def test_busy_port_is_refused_before_anything_is_created(data_dir, tmp_path):
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        # a model path that does not exist: reaching the model load would fail differently
+        r = CliRunner().invoke(serve, ["--port", str(port), "--model", str(tmp_path / "no-model")])
+    assert r.exit_code == 1, r.output
+    assert f"cannot listen on 127.0.0.1:{port}" in r.output and "--port" in r.output
+    assert "admin key" not in r.output
+    assert not (data_dir / "loraplex.db").exists()
+
+
+def test_unknown_host_is_refused_clearly(data_dir):
+    r = CliRunner().invoke(serve, ["--host", "no-such-host.invalid", "--port", "8000"])
+    assert r.exit_code == 1
+    assert "cannot listen on no-such-host.invalid:8000" in r.output
+    assert "Traceback" not in r.output
