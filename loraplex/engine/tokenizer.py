@@ -129,9 +129,12 @@ def _refuse_lone_surrogates(text: Any, param: str) -> None:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as exc:
+        # a chat's text is the rendered template, whose character positions mean nothing to the caller
+        where = f" at character {exc.start}" if param == "prompt" else ""
+        what = "the prompt" if param == "prompt" else "a message"
         raise InvalidRequestError(
-            f"the {param} is not valid Unicode: a lone surrogate (U+{ord(text[exc.start]):04X}) at character "
-            f"{exc.start}", param=param) from None
+            f"{what} is not valid Unicode: it holds a lone surrogate (U+{ord(text[exc.start]):04X}){where}",
+            param=param) from None
 
 
 def _check_messages(messages: Any) -> list[Any]:
