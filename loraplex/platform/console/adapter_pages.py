@@ -14,7 +14,6 @@ from loraplex.platform.adapter_registry import (
     adapter_public,
     delete_adapter,
     get_adapter,
-    register_upload,
     uploads_root,
 )
 from loraplex.platform.console.deps import ConsoleDep, ConsolePostDep
@@ -24,7 +23,7 @@ from loraplex.platform.deps import ServicesDep
 from loraplex.platform.errors import APIError
 from loraplex.platform.metrics import get_metrics
 from loraplex.platform.models import Adapter, AdapterVersion, Tenant, VersionStatus
-from loraplex.platform.routes.adapters import MULTIPART_OVERHEAD, drop_versions
+from loraplex.platform.routes.adapters import MULTIPART_OVERHEAD, drop_versions, register_with_retry
 from loraplex.platform.scoping import TenantScope
 from loraplex.platform.tenants import TenantError, get_tenant
 from loraplex.platform.uploads import parse_upload, too_large
@@ -70,13 +69,8 @@ async def upload(request: Request, _context: ConsolePostDep, services: ServicesD
     staging = uploads_root(services.settings) / f"incoming-{uuid.uuid4().hex}"
     parsed = await parse_upload(request.stream(), request.headers.get("content-type", ""), staging, limit)
 
-    def register() -> tuple[int, bool, str]:
-        with session_scope(services.sessions) as session:
-            version, created = register_upload(session, TenantScope(session, tenant.id), services.settings, parsed)
-            return version.id, created, version.adapter.name
-
     try:
-        version_id, created, name = await asyncio.to_thread(register)
+        version_id, created, name = await asyncio.to_thread(register_with_retry, services, tenant.id, parsed)
     except BaseException:
         parsed.discard()
         raise

@@ -52,7 +52,7 @@ async def handle_upload(services: Services, tenant_id: int, request: Request, wa
     staging = uploads_root(services.settings) / f"incoming-{uuid.uuid4().hex}"
     upload = await parse_upload(request.stream(), request.headers.get("content-type", ""), staging, limit)
     try:
-        version_id, created = await asyncio.to_thread(_register, services, tenant_id, upload)
+        version_id, created, _ = await asyncio.to_thread(register_with_retry, services, tenant_id, upload)
     except BaseException:
         upload.discard()
         raise
@@ -68,13 +68,15 @@ async def handle_upload(services: Services, tenant_id: int, request: Request, wa
     return JSONResponse(version.model_dump(mode="json"), status_code=status)
 
 
-def _register(services: Services, tenant_id: int, upload) -> tuple[int, bool]:
+def register_with_retry(services: Services, tenant_id: int, upload) -> tuple[int, bool, str]:
+    """register_upload in its own transaction: (version id, created, adapter name). Every upload route uses
+    it, so all of them survive the race below."""
     for attempt in range(2):
         try:
             with session_scope(services.sessions) as session:
                 version, created = register_upload(session, TenantScope(session, tenant_id), services.settings,
                                                    upload)
-                return version.id, created
+                return version.id, created, version.adapter.name
         except IntegrityError:
             # two first uploads of one name raced to create the adapter; the second now finds it
             if attempt:
