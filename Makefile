@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 $(PY):
 	$(PYTHON) -m venv $(VENV)
 
-# torch first, pinned to the CPU build, so nothing later pulls a CUDA build.
+# torch first and pinned, so that nothing installed after it pulls in another (multi-GB) build.
 $(STAMP): pyproject.toml | $(PY)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q torch==2.13.0
