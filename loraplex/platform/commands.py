@@ -50,6 +50,9 @@ def _refuse_busy_port(host: str, port: int) -> None:
 @click.option("--no-engine", is_flag=True, help="API only: route inference to `loraplex engine` processes")
 def serve(model, host, port, data_dir, no_engine):
     """Serve the API (and, by default, the engine in the same process)."""
+    from loraplex.platform.cpu_threads import prefer_passive_openmp
+
+    prefer_passive_openmp()  # before the engine imports torch
     import uvicorn
 
     from loraplex.platform.app import create_app
@@ -110,6 +113,9 @@ def worker(queues, concurrency, pool, beat, loglevel):
 @click.option("--advertise", default=None, help="URL API processes use to reach this engine (default http://HOST:PORT)")
 def engine(model, host, port, advertise):
     """An engine process: holds the model, serves API processes, consumes its own task queue."""
+    from loraplex.platform.cpu_threads import prefer_passive_openmp
+
+    prefer_passive_openmp()  # before the engine imports torch; its server's event loop needs the CPU too
     from loraplex.platform.remote.server import run_engine_server
 
     settings = _settings(model=model)
