@@ -74,9 +74,11 @@ def to_host_adapter(
                 )
             if r > max_rank:
                 raise ValueError(f"adapter {lora.name!r} has rank {r}, above max_lora_rank={max_rank}")
-            a, b = a.contiguous(), b.contiguous()
+            # B is kept as a view of a contiguous B^T: slots store B rank-major, so a slot load is a
+            # straight copy and the transpose happens here, off the step loop
+            a, b = a.contiguous(), b.t().contiguous().t()
             if pin:
-                a, b = a.pin_memory(), b.pin_memory()
+                a, b = a.pin_memory(), b.t().pin_memory().t()
             per_slice.append((a, b))
             rank = max(rank, r)
             nbytes += a.numel() * a.element_size() + b.numel() * b.element_size()

@@ -145,20 +145,24 @@ class LoraSlotWeights:
             ranks.append(r)
             offsets.append(offset)
             offset += r
+        self._write_meta(slot, ranks, offsets)
+
+    def _write_meta(self, slot: int, ranks: list[int], offsets: list[int]) -> None:
         self.ranks[slot] = ranks
         self.rank_offsets[slot] = offsets
-        self.ranks_t[slot] = torch.tensor(ranks, dtype=torch.int32)
-        self.rank_offsets_t[slot] = torch.tensor(offsets, dtype=torch.int32)
-        self.rank_totals_t[slot] = offset
+        if self.ranks_t.device.type == "cpu":
+            # through numpy views: a slot load touches every projection, and torch dispatch adds up
+            self.ranks_t.numpy()[slot] = ranks
+            self.rank_offsets_t.numpy()[slot] = offsets
+            self.rank_totals_t.numpy()[slot] = sum(ranks)
+        else:
+            self.ranks_t[slot] = torch.tensor(ranks, dtype=torch.int32)
+            self.rank_offsets_t[slot] = torch.tensor(offsets, dtype=torch.int32)
+            self.rank_totals_t[slot] = sum(ranks)
 
     def clear_slot(self, slot: int) -> None:
         # Stale A/B values are harmless once the ranks say zero: nothing reads past a slice's rank.
-        zeros = [0] * self.num_slices
-        self.ranks[slot] = list(zeros)
-        self.rank_offsets[slot] = list(zeros)
-        self.ranks_t[slot] = 0
-        self.rank_offsets_t[slot] = 0
-        self.rank_totals_t[slot] = 0
+        self._write_meta(slot, [0] * self.num_slices, [0] * self.num_slices)
 
     def rank_total(self, slot: int) -> int:
         return sum(self.ranks[slot])
