@@ -9,6 +9,7 @@ from sqlalchemy.orm import Session
 
 from loraplex.config import Settings
 from loraplex.platform.errors import forbidden, unauthorized
+from loraplex.platform.hot_query import HotQuery
 from loraplex.platform.models import AdminKey, ApiKey, Plan, Tenant, TenantStatus
 from loraplex.platform.quotas import QuotaLimits
 from loraplex.platform.security import ADMIN_KEY_PREFIX, KEY_PREFIX, hash_key
@@ -54,7 +55,7 @@ def authenticate_tenant(session: Session, settings: Settings, token: str | None)
                          scopes=key.scope_set, limits=effective_limits(tenant, settings))
 
 
-_TENANT_BY_KEY = (
+_TENANT_BY_KEY = HotQuery(
     select(ApiKey.id, ApiKey.prefix, ApiKey.scopes, ApiKey.revoked_at, Tenant.id, Tenant.name, Tenant.status,
            Tenant.requests_per_minute, Tenant.tokens_per_minute, Tenant.max_concurrent,
            Tenant.monthly_token_budget, Plan.requests_per_minute, Plan.tokens_per_minute, Plan.max_concurrent,
@@ -66,12 +67,12 @@ _TENANT_BY_KEY = (
 
 
 def authenticate_tenant_fast(db: Engine, settings: Settings, token: str | None) -> TenantContext:
-    """authenticate_tenant in one Core query (no ORM objects): the per-request path of every API call."""
+    """authenticate_tenant in one query (no ORM objects, no Core execution): the per-request path of every
+    API call."""
     if token is None or not token.startswith(KEY_PREFIX) or token.startswith(ADMIN_KEY_PREFIX):
         with Session(db) as session:
             return authenticate_tenant(session, settings, token)  # for its exact error message
-    with db.connect() as conn:
-        row = conn.execute(_TENANT_BY_KEY, {"key_hash": hash_key(settings.secret_key, token)}).first()
+    row = _TENANT_BY_KEY.first(db, key_hash=hash_key(settings.secret_key, token))
     if row is None:
         raise unauthorized(f"Incorrect API key provided: {_masked(token)}.")
     (key_id, prefix, scopes, revoked_at, tenant_id, tenant_name, status, *quotas) = row

@@ -11,6 +11,7 @@ from sqlalchemy import Engine, bindparam, select
 from sqlalchemy.orm import Session
 
 from loraplex.engine.lora_request import LoRARequest
+from loraplex.platform.hot_query import HotQuery
 from loraplex.platform.models import Adapter, AdapterVersion, VersionStatus
 from loraplex.platform.scoping import TenantScope
 
@@ -66,7 +67,7 @@ def resolve_model(session: Session, tenant_id: int, model: str, base_model: str,
                        adapter_name=name, created=int(created_at.timestamp()))
 
 
-_LATEST_READY = (
+_LATEST_READY = HotQuery(
     select(AdapterVersion.content_hash, AdapterVersion.created_at)
     .join(Adapter, Adapter.id == AdapterVersion.adapter_id)
     .where(AdapterVersion.tenant_id == bindparam("tenant_id"), Adapter.name == bindparam("name"),
@@ -76,13 +77,12 @@ _LATEST_READY = (
 
 
 def resolve_latest_fast(db: Engine, tenant_id: int, model: str, base_model: str, store_dir: Path) -> ModelTarget:
-    """resolve_model for the common case (`name`, its newest ready version) as one prebuilt Core query;
+    """resolve_model for the common case (`name`, its newest ready version) as one prepared query;
     anything else, or a miss, takes the full path for its exact answer or error."""
     if model == base_model:
         return ModelTarget(model=model)
     if "@" not in model:
-        with db.connect() as conn:
-            row = conn.execute(_LATEST_READY, {"tenant_id": tenant_id, "name": model}).first()
+        row = _LATEST_READY.first(db, tenant_id=tenant_id, name=model)
         if row is not None:
             content_hash, created_at = row
             created = created_at if created_at.tzinfo else created_at.replace(tzinfo=UTC)
