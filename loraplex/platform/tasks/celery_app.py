@@ -49,10 +49,13 @@ def configure(settings: Settings) -> Celery:
 def _forget_connections() -> None:
     """Celery builds its queues, routes and connection pool once, from the configuration of the moment; a
     process configured again (tests, an embedded app after another) must not keep sending to the old ones."""
-    pool = getattr(app, "_pool", None)
-    if pool is not None:
-        pool.force_close_all()
-        app._pool = None
+    # app.pool is kombu's process-wide pool for the broker URL, and kombu's registries keep a closed pool
+    # under that key: closing it alone leaves every later producer acquiring from a closed pool. Reset the
+    # registries so the next use builds fresh pools.
+    from kombu import pools
+
+    pools.reset()
+    app._pool = None
     app.__dict__.pop("amqp", None)
 
 
