@@ -36,7 +36,7 @@ from loraplex.kernels.lora import LoraBatch, LoraSlotWeights
 ModuleWeights = Mapping[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
 LoadFn = Callable[[LoRARequest], ModuleWeights]
 
-PENDING_TTL_S = 30.0
+PENDING_TTL_S = 10.0
 
 
 @dataclass
@@ -126,8 +126,8 @@ class LoraManager:
         self._slot_key: list[str | None] = [None] * max_loras
         self._refs: dict[str, int] = {}
         self._pinned: set[str] = set()
-        # loaded (or loading) for a waiting request that has not run yet -> when; lapses after PENDING_TTL_S
-        # so an aborted request cannot hold a place for ever
+        # loaded (or loading) for a waiting request that has not run yet -> when it last asked; lapses
+        # PENDING_TTL_S after the last ask, so an aborted request cannot hold a place for ever
         self._pending: dict[str, float] = {}
         self.loads_total = self.evictions_total = self.hits_total = self.misses_total = 0
         self.source = None  # an AdapterSource when built for an engine: resolves user paths
@@ -249,8 +249,11 @@ class LoraManager:
     # ---- scheduler interface (step thread) ----------------------------------------------------------
 
     def ready(self, lora: LoRARequest) -> bool:
+        now = time.monotonic()
         with self._lock:
             key = lora.key
+            if key in self._pending:
+                self._pending[key] = now  # its request still waits: keep the loaded copy
             if key in self._slot_of or key in self._host:
                 return True
             error = self._errors.pop(key, None)
@@ -260,7 +263,6 @@ class LoraManager:
             if key not in self._pending:
                 # Loading for every waiting request at once would push adapters loaded for earlier ones
                 # out of the host LRU before they ever run: keep at most a slot-cache's worth in flight.
-                now = time.monotonic()
                 for k in [k for k, t in self._pending.items() if now - t > PENDING_TTL_S]:
                     del self._pending[k]
                 if len(self._pending) >= self.max_loras:
