@@ -97,14 +97,14 @@ def run_hf(model_dir: Path, prompts: list[str], max_tokens: int, batch_size: int
     return {"seconds": seconds, "generated": generated, "tok_s": generated / seconds, "token_ids": token_ids}
 
 
-def run_vllm(model_dir: Path, prompts: list[str], max_tokens: int) -> dict | None:
+def run_vllm(model_dir: Path, prompts: list[str], max_tokens: int, threads: int) -> dict | None:
     script = Path(__file__).parent / "peers" / "vllm_run.py"
     if not (VLLM_PYTHON.exists() and script.exists()):
         return None
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump({"prompts": prompts, "max_tokens": max_tokens, "ignore_eos": True}, f)
     proc = subprocess.run(
-        [str(VLLM_PYTHON), str(script), str(model_dir), f.name, "--omp-threads-bind", "0-1"],
+        [str(VLLM_PYTHON), str(script), str(model_dir), f.name, "--omp-threads-bind", f"0-{threads - 1}" if threads > 1 else "0"],
         capture_output=True, text=True, timeout=1800,
     )
     os.unlink(f.name)
@@ -122,10 +122,14 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--hf-batch-size", type=int, default=16)
     parser.add_argument("--kv-cache-mb", type=int, default=256)
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch threads for every row (default: torch's choice); vLLM is bound to as many cores")
     parser.add_argument("--no-hf", action="store_true")
     parser.add_argument("--no-vllm", action="store_true")
     args = parser.parse_args()
 
+    if args.threads:
+        torch.set_num_threads(args.threads)
     model_dir = resolve_model_dir(args.model)
     prompts = make_prompts(args.num_requests, seed=0)
     load = os.getloadavg()
@@ -134,7 +138,7 @@ def main() -> None:
     lp = run_loraplex(model_dir, prompts, args.max_tokens, args.kv_cache_mb)
     arch: ModelArch = lp["arch"]
     hf = None if args.no_hf else run_hf(model_dir, prompts, args.max_tokens, args.hf_batch_size)
-    vllm = None if args.no_vllm else run_vllm(model_dir, prompts, args.max_tokens)
+    vllm = None if args.no_vllm else run_vllm(model_dir, prompts, args.max_tokens, torch.get_num_threads())
 
     f_prompt = arch.flops_per_token(with_lm_head=False)
     f_gen = arch.flops_per_token(with_lm_head=True)
