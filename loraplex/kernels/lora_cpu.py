@@ -162,16 +162,22 @@ def available() -> bool:
 
 
 class _GroupTensors:
-    """The step's groups as the kernel wants them, split into small (kernel) and large (MKL)."""
+    """The step's groups split in two: small ones for the kernel, large ones (prefill) as a batch of their
+    own for the torch path, which then gathers and scatters once per projection, not once per group."""
 
     __slots__ = ("small", "large")
 
     def __init__(self, batch: LoraBatch):
-        small = [(s, st, c) for s, st, c in zip(batch.slot_ids, batch.starts, batch.counts, strict=True)
-                 if c < DENSE_GROUP_MIN]
+        groups = list(zip(batch.slot_ids, batch.starts, batch.counts, strict=True))
+        small = [g for g in groups if g[2] < DENSE_GROUP_MIN]
         self.small = torch.tensor(small, dtype=torch.int64).reshape(-1, 3)
-        self.large = [(s, st, c) for s, st, c in zip(batch.slot_ids, batch.starts, batch.counts, strict=True)
-                      if c >= DENSE_GROUP_MIN]
+        large = [g for g in groups if g[2] >= DENSE_GROUP_MIN]
+        self.large = None
+        if large:
+            ids = torch.cat([batch.sorted_token_ids[st : st + c] for _, st, c in large])
+            slots = torch.full((batch.num_tokens,), -1, dtype=torch.int64)
+            slots[ids] = torch.cat([torch.full((c,), s, dtype=torch.int64) for s, _, c in large])
+            self.large = LoraBatch.build(slots)
 
 
 def _groups(batch: LoraBatch) -> _GroupTensors:
@@ -195,26 +201,11 @@ def add_lora_cpu(y: torch.Tensor, x: torch.Tensor, w: LoraSlotWeights, batch: Lo
         add_lora_torch(y, x, w, batch)
         return
     groups = _groups(batch)
-    shrunk = torch.empty(batch.num_lora_tokens, w.a.shape[1], dtype=torch.float32)
     if groups.small.shape[0]:
+        shrunk = torch.empty(batch.num_lora_tokens, w.a.shape[1], dtype=torch.float32)
         mod.lora_small_groups(
             y, x, w.a, w.b, batch.sorted_token_ids, groups.small, w.ranks_t, w.rank_offsets_t, w.out_meta,
             shrunk, MIN_PARALLEL_COST,
         )
-    for slot, start, count in groups.large:
-        rt = w.rank_total(slot)
-        if rt == 0:
-            continue
-        rows = batch.sorted_token_ids[start : start + count]
-        xs = x[start : start + count] if batch.contiguous else x.index_select(0, rows)
-        s = xs @ w.a[slot, :rt].t()
-        if batch.contiguous:
-            ys, delta = y[start : start + count], None
-        else:
-            delta = y.new_zeros(count, w.out_features)
-            ys = delta
-        for r, roff, o, size in zip(w.ranks[slot], w.rank_offsets[slot], w.out_offsets, w.out_slices, strict=True):
-            if r:
-                ys[:, o : o + size].addmm_(s[:, roff : roff + r], w.b[slot, :r, o : o + size])
-        if delta is not None:
-            y.index_add_(0, rows, delta)
+    if groups.large is not None:
+        add_lora_torch(y, x, w, groups.large)
