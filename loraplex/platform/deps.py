@@ -47,11 +47,13 @@ SessionDep = Annotated[Session, Depends(get_session, scope="function")]
 AuthorizationHeader = Annotated[str | None, Header(alias="authorization", include_in_schema=False)]
 
 
-async def get_tenant(services: ServicesDep, authorization: AuthorizationHeader = None) -> TenantContext:
-    # Its own short connection: an inference stream must not hold one open. A local SQLite lookup by an
-    # indexed hash takes tens of microseconds, less than a hop to the threadpool (and its GIL handoff)
-    # would; a networked database is queried off the event loop.
-    token = bearer_token(authorization)
+async def get_tenant(request: Request) -> TenantContext:
+    # Reads the request rather than declaring sub-dependencies (services, the header), which FastAPI would
+    # resolve again on every API call. Its own short connection: an inference stream must not hold one
+    # open. A local SQLite lookup by an indexed hash takes tens of microseconds, less than a hop to the
+    # threadpool (and its GIL handoff) would; a networked database is queried off the event loop.
+    services: Services = request.app.state.services
+    token = bearer_token(request.headers.get("authorization"))
     if services.db.dialect.name == "sqlite":
         return authenticate_tenant_fast(services.db, services.settings, token)
     return await asyncio.to_thread(authenticate_tenant_fast, services.db, services.settings, token)
