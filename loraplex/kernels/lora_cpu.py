@@ -13,7 +13,6 @@ When no compiler is available the torch path is used (same results).
 from __future__ import annotations
 
 import logging
-import os
 import threading
 
 import torch
@@ -137,9 +136,6 @@ def _load():
         return _module
     with _lock:
         if _module is None and not _failed:
-            if os.environ.get("LORAPLEX_NO_CPU_EXTENSION"):
-                _failed = True
-                return None
             try:
                 from torch.utils.cpp_extension import load_inline
 
