@@ -4,6 +4,8 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
+# the venv's tools (ninja for the CPU LoRA kernel's first build) come first on PATH
+export PATH := $(abspath $(VENV))/bin:$(PATH)
 
 .PHONY: setup run demo test test-fast lint bench system-deps clean
 
