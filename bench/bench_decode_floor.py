@@ -1,0 +1,67 @@
+"""The memory-bandwidth floor of a decode step: SmolLM2-135M's 120 projections run once with 32 rows,
+every weight distinct (read cold from memory, as in a real step), four ways.
+
+    .venv/bin/python bench/bench_decode_floor.py
+"""
+
+import time
+
+import torch
+import torch.nn.functional as F
+import torch.utils.mkldnn
+
+SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # qkv, o, gate_up, down (out, in)
+LAYERS, ROWS, ITERS = 30, 32, 10
+
+
+def main() -> None:
+    torch.manual_seed(0)
+    weights = [[torch.randn(n, k) for n, k in SHAPES] for _ in range(LAYERS)]
+    gbytes = sum(w.numel() * 4 for ws in weights for w in ws) / 1e9
+    x = {k: torch.randn(ROWS, k) for k in (576, 1536)}
+    onednn = []
+    for ws in weights:
+        row = []
+        for w in ws:
+            lin = torch.nn.Linear(w.shape[1], w.shape[0], bias=True).requires_grad_(False)
+            lin.weight.copy_(w)
+            row.append(torch.utils.mkldnn.MkldnnLinear(lin, torch.float))
+        onednn.append(row)
+    packed = [[torch.ops.mkl._mkl_reorder_linear_weight(w, ROWS) for w in ws] for ws in weights]
+    transposed = [[w.t().contiguous() for w in ws] for ws in weights]
+
+    def run_linear():
+        for ws in weights:
+            for w in ws:
+                F.linear(x[w.shape[1]], w)
+
+    def run_onednn():
+        for ms in onednn:
+            for m in ms:
+                m(x[m.weight.shape[1]].to_mkldnn()).to_dense()
+
+    def run_mkl_packed():
+        for ws, ps in zip(weights, packed, strict=True):
+            for w, p in zip(ws, ps, strict=True):
+                torch.ops.mkl._mkl_linear(x[w.shape[1]], p, w, None, ROWS)
+
+    def run_mm_transposed():
+        for ws in transposed:
+            for w in ws:
+                torch.mm(x[w.shape[0]], w)
+
+    print(f"{LAYERS} layers, {ROWS} rows, {gbytes * 1000:.0f} MB of fp32 weights, {torch.get_num_threads()} threads")
+    print("| way | ms/step | effective GB/s |\n|---|---:|---:|")
+    for name, fn in [("F.linear", run_linear), ("oneDNN linear", run_onednn),
+                     ("MKL packed GEMM", run_mkl_packed), ("torch.mm, pre-transposed", run_mm_transposed)]:
+        for _ in range(2):
+            fn()
+        start = time.perf_counter()
+        for _ in range(ITERS):
+            fn()
+        ms = (time.perf_counter() - start) / ITERS * 1e3
+        print(f"| {name} | {ms:.1f} | {gbytes / (ms / 1e3):.1f} |")
+
+
+if __name__ == "__main__":
+    main()
