@@ -23,10 +23,9 @@ from pathlib import Path
 
 import torch
 
-from loraplex.engine.benchmark import make_prompts
+from loraplex.engine.benchmark import make_prompts, run_engine_benchmark
 from loraplex.engine.model_loader import resolve_model_dir
 from loraplex.engine.models.arch import ModelArch
-from loraplex.engine.sampling_params import SamplingParams
 
 VLLM_PYTHON = Path("/work/peers/vllm-venv/bin/python")
 
@@ -55,18 +54,13 @@ def run_loraplex(model_dir: Path, prompts: list[str], max_tokens: int, kv_mb: in
 
     # A base-model workload: no adapter slots are reserved (bench_lora.py measures the LoRA path).
     llm = LLM(str(model_dir), kv_cache_memory=kv_mb * 1024 * 1024, max_loras=0)
-    warm = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
-    llm.generate(["warm up " * 30, "warm up"], warm, use_tqdm=False)
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    start = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    seconds = time.perf_counter() - start
-    generated = sum(len(o.outputs[0].token_ids) for o in outs)
+    result = run_engine_benchmark(str(model_dir), prompts=prompts, max_tokens=max_tokens, llm=llm)
+    outs = result["outputs"]
     return {
-        "seconds": seconds,
-        "generated": generated,
-        "prompt_tokens": sum(len(o.prompt_token_ids) for o in outs),
-        "tok_s": generated / seconds,
+        "seconds": result["seconds"],
+        "generated": result["generated_tokens"],
+        "prompt_tokens": result["prompt_tokens"],
+        "tok_s": result["tokens_per_s"],
         "token_ids": [o.outputs[0].token_ids for o in outs],
         "kv_cache_mb": llm.engine.runner.kv_cache_bytes / 2**20,
         "num_kv_blocks": llm.engine.limits.num_kv_blocks,

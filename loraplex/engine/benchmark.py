@@ -21,14 +21,16 @@ def make_prompts(num_requests: int, seed: int = 0, min_words: int = 20, max_word
 
 
 def run_engine_benchmark(model: str, *, num_requests: int = 32, max_tokens: int = 64, seed: int = 0,
-                         llm=None, **engine_kwargs) -> dict:
+                         llm=None, prompts: list[str] | None = None, **engine_kwargs) -> dict:
     from loraplex.engine.llm import LLM
     from loraplex.engine.sampling_params import SamplingParams
 
     llm = llm or LLM(model, **engine_kwargs)
-    prompts = make_prompts(num_requests, seed)
+    prompts = prompts if prompts is not None else make_prompts(num_requests, seed)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    llm.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True), use_tqdm=False)
+    # Warm up with a long prompt too: the first large prefill pays for growing the allocator's heap.
+    warm = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    llm.generate(["warm up " * 30, "warm up"], warm, use_tqdm=False)
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     seconds = time.perf_counter() - start
