@@ -183,7 +183,31 @@ def lora_expand_triton(y: torch.Tensor, shrunk: torch.Tensor, w: LoraSlotWeights
     )
 
 
-def add_lora_triton(y: torch.Tensor, x: torch.Tensor, w: LoraSlotWeights, batch: LoraBatch) -> None:
+_SM_COUNT: dict[int, int] = {}
+
+
+def auto_split_k(x: torch.Tensor, w: LoraSlotWeights, batch: LoraBatch) -> int:
+    """Split the shrink's K loop when its grid would leave most of the GPU idle (decode: a few tokens per
+    adapter, a long K), so that every multiprocessor streams a share of the A rows."""
+    if not x.is_cuda or batch.empty:
+        return 1
+    dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    if dev not in _SM_COUNT:
+        _SM_COUNT[dev] = torch.cuda.get_device_properties(dev).multi_processor_count
+    programs = (
+        triton.cdiv(batch.max_count, _block_m(batch.max_count)) * triton.cdiv(w.a.shape[1], 16) * len(batch.slot_ids)
+    )
+    k_blocks = triton.cdiv(x.shape[1], 64)
+    split = (2 * _SM_COUNT[dev]) // max(programs, 1)
+    # each split keeps at least 4 K blocks of work; atomics beyond 16 partial sums cost more than they save
+    return max(1, min(split, k_blocks // 4, 16))
+
+
+def add_lora_triton(
+    y: torch.Tensor, x: torch.Tensor, w: LoraSlotWeights, batch: LoraBatch, *, split_k: int | None = None
+) -> None:
     if batch.empty:
         return
-    lora_expand_triton(y, lora_shrink_triton(x, w, batch), w, batch)
+    if split_k is None:
+        split_k = auto_split_k(x, w, batch)
+    lora_expand_triton(y, lora_shrink_triton(x, w, batch, split_k=split_k), w, batch)
