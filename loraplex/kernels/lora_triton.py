@@ -198,6 +198,11 @@ def auto_split_k(x: torch.Tensor, w: LoraSlotWeights, batch: LoraBatch) -> int:
         triton.cdiv(batch.max_count, _block_m(batch.max_count)) * triton.cdiv(w.a.shape[1], 16) * len(batch.slot_ids)
     )
     k_blocks = triton.cdiv(x.shape[1], 64)
+    # Measured on an H200 (bench/bench_lora_kernels.py): below K = 8192 the zeroed buffer and the atomics
+    # cost more than the extra parallelism gives (Llama-7B qkv/gate_up decode got slower split); at
+    # K = 11008 (Llama-7B down) splitting 8 ways took a 32-token decode from 74 to 45 us.
+    if k_blocks < 128:
+        return 1
     split = (2 * _SM_COUNT[dev]) // max(programs, 1)
     # each split keeps at least 4 K blocks of work; atomics beyond 16 partial sums cost more than they save
     return max(1, min(split, k_blocks // 4, 16))

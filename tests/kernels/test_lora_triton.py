@@ -19,12 +19,16 @@ def _run_both(w, x, y, batch, split_k=1):
     ref = y.clone()
     add_lora_torch(ref, x, w, batch)
     dev_batch = LoraBatch.build(batch_slots(batch), device=DEVICE)
-    for name in ("a", "b", "ranks_t", "rank_offsets_t", "rank_totals_t", "out_sizes_t", "out_offsets_t"):
-        setattr(w, name, getattr(w, name).to(DEVICE))
+    _to_device(w)
     got = y.to(DEVICE)
     shrunk = lora_shrink_triton(x.to(DEVICE), w, dev_batch, split_k=split_k)
     lora_expand_triton(got, shrunk, w, dev_batch)
     return ref, got.cpu()
+
+
+def _to_device(w) -> None:
+    for name in ("a", "b", "ranks_t", "rank_offsets_t", "rank_totals_t", "out_sizes_t", "out_offsets_t"):
+        setattr(w, name, getattr(w, name).to(DEVICE))
 
 
 def batch_slots(batch: LoraBatch) -> list[int]:
@@ -92,7 +96,8 @@ def test_shrink_matches_on_meaningful_columns():
         token_slots=[1, 0, 1, -1, 0, 0], num_slots=2,
     )
     ref = lora_shrink_torch(x, w, batch)
-    got = lora_shrink_triton(x, w, batch)
+    _to_device(w)
+    got = lora_shrink_triton(x.to(DEVICE), w, LoraBatch.build(batch_slots(batch), device=DEVICE)).cpu()
     for slot, start, count in zip(batch.slot_ids, batch.starts, batch.counts, strict=True):
         rt = w.rank_total(slot)
         torch.testing.assert_close(got[start : start + count, :rt], ref[start : start + count, :rt])
