@@ -4,9 +4,10 @@ For each projection shape and batch below, both paths compute y += LoRA delta of
 (mixed ranks 8/16/32/64, some rows on the base model), on the same random inputs; the Triton result is
 checked against the torch path before it is timed. Times are CUDA-event medians over many repetitions
 (`triton.testing.do_bench`), the per-step token grouping (`LoraBatch`) built once outside the timing, as
-the engine does. Bandwidth counts the bytes the delta must move at least once: the LoRA rows of x, the A
-and B rows of the active adapters up to each one's rank, the fp32 shrink buffer written and read, and y
-read and written. The card's bandwidth is measured in the same run (a device-to-device copy of 2 GiB,
+the engine does; the same call is also timed captured in a CUDA graph (GPU time without Python's launch
+cost). Bandwidth counts the bytes the delta must move at least once (the LoRA rows of x, the A and B rows
+of the active adapters up to each one's rank, the fp32 shrink buffer written and read, and y read and
+written) over either time. The card's bandwidth is measured in the same run (a device-to-device copy of 2 GiB,
 read plus write bytes) beside its data-sheet figure. The base projection (x @ W^T over all rows, cuBLAS)
 is timed too: LoRA's share of a projection is what serving pays.
 
@@ -117,15 +118,61 @@ def measure_row(model, proj, label, in_f, out_slices, tokens, n_adapters, base_s
     s = lora_shrink_triton(x, w, batch)
     t_shrink = do_bench(lambda: lora_shrink_triton(x, w, batch, split_k=split), warmup=10, rep=100)
     t_expand = do_bench(lambda: lora_expand_triton(yb, s, w, batch), warmup=10, rep=100)
+    # GPU time alone: the same call captured in a CUDA graph and replayed (no Python launch cost)
+    t_graph = graph_time(lambda: add_lora_triton(yb, x, w, batch))
     tbps = min_bytes(w, batch, dsize) / (t_triton * 1e-3) / 1e12
+    graph_tbps = min_bytes(w, batch, dsize) / (t_graph * 1e-3) / 1e12
+    sweep = sweep_configs(x, yb, s, w, batch, split) if SWEEP else ""
     row = (
         f"| {model} | {proj} | {label} | {t_base * 1e3:.1f} | {t_torch * 1e3:.1f} | "
         f"{t_triton * 1e3:.1f} (shrink {t_shrink * 1e3:.1f} + expand {t_expand * 1e3:.1f}; "
         f"split_k {split}, {t_split1 * 1e3:.1f} unsplit) | "
-        f"{t_torch / t_triton:.1f}x | {tbps:.2f} | {100 * tbps / copy_tbps:.0f}% | "
-        f"{100 * t_triton / t_base:.0f}% |"
+        f"{t_torch / t_triton:.1f}x | {tbps:.2f} | {t_graph * 1e3:.1f} | {graph_tbps:.2f} | "
+        f"{100 * graph_tbps / copy_tbps:.0f}% | {100 * t_triton / t_base:.0f}% |{sweep}"
     )
-    return row, tbps, None
+    return row, graph_tbps, None
+
+
+SWEEP = False
+SHRINK_CONFIGS = [(16, 64, 4), (32, 64, 4), (16, 128, 4), (32, 128, 8), (64, 64, 4)]  # block_n, block_k, warps
+EXPAND_CONFIGS = [(64, 16, 4), (128, 16, 4), (128, 16, 8), (256, 16, 8), (128, 32, 4), (64, 32, 4)]  # n, k, warps
+
+
+def graph_time(fn) -> float:
+    from triton.testing import do_bench
+
+    fn()
+    torch.cuda.synchronize()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return do_bench(graph.replay, warmup=10, rep=100)
+
+
+def sweep_configs(x, y, s, w, batch, split) -> str:
+    """Graph-replayed time of each tile configuration, shrink and expand apart; the best of each."""
+    from loraplex.kernels.lora_triton import lora_expand_triton, lora_shrink_triton
+
+    shrink = {}
+    for bn, bk, nw in SHRINK_CONFIGS:
+        shrink[(bn, bk, nw)] = graph_time(
+            lambda bn=bn, bk=bk, nw=nw: lora_shrink_triton(x, w, batch, split_k=split, block_n=bn, block_k=bk,
+                                                           num_warps=nw))
+    expand = {}
+    for bn, bk, nw in EXPAND_CONFIGS:
+        expand[(bn, bk, nw)] = graph_time(
+            lambda bn=bn, bk=bk, nw=nw: lora_expand_triton(y, s, w, batch, block_n=bn, block_k=bk, num_warps=nw))
+    bs, be = min(shrink, key=shrink.get), min(expand, key=expand.get)
+    d_s, d_e = shrink[SHRINK_CONFIGS[0]], expand[EXPAND_CONFIGS[0]]
+    return (
+        f" shrink {d_s * 1e3:.1f} -> best {bs} {shrink[bs] * 1e3:.1f}; "
+        f"expand {d_e * 1e3:.1f} -> best {be} {expand[be] * 1e3:.1f} |"
+    )
 
 
 def main() -> int:
@@ -134,7 +181,10 @@ def main() -> int:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--out", default=None, help="also write the table (markdown) to this file")
     ap.add_argument("--quick", action="store_true", help="first two shapes and batches only")
+    ap.add_argument("--sweep", action="store_true", help="also time a few tile configurations per row")
     args = ap.parse_args()
+    global SWEEP
+    SWEEP = args.sweep
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         print("no CUDA device: this benchmark times GPU kernels (the CPU paths are timed by bench_lora.py)")
         return 2
@@ -151,8 +201,9 @@ def main() -> int:
         + (f" (data sheet {sheet} TB/s)" if sheet else ""),
         "",
         "| model | proj | batch | base GEMM us | torch path us | Triton us | Triton x torch | Triton TB/s "
-        "| % of copy BW | LoRA / base |",
-        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| Triton in a CUDA graph us | graph TB/s | % of copy BW | LoRA / base |"
+        + (" tile sweep (graph, us) |" if args.sweep else ""),
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|" + ("---|" if args.sweep else ""),
     ]
     print("\n".join(lines), flush=True)
     gen = torch.Generator().manual_seed(0)
@@ -180,7 +231,7 @@ def main() -> int:
         torch.cuda.empty_cache()
     if all_tbps:
         med = statistics.median(all_tbps)
-        lines.append(f"\nmedian Triton bandwidth over the rows: {med:.2f} TB/s")
+        lines.append(f"\nmedian Triton bandwidth over the rows (CUDA graph): {med:.2f} TB/s")
         print(lines[-1])
     for f in failures:
         lines.append(f"MISMATCH {f}")

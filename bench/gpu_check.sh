@@ -14,7 +14,7 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 TOKENIZER
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton, transformers, peft; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, 'peft', peft.__version__)" | tee -a "$OUT/gpu.txt"
 if [ "$WHAT" != tests ]; then
-timeout 180 python3 bench/bench_lora_kernels.py --dtype bfloat16 --out "$OUT/lora_kernels_bfloat16.md" 2>&1 | tail -40
+timeout 240 python3 bench/bench_lora_kernels.py --dtype bfloat16 ${SWEEP:+--sweep} --out "$OUT/lora_kernels_bfloat16.md" 2>&1 | tail -40
 timeout 60 python3 bench/bench_lora_kernels.py --dtype float16 --quick --out "$OUT/lora_kernels_float16.md" 2>&1 | tail -12
 fi
 [ "$WHAT" = bench ] && exit 0

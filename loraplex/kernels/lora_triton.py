@@ -134,15 +134,16 @@ def _block_m(max_count: int) -> int:
 
 
 def lora_shrink_triton(
-    x: torch.Tensor, w: LoraSlotWeights, batch: LoraBatch, *, split_k: int = 1
+    x: torch.Tensor, w: LoraSlotWeights, batch: LoraBatch, *, split_k: int = 1,
+    block_n: int = 16, block_k: int = 64, num_warps: int = 4,
 ) -> torch.Tensor:
-    """Same contract as `lora_shrink_torch`; the buffer is fp32."""
+    """Same contract as `lora_shrink_torch`; the buffer is fp32. The tile sizes are open for tuning."""
     n = batch.num_lora_tokens
     zero = split_k > 1
     out = (torch.zeros if zero else torch.empty)(n, w.a.shape[1], dtype=torch.float32, device=x.device)
     if batch.empty:
         return out
-    block_m, block_n, block_k = _block_m(batch.max_count), 16, 64
+    block_m = _block_m(batch.max_count)
     max_rank_total = w.a.shape[1]
     grid = (
         triton.cdiv(batch.max_count, block_m) * triton.cdiv(max_rank_total, block_n),
@@ -156,15 +157,18 @@ def lora_shrink_triton(
         w.a.stride(0), w.a.stride(1), w.a.stride(2),
         out.stride(0), out.stride(1),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k,
-        PRECISION=_precision(x.dtype),
+        PRECISION=_precision(x.dtype), num_warps=num_warps,
     )
     return out
 
 
-def lora_expand_triton(y: torch.Tensor, shrunk: torch.Tensor, w: LoraSlotWeights, batch: LoraBatch) -> None:
+def lora_expand_triton(
+    y: torch.Tensor, shrunk: torch.Tensor, w: LoraSlotWeights, batch: LoraBatch, *,
+    block_n: int = 64, block_k: int = 16, num_warps: int = 4,
+) -> None:
     if batch.empty:
         return
-    block_m, block_n, block_k = _block_m(batch.max_count), 64, 16
+    block_m = _block_m(batch.max_count)
     max_out = max(w.out_slices)
     grid = (
         triton.cdiv(batch.max_count, block_m) * triton.cdiv(max_out, block_n),
@@ -179,7 +183,7 @@ def lora_expand_triton(y: torch.Tensor, shrunk: torch.Tensor, w: LoraSlotWeights
         w.b.stride(0), w.b.stride(2), w.b.stride(1),
         y.stride(0), y.stride(1),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        PRECISION=_precision(w.b.dtype),
+        PRECISION=_precision(w.b.dtype), num_warps=num_warps,
     )
 
 
