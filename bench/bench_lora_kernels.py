@@ -134,8 +134,8 @@ def measure_row(model, proj, label, in_f, out_slices, tokens, n_adapters, base_s
 
 
 SWEEP = False
-SHRINK_CONFIGS = [(16, 64, 4), (32, 64, 4), (16, 128, 4), (32, 128, 8), (64, 64, 4)]  # block_n, block_k, warps
-EXPAND_CONFIGS = [(64, 16, 4), (128, 16, 4), (128, 16, 8), (256, 16, 8), (128, 32, 4), (64, 32, 4)]  # n, k, warps
+SHRINK_CONFIGS = [(16, 128, 4), (16, 64, 4), (32, 64, 4), (32, 128, 8), (64, 64, 4)]  # block_n, block_k, warps
+EXPAND_CONFIGS = [(128, 16, 4), (64, 16, 4), (128, 16, 8), (256, 16, 8), (128, 32, 4), (64, 32, 4)]  # n, k, warps
 
 
 def graph_time(fn) -> float:

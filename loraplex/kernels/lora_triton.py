@@ -135,7 +135,7 @@ def _block_m(max_count: int) -> int:
 
 def lora_shrink_triton(
     x: torch.Tensor, w: LoraSlotWeights, batch: LoraBatch, *, split_k: int = 1,
-    block_n: int = 16, block_k: int = 64, num_warps: int = 4,
+    block_n: int = 16, block_k: int = 128, num_warps: int = 4,
 ) -> torch.Tensor:
     """Same contract as `lora_shrink_torch`; the buffer is fp32. The tile sizes are open for tuning."""
     n = batch.num_lora_tokens
@@ -164,11 +164,15 @@ def lora_shrink_triton(
 
 def lora_expand_triton(
     y: torch.Tensor, shrunk: torch.Tensor, w: LoraSlotWeights, batch: LoraBatch, *,
-    block_n: int = 64, block_k: int = 16, num_warps: int = 4,
+    block_n: int = 128, block_k: int | None = None, num_warps: int = 4,
 ) -> None:
     if batch.empty:
         return
     block_m = _block_m(batch.max_count)
+    if block_k is None:
+        # tile sweep on an H200 (bench/bench_lora_kernels.py --sweep): 128-wide output tiles won every
+        # shape; a 32-deep rank step helped prefill-sized groups, 16 decode-sized ones
+        block_k = 32 if block_m == 64 else 16
     max_out = max(w.out_slices)
     grid = (
         triton.cdiv(batch.max_count, block_m) * triton.cdiv(max_out, block_n),
@@ -201,11 +205,11 @@ def auto_split_k(x: torch.Tensor, w: LoraSlotWeights, batch: LoraBatch) -> int:
     programs = (
         triton.cdiv(batch.max_count, _block_m(batch.max_count)) * triton.cdiv(w.a.shape[1], 16) * len(batch.slot_ids)
     )
-    k_blocks = triton.cdiv(x.shape[1], 64)
+    k_blocks = triton.cdiv(x.shape[1], 128)
     # Measured on an H200 (bench/bench_lora_kernels.py): below K = 8192 the zeroed buffer and the atomics
     # cost more than the extra parallelism gives (Llama-7B qkv/gate_up decode got slower split); at
     # K = 11008 (Llama-7B down) splitting 8 ways took a 32-token decode from 74 to 45 us.
-    if k_blocks < 128:
+    if k_blocks < 64:
         return 1
     split = (2 * _SM_COUNT[dev]) // max(programs, 1)
     # each split keeps at least 4 K blocks of work; atomics beyond 16 partial sums cost more than they save
