@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from loraplex.kernels import ops_cpu
+
 
 def write_kv(
     k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
@@ -49,6 +51,27 @@ def decode_attention(
     mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query token per sequence. q: [batch, num_heads, head_dim] -> [batch, num_heads, head_dim].
+
+    fp32 on CPU runs the fused kernel (ops_cpu), which reads K/V straight from the blocks; anything else
+    (or no compiler) runs the torch path below, which is also the kernel's oracle. `mask` (decode_mask)
+    is only used by the torch path.
+    """
+    out = ops_cpu.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale)
+    if out is not None:
+        return out
+    return decode_attention_torch(q, k_cache, v_cache, block_tables, context_lens, scale, mask)
+
+
+def decode_attention_torch(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """decode_attention in plain torch.
 
     All sequences are handled by one fused attention call over K/V gathered through the block tables and
     padded to the longest context; padding is masked out. The gathered layout puts KV heads first, so the
