@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from loraplex.engine import forward_context as fctx
+from loraplex.kernels import ops_cpu
 from loraplex.kernels.attention import decode_attention, prefill_attention, write_kv
 
 
@@ -67,10 +68,17 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        """With a residual: adds it first and returns (normed, new residual), saving a pass over memory."""
+        """With a residual: adds it first and returns (normed, new residual), saving a pass over memory.
+        fp32 CPU rows take the fused kernel, which does both in place: x and residual are overwritten."""
         if residual is not None:
+            if ops_cpu.fused_add_rms_norm_(x, residual, self.weight, self.eps):
+                return x, residual
             x = x + residual
             residual = x
+        else:
+            out = ops_cpu.rms_norm(x, self.weight, self.eps)
+            if out is not None:
+                return out
         out = F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         return out if residual is None else (out, residual)
 
@@ -116,6 +124,12 @@ class RotaryEmbedding(nn.Module):
 
 def apply_rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
     """Rotate x [num_tokens, heads, head_dim] in place; cos/sin: [num_tokens, 1, head_dim / 2]."""
+    if not ops_cpu.rotary_(x, cos, sin):
+        apply_rotary_torch_(x, cos, sin)
+
+
+def apply_rotary_torch_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """apply_rotary_ in plain torch."""
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half], x[..., half:]
     x1_sin = x1 * sin

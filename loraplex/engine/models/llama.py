@@ -15,6 +15,7 @@ from torch import nn
 
 from loraplex.engine.models.arch import ModelArch
 from loraplex.engine.models.layers import LoraLinear, PagedAttention, RMSNorm, RotaryEmbedding, apply_rotary_
+from loraplex.kernels import ops_cpu
 
 # PEFT module name -> (our fused module, shard index)
 _FUSED = {
@@ -67,8 +68,12 @@ class LlamaMLP(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate).mul_(up))
+        gate_up = self.gate_up_proj(x)
+        act = ops_cpu.silu_and_mul(gate_up)  # fp32 CPU: one pass; otherwise None
+        if act is None:
+            gate, up = gate_up.split(self.intermediate_size, dim=-1)
+            act = F.silu(gate).mul_(up)
+        return self.down_proj(act)
 
 
 class LlamaDecoderLayer(nn.Module):
