@@ -57,7 +57,7 @@ def load_model(model_dir, arch: ModelArch, dtype: torch.dtype, device: torch.dev
         model.load_weights(iter_weights(model_dir))
     except ValueError as exc:
         raise ModelLoadError(f"{model_dir}: {exc}") from exc
-    model.pack_lm_head()
+    model.pack_for_cpu()
     return model.eval()
 
 

@@ -39,8 +39,11 @@ class LoraLinear(nn.Module):
         out = sum(output_sizes)
         self.weight = nn.Parameter(torch.empty(out, in_features, dtype=dtype), requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(out, dtype=dtype), requires_grad=False) if bias else None
+        self._packed: torch.Tensor | None = None  # the weight in oneDNN's layout, once packed
 
     def load_shard(self, shard: int, name: str, tensor: torch.Tensor) -> None:
+        if self._packed is not None:
+            raise ValueError(f"{self.module_names[shard]}: weights are packed for inference; load a new model")
         start = sum(self.output_sizes[:shard])
         size = self.output_sizes[shard]
         target = self.weight if name == "weight" else self.bias
@@ -53,8 +56,26 @@ class LoraLinear(nn.Module):
             )
         target.data[start : start + size].copy_(tensor)
 
+    def pack_for_cpu(self) -> bool:
+        """Pre-pack the weight for oneDNN (fp32 on CPU; see `loraplex.kernels.linear_cpu`). The plain copy
+        is released: the forward pass reads only the packed one, and the model's memory stays one copy
+        of the weights. Loading weights into a packed projection is refused."""
+        from loraplex.kernels.linear_cpu import pack_weight
+
+        if self._packed is not None:
+            return True
+        packed = pack_weight(self.weight)
+        if packed is None:
+            return False
+        self._packed = packed
+        self.weight = nn.Parameter(self.weight.new_empty(0, self.in_features), requires_grad=False)
+        return True
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias)
+        if self._packed is not None:
+            y = torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
+        else:
+            y = F.linear(x, self.weight, self.bias)
         ctx = fctx._current
         if ctx is not None and ctx.lora is not None:
             y = ctx.lora.apply(self.layer_idx, self.module_names, x, y, self.output_sizes)

@@ -139,28 +139,31 @@ class LlamaForCausalLM(nn.Module):
     def lm_head_weight(self) -> torch.Tensor:
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
-    def pack_lm_head(self) -> bool:
-        """On CPU with MKL, pre-pack the LM head for MKL's packed GEMM: the head is the largest matmul of a
-        decode step and streams the whole vocabulary's weights every step; packed, it runs ~11% faster
-        with bit-identical results. Costs a second copy of the head. Call again after reloading weights."""
-        weight = self.lm_head_weight
-        if weight.device.type != "cpu" or weight.dtype != torch.float32 or not torch.backends.mkl.is_available():
-            return False
-        try:
-            self._packed_head = torch.ops.mkl._mkl_reorder_linear_weight(weight, 32)
-        except (RuntimeError, AttributeError):  # a torch build without the MKL packed-GEMM ops
-            return False
-        return True
+    def pack_for_cpu(self) -> bool:
+        """On CPU in fp32, pre-pack every projection and the LM head for oneDNN's inner product. A decode
+        step streams all these weights once for a few dozen rows, and oneDNN reading its own blocked layout
+        streams them faster than `F.linear` on row-major weights (on a 2-core EPYC, 32 rows: the 120
+        projections 154 -> 88 ms, the 49152-row head 49 -> 20 ms). The projections' plain copies are
+        released; the head keeps its plain weight, which is also the embedding table when tied."""
+        from loraplex.kernels.linear_cpu import pack_weight
+
+        packed_any = False
+        for module in self.modules():
+            if isinstance(module, LoraLinear):
+                packed_any |= module.pack_for_cpu()
+        self._packed_head = pack_weight(self.lm_head_weight)
+        return packed_any or self._packed_head is not None
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.lm_head_weight
         if self._packed_head is not None:
-            return torch.ops.mkl._mkl_linear(hidden, self._packed_head, weight, None, 32)
-        return F.linear(hidden, weight)
+            return torch.ops.mkldnn._linear_pointwise(hidden, self._packed_head, None, "none", [], "")
+        return F.linear(hidden, self.lm_head_weight)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load Hugging Face tensors by name; fused projections take their shards. Every parameter must
         be covered exactly, or a ValueError names what is missing or unexpected."""
+        if any(isinstance(m, LoraLinear) and m._packed is not None for m in self.modules()):
+            raise ValueError("this model's weights are packed for inference; load the checkpoint into a new model")
         params = dict(self.named_parameters())
         expected = {name for name in params}
         loaded: set[str] = set()
