@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence as Seq
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -61,6 +62,33 @@ def load_model(model_dir, arch: ModelArch, dtype: torch.dtype, device: torch.dev
     return model.eval()
 
 
+def prepare_cpu_kernels(*, lora: bool) -> None:
+    """Build (first time on a machine, about a minute) or load the CPU kernels now, at start-up, so that no
+    request waits for a compiler. Without a compiler the torch paths serve, with a warning."""
+    import time
+
+    from loraplex.kernels import lora_cpu, ops_cpu
+
+    try:
+        from torch.utils.cpp_extension import _get_build_directory
+
+        names = [ops_cpu.EXTENSION_NAME] + ([lora_cpu.EXTENSION_NAME] if lora else [])
+        built = all(
+            any(p.suffix == ".so" for p in Path(_get_build_directory(n, verbose=False)).glob("*")) for n in names
+        )
+    except Exception:  # a private helper of torch's; only the message depends on it
+        built = True
+    if not built:
+        log.warning("building the CPU kernels for this machine (once, about a minute)")
+    start = time.perf_counter()
+    ok = ops_cpu.available() and (not lora or lora_cpu.available())
+    seconds = time.perf_counter() - start
+    if seconds > 5:
+        log.info("CPU kernels built in %.0f s (cached for later starts)", seconds)
+    if not ok:
+        log.warning("some CPU kernels could not be built; their plain-torch paths are used (slower)")
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig, *, adapter_slots: AdapterSlots | None = None):
         self.config = config
@@ -77,6 +105,8 @@ class LLMEngine:
             raise ModelLoadError(f"{self.model_dir}: {exc}") from exc
         self.tokenizer = Tokenizer.from_pretrained(self.model_dir)
         self.model = load_model(self.model_dir, self.arch, self.dtype, self.device)
+        if self.device.type == "cpu" and self.dtype == torch.float32:
+            prepare_cpu_kernels(lora=config.max_loras > 0)
         self.limits = self._derive_limits()
         if adapter_slots is None and config.max_loras > 0:
             from loraplex.engine.lora_manager import LoraManager

@@ -130,6 +130,8 @@ _module = None
 _failed = False
 
 
+EXTENSION_NAME = "loraplex_lora_cpu_v3"  # bump the suffix when the C++ source changes incompatibly
+
 def _load():
     global _module, _failed
     if _module is not None or _failed:
@@ -140,7 +142,7 @@ def _load():
                 from torch.utils.cpp_extension import load_inline
 
                 _module = load_inline(
-                    name="loraplex_lora_cpu_v3",
+                    name=EXTENSION_NAME,
                     cpp_sources=[_SOURCE],
                     functions=["lora_small_groups"],
                     extra_cflags=["-O3", "-march=native", "-fopenmp"],

@@ -429,6 +429,8 @@ _module = None
 _failed = False
 
 
+EXTENSION_NAME = "loraplex_ops_cpu_v1"  # bump the suffix when the C++ source changes incompatibly
+
 def _load():
     global _module, _failed
     if _module is not None or _failed:
@@ -439,7 +441,7 @@ def _load():
                 from torch.utils.cpp_extension import load_inline
 
                 _module = load_inline(
-                    name="loraplex_ops_cpu_v1",
+                    name=EXTENSION_NAME,
                     cpp_sources=[_SOURCE],
                     functions=_FUNCTIONS,
                     # no-trapping-math: lets the clamps in fast_exp become vector min/max (nothing reads FP flags)
