@@ -1,5 +1,7 @@
-"""The memory-bandwidth floor of a decode step: SmolLM2-135M's 120 projections run once with 32 rows,
-every weight distinct (read cold from memory, as in a real step), four ways.
+"""What bounds a decode step's projections: SmolLM2-135M's 120 projections run once with 32 rows, every
+weight distinct (read cold from memory, as in a real step), five ways, beside the machine's memory stream
+rate (a sum over 400 MB) and its fp32 matmul peak (1024x1024x1024). A way whose effective GB/s is far below
+the stream rate while its GFLOP/s approaches the peak is bound by arithmetic, not by memory.
 
     .venv/bin/python bench/bench_decode_floor.py
 """
@@ -28,6 +30,8 @@ def main() -> None:
             row.append(torch.utils.mkldnn.MkldnnLinear(lin, torch.float))
         onednn.append(row)
     packed = [[torch.ops.mkl._mkl_reorder_linear_weight(w, ROWS) for w in ws] for ws in weights]
+    prepacked = [[torch.ops.mkldnn._reorder_linear_weight(w, ROWS) for w in ws] for ws in weights]
+    gflop = sum(2 * ROWS * w.numel() for ws in weights for w in ws) / 1e9
     transposed = [[w.t().contiguous() for w in ws] for ws in weights]
 
     def run_linear():
@@ -45,14 +49,34 @@ def main() -> None:
             for w, p in zip(ws, ps, strict=True):
                 torch.ops.mkl._mkl_linear(x[w.shape[1]], p, w, None, ROWS)
 
+    def run_prepacked():
+        for ws, ps in zip(weights, prepacked, strict=True):
+            for w, p in zip(ws, ps, strict=True):
+                torch.ops.mkldnn._linear_pointwise(x[w.shape[1]], p, None, "none", [], "")
+
     def run_mm_transposed():
         for ws in transposed:
             for w in ws:
                 torch.mm(x[w.shape[0]], w)
 
-    print(f"{LAYERS} layers, {ROWS} rows, {gbytes * 1000:.0f} MB of fp32 weights, {torch.get_num_threads()} threads")
-    print("| way | ms/step | effective GB/s |\n|---|---:|---:|")
-    for name, fn in [("F.linear", run_linear), ("oneDNN linear", run_onednn),
+    stream = torch.randn(100_000_000)
+    stream.sum()
+    start = time.perf_counter()
+    for _ in range(5):
+        stream.sum()
+    stream_gbs = 0.4 / ((time.perf_counter() - start) / 5)
+    a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
+    torch.mm(a, b)
+    start = time.perf_counter()
+    for _ in range(20):
+        torch.mm(a, b)
+    peak = 2 * 1024**3 / ((time.perf_counter() - start) / 20) / 1e9
+    print(f"{LAYERS} layers, {ROWS} rows, {gbytes * 1000:.0f} MB of fp32 weights, {gflop:.1f} GFLOP, "
+          f"{torch.get_num_threads()} threads")
+    print(f"memory stream (sum over 400 MB): {stream_gbs:.1f} GB/s; fp32 matmul peak: {peak:.0f} GFLOP/s")
+    print("| way | ms/step | effective GB/s | GFLOP/s | % of matmul peak |\n|---|---:|---:|---:|---:|")
+    for name, fn in [("F.linear", run_linear), ("oneDNN linear (MkldnnLinear)", run_onednn),
+                     ("oneDNN inner product, weights pre-packed (the engine)", run_prepacked),
                      ("MKL packed GEMM", run_mkl_packed), ("torch.mm, pre-transposed", run_mm_transposed)]:
         for _ in range(2):
             fn()
@@ -60,8 +84,8 @@ def main() -> None:
         for _ in range(ITERS):
             fn()
         ms = (time.perf_counter() - start) / ITERS * 1e3
-        print(f"| {name} | {ms:.1f} | {gbytes / (ms / 1e3):.1f} |")
-
+        print(f"| {name} | {ms:.1f} | {gbytes / (ms / 1e3):.1f} | {gflop / (ms / 1e3):.0f} | "
+              f"{100 * gflop / (ms / 1e3) / peak:.0f}% |")
 
 if __name__ == "__main__":
     main()

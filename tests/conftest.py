@@ -10,6 +10,15 @@ import pytest
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def cpu_kernels_built() -> None:
+    """Build (first run on a machine) or load the C++ CPU kernels once, before any test starts an engine or
+    a server, so that no test's start-up wait includes a compiler run."""
+    from loraplex.engine.llm_engine import prepare_cpu_kernels
+
+    prepare_cpu_kernels(lora=True)
+
+
 def _tiny(tmp_path_factory: pytest.TempPathFactory, arch: str) -> Path:
     from loraplex.testing import make_tiny_model
 

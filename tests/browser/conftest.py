@@ -59,7 +59,7 @@ def live_console(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory)
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + 300  # a start-up wait, not a speed check
     while not server.started:
         if not thread.is_alive() or time.monotonic() > deadline:
             raise RuntimeError("the live server did not start")
