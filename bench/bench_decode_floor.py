@@ -66,11 +66,13 @@ def main() -> None:
         stream.sum()
     stream_gbs = 0.4 / ((time.perf_counter() - start) / 5)
     a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
-    torch.mm(a, b)
-    start = time.perf_counter()
-    for _ in range(20):
-        torch.mm(a, b)
-    peak = 2 * 1024**3 / ((time.perf_counter() - start) / 20) / 1e9
+    best = float("inf")
+    for _ in range(5):  # best of five 20-product runs, as bench_engine.py's roofline measures it
+        start = time.perf_counter()
+        for _ in range(20):
+            torch.mm(a, b)
+        best = min(best, (time.perf_counter() - start) / 20)
+    peak = 2 * 1024**3 / best / 1e9
     print(f"{LAYERS} layers, {ROWS} rows, {gbytes * 1000:.0f} MB of fp32 weights, {gflop:.1f} GFLOP, "
           f"{torch.get_num_threads()} threads")
     print(f"memory stream (sum over 400 MB): {stream_gbs:.1f} GB/s; fp32 matmul peak: {peak:.0f} GFLOP/s")
