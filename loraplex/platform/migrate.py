@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from alembic import command
 from alembic.config import Config
 
-import loraplex
+from loraplex.resources import resource_dir
 
-MIGRATIONS_DIR = Path(loraplex.__file__).resolve().parent.parent / "migrations"
+MIGRATIONS_DIR = resource_dir("migrations")
 
 
 def alembic_config(url: str) -> Config:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from datetime import datetime
 from functools import lru_cache
-from pathlib import Path
 from typing import Any
 
 from fastapi import Request
@@ -14,8 +13,9 @@ from jinja2 import Environment, FileSystemLoader, select_autoescape
 
 from loraplex.platform.billing.money import format_micros
 from loraplex.platform.console.session import ConsoleContext
+from loraplex.resources import resource_dir
 
-WEB_DIR = Path(__file__).resolve().parents[3] / "web"
+WEB_DIR = resource_dir("web")
 
 SECURITY_HEADERS = {
     # no inline script or style anywhere in the console, so the policy can be strict
@@ -47,7 +47,7 @@ def _when(value: datetime | None) -> str:
 @lru_cache
 def environment() -> Environment:
     if not (WEB_DIR / "templates").is_dir():
-        raise RuntimeError(f"console templates not found under {WEB_DIR}; run from a source checkout")
+        raise RuntimeError(f"console templates not found under {WEB_DIR}; reinstall loraplex or run from a source checkout")
     env = Environment(loader=FileSystemLoader(WEB_DIR / "templates"), autoescape=select_autoescape(["html"]))
     env.filters.update(money=_money, number=_number, when=_when)
     return env
