@@ -56,6 +56,9 @@ class Settings(BaseSettings):
     usage_batch_size: int = 500
     upload_wait_seconds: float = 30.0  # upper bound on `wait=true` uploads waiting for validation
     warm_adapters_interval: float = 300.0  # seconds between "keep the busiest adapters warm" runs
+    # when set, GET /metrics needs "Authorization: Bearer <metrics_token>" (Prometheus: `authorization`
+    # in the scrape config); unset, /metrics is open and belongs behind the network boundary
+    metrics_token: str | None = None
 
     @model_validator(mode="after")
     def _refuse_insecure_defaults(self) -> Settings:

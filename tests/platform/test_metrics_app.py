@@ -40,3 +40,19 @@ def test_rejections_over_quota_are_counted(client, make_tenant):
     samples = _scrape(client)
     key = ("loraplex_requests_total", (("endpoint", "chat.completions"), ("status", "rejected"), ("tenant", "tight")))
     assert samples[key] == 1
+
+
+def test_scrape_token_guards_metrics_when_set(settings, fake_engine):
+    from fastapi.testclient import TestClient
+
+    from loraplex.platform.app import create_app
+
+    guarded = settings.model_copy(update={"metrics_token": "scrape-secret-123"})
+    with TestClient(create_app(guarded, engine=fake_engine)) as c:
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "Basic scrape-secret-123"}):
+            r = c.get("/metrics", headers=headers)
+            assert r.status_code == 401
+            assert r.json()["error"]["type"] == "authentication_error"
+            assert "LORAPLEX_METRICS_TOKEN" in r.json()["error"]["message"]
+        r = c.get("/metrics", headers={"Authorization": "Bearer scrape-secret-123"})
+        assert r.status_code == 200 and "loraplex_" in r.text

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
-import sysconfig
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -36,13 +37,17 @@ def test_wheel_ships_migrations_and_console_assets(tmp_path):
         [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(wheels), str(ROOT)],
         check=True, capture_output=True,
     )
-    prefix = tmp_path / "prefix"
+    # Unpack the wheel the way an installer lays it out (pip itself is kept away from this environment:
+    # an install with --prefix would first uninstall the editable copy the tests run from).
     wheel = next(wheels.glob("loraplex-*.whl"))
-    subprocess.run(
-        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-compile", "--prefix", str(prefix), str(wheel)],
-        check=True, capture_output=True,
-    )
-    purelib = Path(sysconfig.get_path("purelib", vars={"base": str(prefix), "platbase": str(prefix)}))
+    purelib, prefix = tmp_path / "site-packages", tmp_path / "prefix"
+    with zipfile.ZipFile(wheel) as zf:
+        for member in zf.namelist():
+            data = re.match(r"^[^/]+\.data/data/(.+)$", member)
+            target = prefix / data.group(1) if data else purelib / member
+            target.parent.mkdir(parents=True, exist_ok=True)
+            if not member.endswith("/"):
+                target.write_bytes(zf.read(member))
     db = tmp_path / "wheel.db"
     script = f"""
 import loraplex, loraplex.resources as r

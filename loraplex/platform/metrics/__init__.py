@@ -8,9 +8,12 @@ the rest share the label "other".
 
 from __future__ import annotations
 
+import hmac
+
 from fastapi import APIRouter, Request, Response
 
 from loraplex.engine.client import EngineStats
+from loraplex.platform.errors import unauthorized
 from loraplex.platform.metrics.engine import EngineCollector, engine_summary
 from loraplex.platform.metrics.labels import OTHER, TopN
 from loraplex.platform.metrics.registry import BASE_MODEL_LABEL, STATUSES, PlatformMetrics
@@ -46,9 +49,21 @@ def _engine_stats_of(app) -> EngineStats | None:
 router = APIRouter(include_in_schema=False)
 
 
+def _check_scrape_token(request: Request) -> None:
+    services = getattr(request.app.state, "services", None)
+    token = getattr(getattr(services, "settings", None), "metrics_token", None)
+    if not token:
+        return
+    scheme, _, given = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), token.encode()):
+        raise unauthorized("/metrics needs 'Authorization: Bearer <LORAPLEX_METRICS_TOKEN>'")
+
+
 @router.get("/metrics")
 def metrics_endpoint(request: Request) -> Response:
-    """Prometheus text format. Put it behind the network boundary: it names tenants and adapters."""
+    """Prometheus text format. It names tenants and adapters: set LORAPLEX_METRICS_TOKEN, or keep it behind
+    the network boundary."""
+    _check_scrape_token(request)
     metrics = get_metrics(request.app)
     body, content_type = metrics.exposition()
     return Response(body, media_type=content_type)
