@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from loraplex.engine.client import EngineClient
@@ -111,6 +112,21 @@ def check_context(engine: EngineClient, prompt_len: int, params: SamplingParams,
                           f"{params.max_tokens} for the completion). Please reduce the length of the {param} "
                           "or the completion.", param="max_tokens", code="context_length_exceeded")
     return params.max_tokens
+
+
+def fit_unset_max_tokens(limits, prompt_tokens: int, sequences: int, params: SamplingParams,
+                         max_new: int) -> tuple[int, SamplingParams]:
+    """A request that leaves max_tokens unset may run to the end of the context, and the quota reserves
+    that much up front: a tenant whose per-minute token limit is below the context would be refused every
+    such request. Instead the completion gets the budget the limit allows (finish_reason "length" when it
+    runs out); a prompt that alone exceeds the limit is still refused by the quota."""
+    if params.max_tokens is not None:
+        return max_new, params
+    room = (limits.tokens_per_minute - prompt_tokens) // max(1, sequences)
+    if room >= max_new:
+        return max_new, params
+    capped = max(1, room)
+    return capped, dataclasses.replace(params, max_tokens=capped)
 
 
 def check_text(value: str, param: str) -> str:

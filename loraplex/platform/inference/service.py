@@ -23,6 +23,7 @@ from loraplex.platform.inference.params import (
     completion_prompts,
     completion_sampling,
     encode_chat,
+    fit_unset_max_tokens,
 )
 from loraplex.platform.inference.streaming import ClientDisconnected, EventStreamResponse, unless_disconnected
 from loraplex.platform.registry import ModelNotFound, ModelTarget, resolve_latest_fast
@@ -67,6 +68,7 @@ async def chat_completion(services: Services, tenant: TenantContext, request: Re
     target = await resolve_target(services, tenant, body.model)
     prompt = await _tokenize(request, encode_chat, engine, body)
     max_new = check_context(engine, len(prompt), params, "messages")
+    max_new, params = fit_unset_max_tokens(tenant.limits, len(prompt), params.n, params, max_new)
     job = InferenceJob(services, tenant, request.state.request_id, "chat.completions", target, [prompt], params,
                        max_new, user=body.user)
     await job.admit()
@@ -93,6 +95,8 @@ async def text_completion(services: Services, tenant: TenantContext, request: Re
     target = await resolve_target(services, tenant, body.model)
     prompts = await _tokenize(request, completion_prompts, engine, body)
     max_new = min(check_context(engine, len(p), params, "prompt") for p in prompts)
+    max_new, params = fit_unset_max_tokens(
+        tenant.limits, sum(len(p) for p in prompts), len(prompts) * params.n, params, max_new)
     job = InferenceJob(services, tenant, request.state.request_id, "completions", target, prompts, params,
                        max_new, user=body.user)
     await job.admit()

@@ -1,0 +1,47 @@
+"""A request without max_tokens from a tenant whose token rate is below the context gets the completion
+budget its rate allows, instead of a 429 on every such request."""
+
+from __future__ import annotations
+
+
+def _chat(client, tenant, **body):
+    payload = {"model": "fake-base", "messages": [{"role": "user", "content": "hi"}]}
+    payload.update(body)
+    return client.post("/v1/chat/completions", headers=tenant.headers, json=payload)
+
+
+def test_unset_max_tokens_fits_the_token_rate(client, make_tenant, fake_engine):
+    # the fake engine's context is 256 tokens; this tenant may use 100 tokens per minute
+    tenant = make_tenant(tokens_per_minute=100)
+    r = _chat(client, tenant)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    prompt_len = len(fake_engine.requests[-1]["prompt_ids"])
+    assert body["usage"]["completion_tokens"] == 100 - prompt_len
+    assert body["choices"][0]["finish_reason"] == "length"
+    assert fake_engine.requests[-1]["params"].max_tokens == 100 - prompt_len
+    # the minute's tokens are now spent: the next request is refused by the rate limit, not let through
+    r = _chat(client, tenant)
+    assert r.status_code == 429 and r.json()["error"]["code"] == "rate_limit_exceeded"
+
+
+def test_unset_max_tokens_with_n_and_prompts_splits_the_budget(client, make_tenant, fake_engine):
+    tenant = make_tenant(tokens_per_minute=120)
+    r = client.post("/v1/completions", headers=tenant.headers,
+                    json={"model": "fake-base", "prompt": ["one two", "three four"], "n": 2})
+    assert r.status_code == 200, r.text
+    prompts = sum(len(q["prompt_ids"]) for q in fake_engine.requests[-2:])
+    usage = r.json()["usage"]
+    assert usage["total_tokens"] <= 120
+    assert usage["completion_tokens"] == 4 * ((120 - prompts) // 4)
+
+
+def test_explicit_max_tokens_is_not_rewritten(client, make_tenant, fake_engine):
+    tenant = make_tenant(tokens_per_minute=100)
+    r = _chat(client, tenant, max_tokens=200)
+    assert r.status_code == 429
+    assert "exceeds the limit" in r.json()["error"]["message"]
+    big = make_tenant()
+    r = _chat(client, big)  # a large limit: the whole context stays available
+    assert r.status_code == 200
+    assert fake_engine.requests[-1]["params"].max_tokens is None
