@@ -22,9 +22,10 @@ def _compiled():
         [1] * 20 + [-1] * 3 + [0] * 2,  # one prefill segment (dense path) plus a small group
         [3, 2, 1, 0],  # every row a different adapter, sorted order reversed
         [0] * 5 + [1] * 17,  # contiguous lora tokens
+        [3, 0, 3, 3, 2, 3, 0, 3, 3, 0, 3, 0, 0, 3, 2],  # groups of 4-8 tokens: blocks of four plus a rest
     ],
 )
-@pytest.mark.parametrize("hidden,out_slices", [(576, (64, 16, 16)), (96, (40,))])
+@pytest.mark.parametrize("hidden,out_slices", [(576, (64, 16, 16)), (96, (40,)), (101, (24, 7))])
 def test_cpu_kernel_matches_definition(token_slots, hidden, out_slices):
     gen = torch.Generator().manual_seed(len(token_slots) + hidden)
     slot_ranks = {
