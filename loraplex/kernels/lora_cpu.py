@@ -29,28 +29,6 @@ MIN_PARALLEL_COST = 200_000
 _SOURCE = r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
-#include <cstring>
-
-typedef float v8 __attribute__((vector_size(32)));
-static inline v8 load8(const float* p) { v8 v; std::memcpy(&v, p, sizeof(v)); return v; }
-
-// One A row against four tokens: four independent accumulator chains (a single chain is bound by the FMA
-// latency), each A chunk loaded once for the four.
-static inline void dot4(const float* __restrict a, const float* const* x, int64_t n, float* out) {
-  v8 s0 = {}, s1 = {}, s2 = {}, s3 = {};
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    const v8 av = load8(a + i);
-    s0 += av * load8(x[0] + i);
-    s1 += av * load8(x[1] + i);
-    s2 += av * load8(x[2] + i);
-    s3 += av * load8(x[3] + i);
-  }
-  float r0 = 0.f, r1 = 0.f, r2 = 0.f, r3 = 0.f;
-  for (int k = 0; k < 8; ++k) { r0 += s0[k]; r1 += s1[k]; r2 += s2[k]; r3 += s3[k]; }
-  for (; i < n; ++i) { r0 += a[i] * x[0][i]; r1 += a[i] * x[1][i]; r2 += a[i] * x[2][i]; r3 += a[i] * x[3][i]; }
-  out[0] = r0; out[1] = r1; out[2] = r2; out[3] = r3;
-}
 
 static inline float dot(const float* __restrict a, const float* __restrict b, int64_t n) {
   float acc = 0.f;
@@ -86,19 +64,9 @@ void lora_small_groups(torch::Tensor y, torch::Tensor x, torch::Tensor a, torch:
     const int64_t slot = g[3 * i], start = g[3 * i + 1], count = g[3 * i + 2];
     int64_t total = 0;
     for (int64_t s = 0; s < S; ++s) total += rk[slot * S + s];
-    int64_t t0 = 0;
-    for (; t0 + 4 <= count; t0 += 4) {
-      const float* xr[4];
-      for (int t = 0; t < 4; ++t) xr[t] = xp + ids[start + t0 + t] * xs;
-      for (int64_t j = 0; j < total; ++j) {
-        float r[4];
-        dot4(ap + slot * as0 + j * as1, xr, in, r);
-        for (int t = 0; t < 4; ++t) sp[(start + t0 + t) * ss + j] = r[t];
-      }
-    }
     for (int64_t j = 0; j < total; ++j) {
       const float* arow = ap + slot * as0 + j * as1;
-      for (int64_t t = t0; t < count; ++t)
+      for (int64_t t = 0; t < count; ++t)
         sp[(start + t) * ss + j] = dot(arow, xp + ids[start + t] * xs, in);
     }
     for (int64_t s = 0; s < S; ++s) {
@@ -162,7 +130,7 @@ _module = None
 _failed = False
 
 
-EXTENSION_NAME = "loraplex_lora_cpu_v4"  # bump the suffix when the C++ source changes incompatibly
+EXTENSION_NAME = "loraplex_lora_cpu_v3"  # bump the suffix when the C++ source changes incompatibly
 
 def _load():
     global _module, _failed
