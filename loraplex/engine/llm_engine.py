@@ -63,7 +63,7 @@ def load_model(model_dir, arch: ModelArch, dtype: torch.dtype, device: torch.dev
 
 
 def prepare_cpu_kernels(*, lora: bool) -> None:
-    """Build (first time on a machine, about a minute) or load the CPU kernels now, at start-up, so that no
+    """Build (first time on a machine, one to two minutes on 2 cores) or load the CPU kernels now, at start-up, so that no
     request waits for a compiler. Without a compiler the torch paths serve, with a warning."""
     import time
 
@@ -79,7 +79,7 @@ def prepare_cpu_kernels(*, lora: bool) -> None:
     except Exception:  # a private helper of torch's; only the message depends on it
         built = True
     if not built:
-        log.warning("building the CPU kernels for this machine (once, about a minute)")
+        log.warning("building the CPU kernels for this machine (once; one to two minutes)")
     start = time.perf_counter()
     ok = ops_cpu.available() and (not lora or lora_cpu.available())
     seconds = time.perf_counter() - start
