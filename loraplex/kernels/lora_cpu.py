@@ -13,10 +13,10 @@ When no compiler is available the torch path is used (same results).
 from __future__ import annotations
 
 import logging
-import threading
 
 import torch
 
+from loraplex.kernels.cpp_build import InlineExtension
 from loraplex.kernels.lora import LoraBatch, LoraSlotWeights, add_lora_torch
 
 log = logging.getLogger(__name__)
@@ -125,34 +125,14 @@ void lora_small_groups(torch::Tensor y, torch::Tensor x, torch::Tensor a, torch:
 }
 """
 
-_lock = threading.Lock()
-_module = None
-_failed = False
-
-
 EXTENSION_NAME = "loraplex_lora_cpu_v3"  # bump the suffix when the C++ source changes incompatibly
+_EXTENSION = InlineExtension(
+    EXTENSION_NAME, _SOURCE, ["lora_small_groups"], what="CPU LoRA kernel",
+)
+
 
 def _load():
-    global _module, _failed
-    if _module is not None or _failed:
-        return _module
-    with _lock:
-        if _module is None and not _failed:
-            try:
-                from torch.utils.cpp_extension import load_inline
-
-                _module = load_inline(
-                    name=EXTENSION_NAME,
-                    cpp_sources=[_SOURCE],
-                    functions=["lora_small_groups"],
-                    extra_cflags=["-O3", "-march=native", "-fopenmp"],
-                    extra_ldflags=["-fopenmp"],
-                    verbose=False,
-                )
-            except Exception as exc:  # no compiler, no headers: the torch path still works
-                log.warning("CPU LoRA kernel unavailable, using the torch path: %s", exc)
-                _failed = True
-    return _module
+    return _EXTENSION.load()
 
 
 def available() -> bool:

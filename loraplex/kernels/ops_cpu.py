@@ -14,9 +14,10 @@ unsupported layout, no compiler); the caller then runs its torch code, which is 
 from __future__ import annotations
 
 import logging
-import threading
 
 import torch
+
+from loraplex.kernels.cpp_build import InlineExtension
 
 log = logging.getLogger(__name__)
 
@@ -424,35 +425,16 @@ void rotary_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, int64_t min_
 
 _FUNCTIONS = ["paged_decode_attention", "fused_add_rms_norm_", "rms_norm", "silu_and_mul", "rotary_"]
 
-_lock = threading.Lock()
-_module = None
-_failed = False
-
-
 EXTENSION_NAME = "loraplex_ops_cpu_v1"  # bump the suffix when the C++ source changes incompatibly
+_EXTENSION = InlineExtension(
+    EXTENSION_NAME, _SOURCE, _FUNCTIONS, what="CPU fused ops",
+    # no-trapping-math: lets the clamps in fast_exp become vector min/max (nothing reads FP flags)
+    extra_cflags=["-fno-trapping-math"],
+)
+
 
 def _load():
-    global _module, _failed
-    if _module is not None or _failed:
-        return _module
-    with _lock:
-        if _module is None and not _failed:
-            try:
-                from torch.utils.cpp_extension import load_inline
-
-                _module = load_inline(
-                    name=EXTENSION_NAME,
-                    cpp_sources=[_SOURCE],
-                    functions=_FUNCTIONS,
-                    # no-trapping-math: lets the clamps in fast_exp become vector min/max (nothing reads FP flags)
-                    extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-trapping-math"],
-                    extra_ldflags=["-fopenmp"],
-                    verbose=False,
-                )
-            except Exception as exc:  # no compiler, no headers: the torch path still works
-                log.warning("CPU fused ops unavailable, using the torch path: %s", exc)
-                _failed = True
-    return _module
+    return _EXTENSION.load()
 
 
 def available() -> bool:

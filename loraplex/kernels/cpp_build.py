@@ -1,0 +1,42 @@
+"""C++ extensions compiled on first use with the system compiler (torch's `load_inline`) and cached under
+`~/.cache/torch_extensions`; when no compiler or headers exist, `load()` returns None once, with a warning,
+and the caller's torch path serves."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+
+log = logging.getLogger(__name__)
+
+
+class InlineExtension:
+    def __init__(self, name: str, source: str, functions: Sequence[str], *, what: str,
+                 extra_cflags: Sequence[str] = ()):
+        self.name = name  # bump its suffix when the C++ source changes incompatibly
+        self.source = source
+        self.functions = list(functions)
+        self.what = what  # for the warning: "CPU LoRA kernel", ...
+        self.extra_cflags = ["-O3", "-march=native", "-fopenmp", *extra_cflags]
+        self._lock = threading.Lock()
+        self._module = None
+        self._failed = False
+
+    def load(self):
+        """The compiled module, or None when it cannot be built (tried once per process)."""
+        if self._module is not None or self._failed:
+            return self._module
+        with self._lock:
+            if self._module is None and not self._failed:
+                try:
+                    from torch.utils.cpp_extension import load_inline
+
+                    self._module = load_inline(
+                        name=self.name, cpp_sources=[self.source], functions=self.functions,
+                        extra_cflags=self.extra_cflags, extra_ldflags=["-fopenmp"], verbose=False,
+                    )
+                except Exception as exc:  # no compiler, no headers: the torch path still works
+                    log.warning("%s unavailable, using the torch path: %s", self.what, exc)
+                    self._failed = True
+        return self._module
