@@ -63,8 +63,9 @@ def load_model(model_dir, arch: ModelArch, dtype: torch.dtype, device: torch.dev
 
 
 def prepare_cpu_kernels(*, lora: bool) -> None:
-    """Build (first time on a machine, one to two minutes on 2 cores) or load the CPU kernels now, at start-up, so that no
-    request waits for a compiler. Without a compiler the torch paths serve, with a warning."""
+    """Build (first time on a machine: one to two minutes on 2 cores) or load the CPU kernels now, at
+    start-up, so that no request waits for a compiler. Without a compiler the torch paths serve, with a
+    warning."""
     import time
 
     from loraplex.kernels import lora_cpu, ops_cpu
