@@ -11,6 +11,7 @@ from torch import nn
 from loraplex.engine import forward_context as fctx
 from loraplex.kernels import ops_cpu
 from loraplex.kernels.attention import decode_attention, prefill_attention, write_kv
+from loraplex.kernels.linear_cpu import packed_linear
 
 
 class LoraLinear(nn.Module):
@@ -73,7 +74,7 @@ class LoraLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._packed is not None:
-            y = torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
+            y = packed_linear(x, self._packed, self.bias)
         else:
             y = F.linear(x, self.weight, self.bias)
         ctx = fctx._current

@@ -16,6 +16,7 @@ from torch import nn
 from loraplex.engine.models.arch import ModelArch
 from loraplex.engine.models.layers import LoraLinear, PagedAttention, RMSNorm, RotaryEmbedding, apply_rotary_
 from loraplex.kernels import ops_cpu
+from loraplex.kernels.linear_cpu import packed_linear
 
 # PEFT module name -> (our fused module, shard index)
 _FUSED = {
@@ -156,7 +157,7 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self._packed_head is not None:
-            return torch.ops.mkldnn._linear_pointwise(hidden, self._packed_head, None, "none", [], "")
+            return packed_linear(hidden, self._packed_head, None)
         return F.linear(hidden, self.lm_head_weight)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
