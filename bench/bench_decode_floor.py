@@ -1,6 +1,6 @@
 """What bounds a decode step's projections: SmolLM2-135M's 120 projections run once with 32 rows, every
 weight distinct (read cold from memory, as in a real step), five ways, beside the machine's memory stream
-rate (a sum over 400 MB) and its fp32 matmul peak (1024x1024x1024). A way whose effective GB/s is far below
+rate (a sum over 400 MB) and its fp32 matmul peak (1024x1024x1024, the best of MKL and oneDNN). A way whose effective GB/s is far below
 the stream rate while its GFLOP/s approaches the peak is bound by arithmetic, not by memory.
 
     .venv/bin/python bench/bench_decode_floor.py
@@ -11,6 +11,8 @@ import time
 import torch
 import torch.nn.functional as F
 import torch.utils.mkldnn
+
+from loraplex.engine.benchmark import measure_matmul_peak
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # qkv, o, gate_up, down (out, in)
 LAYERS, ROWS, ITERS = 30, 32, 10
@@ -65,14 +67,7 @@ def main() -> None:
     for _ in range(5):
         stream.sum()
     stream_gbs = 0.4 / ((time.perf_counter() - start) / 5)
-    a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
-    best = float("inf")
-    for _ in range(5):  # best of five 20-product runs, as bench_engine.py's roofline measures it
-        start = time.perf_counter()
-        for _ in range(20):
-            torch.mm(a, b)
-        best = min(best, (time.perf_counter() - start) / 20)
-    peak = 2 * 1024**3 / best / 1e9
+    peak = measure_matmul_peak()["peak"]  # the same measure as bench_engine.py's roofline
     print(f"{LAYERS} layers, {ROWS} rows, {gbytes * 1000:.0f} MB of fp32 weights, {gflop:.1f} GFLOP, "
           f"{torch.get_num_threads()} threads")
     print(f"memory stream (sum over 400 MB): {stream_gbs:.1f} GB/s; fp32 matmul peak: {peak:.0f} GFLOP/s")

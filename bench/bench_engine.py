@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from loraplex.engine.benchmark import make_prompts, run_engine_benchmark
+from loraplex.engine.benchmark import make_prompts, measure_matmul_peak, run_engine_benchmark
 from loraplex.engine.model_loader import resolve_model_dir
 from loraplex.engine.models.arch import ModelArch
 
@@ -32,21 +32,6 @@ VLLM_PYTHON = Path("/work/peers/vllm-venv/bin/python")
 
 def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
-def measure_matmul_peak(seconds: float = 3.0, size: int = 1024) -> float:
-    """Best fp32 GFLOP/s of a square matmul with the threads torch uses, sampled over a few seconds."""
-    a, b = torch.randn(size, size), torch.randn(size, size)
-    out = torch.empty(size, size)
-    torch.mm(a, b, out=out)
-    best = 0.0
-    deadline = time.perf_counter() + seconds
-    while time.perf_counter() < deadline:
-        start = time.perf_counter()
-        for _ in range(4):
-            torch.mm(a, b, out=out)
-        best = max(best, 4 * 2 * size**3 / (time.perf_counter() - start) / 1e9)
-    return best
 
 
 def run_loraplex(model_dir: Path, prompts: list[str], max_tokens: int, kv_mb: int) -> dict:
@@ -128,7 +113,8 @@ def main() -> None:
     prompts = make_prompts(args.num_requests, seed=0)
     load = os.getloadavg()
 
-    peak = measure_matmul_peak()
+    peaks = measure_matmul_peak()
+    peak = peaks["peak"]
     lp = run_loraplex(model_dir, prompts, args.max_tokens, args.kv_cache_mb)
     arch: ModelArch = lp["arch"]
     hf = None if args.no_hf else run_hf(model_dir, prompts, args.max_tokens, args.hf_batch_size)
@@ -149,8 +135,9 @@ def main() -> None:
           f"(qkv {arch.hidden_size}x{arch.q_size + 2 * arch.kv_size} + o {arch.q_size}x{arch.hidden_size} + "
           f"mlp 3x{arch.hidden_size}x{arch.intermediate_size}); per generated token {f_gen / 1e6:.1f} MFLOP "
           f"(+ LM head 2x{arch.hidden_size}x{arch.vocab_size}); workload {work / 1e9:.0f} GFLOP")
-    print(f"roofline: measured fp32 matmul peak {peak:.1f} GFLOP/s -> {work / (peak * 1e9):.1f} s -> "
-          f"{roofline_tok_s:.1f} tok/s\n")
+    ways = ", ".join(f"{name} {rate:.1f}" for name, rate in peaks.items() if name != "peak")
+    print(f"roofline: measured fp32 matmul peak {peak:.1f} GFLOP/s (best of 1024^3 products: {ways}) -> "
+          f"{work / (peak * 1e9):.1f} s -> {roofline_tok_s:.1f} tok/s\n")
     rows = [("loraplex", lp)]
     if hf:
         rows.append((f"transformers generate (batches of {args.hf_batch_size})", hf))

@@ -43,3 +43,36 @@ def run_engine_benchmark(model: str, *, num_requests: int = 32, max_tokens: int 
         "outputs": outputs,
         "llm": llm,
     }
+
+
+def measure_matmul_peak(seconds: float = 3.0, size: int = 1024) -> dict[str, float]:
+    """The machine's fp32 matmul peak in GFLOP/s: the best rate of square `size` products with the threads
+    torch uses, sampled over a few seconds, for each way torch can run them, plus "peak", the best of them.
+
+    Both ways count. `torch.mm` goes through MKL, which on AMD processors runs its AVX2 code even where the
+    processor has AVX-512, so alone it can understate the peak by half; oneDNN (weights pre-packed, as the
+    engine's projections run) picks the widest instructions the processor has."""
+    import torch
+
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    out = torch.empty(size, size)
+    ways = {"torch.mm (MKL)": lambda: torch.mm(a, b, out=out)}
+    try:
+        packed = torch.ops.mkldnn._reorder_linear_weight(b, size)
+        torch.ops.mkldnn._linear_pointwise(a, packed, None, "none", [], "")
+        ways["oneDNN inner product"] = lambda: torch.ops.mkldnn._linear_pointwise(a, packed, None, "none", [], "")
+    except (RuntimeError, AttributeError):  # a torch build without oneDNN
+        pass
+    rates: dict[str, float] = {}
+    for name, fn in ways.items():
+        fn()
+        best = 0.0
+        deadline = time.perf_counter() + seconds / len(ways)
+        while time.perf_counter() < deadline:
+            start = time.perf_counter()
+            for _ in range(4):
+                fn()
+            best = max(best, 4 * 2 * size**3 / (time.perf_counter() - start) / 1e9)
+        rates[name] = best
+    rates["peak"] = max(rates.values())
+    return rates
