@@ -200,7 +200,9 @@ def main() -> None:
         print(f"  {name}: {result['tok_s']:.1f} tok/s (load average {os.getloadavg()[0]:.2f})", flush=True)
 
     store = root / "store"
-    llm = LLM(str(model_dir), max_loras=8, max_cpu_loras=16, max_num_seqs=64, adapter_store=str(store))
+    # Rounds repeat the same prompts: with prefix caching on, a later round would skip its prefills.
+    llm = LLM(str(model_dir), max_loras=8, max_cpu_loras=16, max_num_seqs=64, adapter_store=str(store),
+              enable_prefix_caching=False)
     loras = [llm.resolve_adapter(str(p)) for p in eight]  # registration: validated, hashed, stored
     llm.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True),
                  adapter=loras[:2], use_tqdm=False)  # warm-up
@@ -231,7 +233,8 @@ def main() -> None:
     if not args.no_many:
         many = make_adapters(model_dir, root / "many", 100, seed=2)
         prompts128 = make_prompts(128, seed=3)
-        llm = LLM(str(model_dir), max_loras=32, max_cpu_loras=64, max_num_seqs=64, adapter_store=str(store))
+        llm = LLM(str(model_dir), max_loras=32, max_cpu_loras=64, max_num_seqs=64, adapter_store=str(store),
+                  enable_prefix_caching=False)
         many_loras = [llm.resolve_adapter(str(p)) for p in many]  # registration: validate + hash
         order = [many_loras[i % 100] for i in range(128)]
         keep_best("loraplex 128 requests over 100 adapters, 32 slots", loraplex_run(llm, prompts128, order))

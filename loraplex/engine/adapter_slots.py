@@ -35,6 +35,11 @@ class AdapterSlots(Protocol):
     def slot_of(self, key: str) -> int:
         ...
 
+    @property
+    def loading(self) -> bool:
+        """A background load is under way (on a CPU engine the step then leaves it a core)."""
+        ...
+
     def build_step(self, token_slots: torch.Tensor) -> LoraStepState | None:
         """LoRA state for one step, from each token's slot (-1: base model); None when no token has one."""
         ...

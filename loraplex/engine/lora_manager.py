@@ -120,7 +120,7 @@ class LoraManager:
         self._lock = threading.RLock()
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lora-load")
         self._host: OrderedDict[str, HostAdapter] = OrderedDict()  # LRU, oldest first
-        self._loading: dict[str, Future] = {}
+        self._loading: dict[str, Future] = {}  # loads submitted to the pool and not finished
         self._errors: dict[str, BaseException] = {}
         self._slot_of: OrderedDict[str, int] = OrderedDict()  # resident adapters, least recently used first
         self._slot_key: list[str | None] = [None] * max_loras
@@ -245,6 +245,11 @@ class LoraManager:
 
         fut.add_done_callback(_activate)
         return result
+
+    @property
+    def loading(self) -> bool:
+        """Whether a background load is queued or running (it then occupies a CPU core)."""
+        return bool(self._loading)
 
     # ---- scheduler interface (step thread) ----------------------------------------------------------
 

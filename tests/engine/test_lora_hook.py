@@ -44,6 +44,8 @@ class FakeAdapterSlots:
     def slot_of(self, key):
         return 3
 
+    loading = False
+
     def build_step(self, token_slots):
         self.steps.append(token_slots.tolist())
         if bool((token_slots < 0).all()):
@@ -88,3 +90,31 @@ def test_without_adapter_support_a_named_adapter_is_refused(tiny_llama_dir):
     with pytest.raises(InvalidRequestError, match="adapter"):
         llm.generate("Hello", GREEDY, adapter=LoRARequest("a", "h", "/x"), use_tqdm=False)
     assert torch.is_tensor(llm.engine.runner.kv_cache)
+
+
+def test_steps_leave_a_core_to_background_adapter_loads(tiny_qwen2_dir, monkeypatch):
+    """While an adapter loads in the background, a CPU step runs on one OpenMP thread fewer, and gets its
+    threads back once the loads are done; the tokens do not depend on it."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        slots = FakeAdapterSlots()
+        llm = LLM(str(tiny_qwen2_dir), num_kv_blocks=64, adapter_slots=slots)
+        seen = []
+        run = llm.engine.runner.run
+
+        def recording_run(batch):
+            seen.append((slots.loading, torch.get_num_threads()))
+            return run(batch)
+
+        monkeypatch.setattr(llm.engine.runner, "run", recording_run)
+        quiet = llm.generate(["Hello world"], GREEDY, use_tqdm=False)
+        slots.loading = True
+        busy = llm.generate(["Hello world"], GREEDY, use_tqdm=False)
+        slots.loading = False
+        again = llm.generate(["Hello world"], GREEDY, use_tqdm=False)
+        assert {threads for loading, threads in seen if loading} == {1}
+        assert {threads for loading, threads in seen if not loading} == {2}
+        assert quiet[0].outputs[0].token_ids == busy[0].outputs[0].token_ids == again[0].outputs[0].token_ids
+    finally:
+        torch.set_num_threads(previous)
