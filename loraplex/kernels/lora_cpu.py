@@ -3,9 +3,12 @@
 Why: on a CPU each torch matmul call costs ~10-20 us however small it is, and the torch path issues
 (1 + slices) of them per adapter per projection. A decode step with 8 adapters over 30 layers is
 thousands of calls, more than the arithmetic. Decode groups are a few tokens each, so the work is
-memory-bound on reading each adapter's A and B once: this kernel reads every weight row once per group,
-reuses it for the group's tokens, and runs all groups of a projection in one call split over threads.
-Groups of many tokens (prefill) are handed to MKL, where one matmul call amortises well.
+memory-bound on reading each adapter's A and B once: this kernel reads every weight row once per four
+tokens, keeps the accumulators of four tokens in vector registers, and runs all groups of a projection in
+one call split over threads. Prefill groups (many tokens of one adapter) run through the same kernel, cut
+into pieces so that they spread over the threads: measured on a 2-core AVX-512 machine, it beats the torch
+path's MKL calls at every group size tried (16 tokens per adapter: 24 vs 68 ms for 8 adapters over the
+120 projections of SmolLM2; 200 tokens: 182 vs 323 ms).
 
 When no compiler is available the torch path is used (same results).
 """
@@ -21,25 +24,119 @@ from loraplex.kernels.lora import LoraBatch, LoraSlotWeights, add_lora_torch
 
 log = logging.getLogger(__name__)
 
-# Groups larger than this go through MKL matmuls; below it the hand loop wins on overhead.
-DENSE_GROUP_MIN = 16
 # Below this many multiply-adds a call stays on one thread: waking the other costs more than it saves.
 MIN_PARALLEL_COST = 200_000
 
 _SOURCE = r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <cstring>
 
-static inline float dot(const float* __restrict a, const float* __restrict b, int64_t n) {
-  float acc = 0.f;
-  #pragma omp simd reduction(+:acc)
-  for (int64_t i = 0; i < n; ++i) acc += a[i] * b[i];
-  return acc;
+// Sixteen floats as one value (GCC/Clang vector extension): one AVX-512 register, two AVX registers.
+typedef float vf16 __attribute__((vector_size(64)));
+
+static inline vf16 ld16(const float* p) {
+  vf16 v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+static inline float hsum16(vf16 v) {
+  float s = 0.f;
+  for (int i = 0; i < 16; ++i) s += v[i];
+  return s;
+}
+
+// out[t * os + r] = <A row r, x row t> for R rows of A and NT tokens: every A vector loaded once is used
+// for all NT tokens, and R * NT independent accumulators keep the FMA units busy (one dot product at a
+// time is a single dependency chain, latency-bound).
+template <int R, int NT>
+static inline void shrink_block(const float* const* arows, const float* const* xrows, int64_t in, float* out,
+                                int64_t os) {
+  vf16 acc[R][NT];
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < NT; ++t) acc[r][t] = vf16{};
+  int64_t k = 0;
+  for (; k + 16 <= in; k += 16) {
+    vf16 va[R];
+    for (int r = 0; r < R; ++r) va[r] = ld16(arows[r] + k);
+    for (int t = 0; t < NT; ++t) {
+      const vf16 vx = ld16(xrows[t] + k);
+      for (int r = 0; r < R; ++r) acc[r][t] += va[r] * vx;
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < NT; ++t) {
+      float sum = hsum16(acc[r][t]);
+      for (int64_t kk = k; kk < in; ++kk) sum += arows[r][kk] * xrows[t][kk];
+      out[t * os + r] = sum;
+    }
+}
+
+// All `total` A rows (as1 apart) against NT tokens, R rows at a time.
+template <int R, int NT>
+static void shrink_rows(const float* a, int64_t as1, int64_t total, const float* const* xrows, int64_t in,
+                        float* out, int64_t os) {
+  int64_t j = 0;
+  for (; j + R <= total; j += R) {
+    const float* arows[R];
+    for (int r = 0; r < R; ++r) arows[r] = a + (j + r) * as1;
+    shrink_block<R, NT>(arows, xrows, in, out + j, os);
+  }
+  for (; j < total; ++j) {
+    const float* arow[1] = {a + j * as1};
+    shrink_block<1, NT>(arow, xrows, in, out + j, os);
+  }
+}
+
+#ifdef __AVX512F__
+constexpr int WIDE_ROWS = 4;  // 32 vector registers: 4 rows x 4 tokens of accumulators fit
+#else
+constexpr int WIDE_ROWS = 2;
+#endif
+
+// y[t][c] += sum over q < r of s[t][q] * B[q][c], for NT tokens and NC vectors of columns: the B vectors
+// of a row are loaded once for all NT tokens, and the NT * NC accumulators stay in registers over the rank.
+template <int NT, int NC>
+static inline void expand_block(const float* b, int64_t bs1, int64_t r, const float* const* srows,
+                                float* const* yrows, int64_t c0) {
+  vf16 acc[NT][NC];
+  for (int t = 0; t < NT; ++t)
+    for (int c = 0; c < NC; ++c) acc[t][c] = vf16{};
+  for (int64_t q = 0; q < r; ++q) {
+    vf16 vb[NC];
+    for (int c = 0; c < NC; ++c) vb[c] = ld16(b + q * bs1 + c0 + 16 * c);
+    for (int t = 0; t < NT; ++t) {
+      const float sv = srows[t][q];
+      for (int c = 0; c < NC; ++c) acc[t][c] += sv * vb[c];
+    }
+  }
+  for (int t = 0; t < NT; ++t)
+    for (int c = 0; c < NC; ++c) {
+      float* y = yrows[t] + c0 + 16 * c;
+      const vf16 sum = ld16(y) + acc[t][c];
+      std::memcpy(y, &sum, sizeof(sum));
+    }
+}
+
+template <int NT>
+static void expand_cols(const float* b, int64_t bs1, int64_t r, int64_t width, const float* const* srows,
+                        float* const* yrows) {
+  constexpr int NC = NT <= 2 ? 4 : (WIDE_ROWS == 4 ? 4 : 2);  // NT * NC accumulators: 16 at most
+  int64_t c0 = 0;
+  for (; c0 + 16 * NC <= width; c0 += 16 * NC) expand_block<NT, NC>(b, bs1, r, srows, yrows, c0);
+  for (; c0 + 16 <= width; c0 += 16) expand_block<NT, 1>(b, bs1, r, srows, yrows, c0);
+  for (; c0 < width; ++c0)  // columns past the last full vector
+    for (int t = 0; t < NT; ++t) {
+      float sum = 0.f;
+      for (int64_t q = 0; q < r; ++q) sum += srows[t][q] * b[q * bs1 + c0];
+      yrows[t][c0] += sum;
+    }
 }
 
 // groups: int64 [G, 3] (slot, start, count); ranks / rank_offsets: int32 [num_slots, S]
-// out_meta: int64 [S, 2] (offset, size). y += expand(shrink(x)) for groups with count < dense_min.
-void lora_small_groups(torch::Tensor y, torch::Tensor x, torch::Tensor a, torch::Tensor b,
+// out_meta: int64 [S, 2] (offset, size). y += expand(shrink(x)) for every group.
+void lora_groups(torch::Tensor y, torch::Tensor x, torch::Tensor a, torch::Tensor b,
                        torch::Tensor sorted_ids, torch::Tensor groups, torch::Tensor ranks,
                        torch::Tensor rank_offsets, torch::Tensor out_meta, torch::Tensor shrunk,
                        int64_t min_parallel_cost) {
@@ -57,77 +154,94 @@ void lora_small_groups(torch::Tensor y, torch::Tensor x, torch::Tensor a, torch:
   const int64_t xs = x.stride(0), ys = y.stride(0), ss = shrunk.stride(0);
   const int64_t as0 = a.stride(0), as1 = a.stride(1), bs0 = b.stride(0), bs1 = b.stride(1);
 
-  constexpr int64_t CHUNK = 128;
   // One group (an adapter's tokens): shrink, then expand. B is rank-major, so the expand is AXPYs over
   // contiguous output columns; every weight row is read once and reused for the group's tokens.
-  auto run_group = [&](int64_t i) {
-    const int64_t slot = g[3 * i], start = g[3 * i + 1], count = g[3 * i + 2];
+  // One piece of a group (some of an adapter's tokens): shrink, then expand.
+  auto run_piece = [&](int64_t slot, int64_t start, int64_t count) {
     int64_t total = 0;
     for (int64_t s = 0; s < S; ++s) total += rk[slot * S + s];
-    for (int64_t j = 0; j < total; ++j) {
-      const float* arow = ap + slot * as0 + j * as1;
-      for (int64_t t = 0; t < count; ++t)
-        sp[(start + t) * ss + j] = dot(arow, xp + ids[start + t] * xs, in);
+    // shrink: tokens four at a time, each A block read once per four tokens
+    const float* abase = ap + slot * as0;
+    for (int64_t t0 = 0; t0 < count; t0 += 4) {
+      const float* xrows[4];
+      const int64_t nt = std::min<int64_t>(4, count - t0);
+      for (int64_t t = 0; t < nt; ++t) xrows[t] = xp + ids[start + t0 + t] * xs;
+      float* o = sp + (start + t0) * ss;
+      switch (nt) {
+        case 1: shrink_rows<4, 1>(abase, as1, total, xrows, in, o, ss); break;
+        case 2: shrink_rows<4, 2>(abase, as1, total, xrows, in, o, ss); break;
+        case 3: shrink_rows<WIDE_ROWS, 3>(abase, as1, total, xrows, in, o, ss); break;
+        default: shrink_rows<WIDE_ROWS, 4>(abase, as1, total, xrows, in, o, ss); break;
+      }
     }
+    // expand, slice by slice: tokens up to four at a time, 64 output columns per block in registers
     for (int64_t s = 0; s < S; ++s) {
       const int64_t r = rk[slot * S + s], roff = ro[slot * S + s];
       if (r == 0) continue;
-      for (int64_t c0 = 0; c0 < om[2 * s + 1]; c0 += CHUNK) {
-        const int64_t width = std::min(CHUNK, om[2 * s + 1] - c0);
-        const int64_t col = om[2 * s] + c0;
-        for (int64_t t = 0; t < count; ++t) {
-          float* __restrict yrow = yp + ids[start + t] * ys + col;
-          const float* srow = sp + (start + t) * ss + roff;
-          float acc[CHUNK];
-          for (int64_t c = 0; c < width; ++c) acc[c] = 0.f;
-          for (int64_t q = 0; q < r; ++q) {
-            const float sv = srow[q];
-            const float* __restrict brow = bp + slot * bs0 + q * bs1 + col;
-            #pragma omp simd
-            for (int64_t c = 0; c < width; ++c) acc[c] += sv * brow[c];
-          }
-          #pragma omp simd
-          for (int64_t c = 0; c < width; ++c) yrow[c] += acc[c];
+      const float* bslice = bp + slot * bs0 + om[2 * s];
+      for (int64_t t0 = 0; t0 < count; t0 += 4) {
+        const int64_t nt = std::min<int64_t>(4, count - t0);
+        const float* srows[4];
+        float* yrows[4];
+        for (int64_t t = 0; t < nt; ++t) {
+          srows[t] = sp + (start + t0 + t) * ss + roff;
+          yrows[t] = yp + ids[start + t0 + t] * ys + om[2 * s];
+        }
+        switch (nt) {
+          case 1: expand_cols<1>(bslice, bs1, r, om[2 * s + 1], srows, yrows); break;
+          case 2: expand_cols<2>(bslice, bs1, r, om[2 * s + 1], srows, yrows); break;
+          case 3: expand_cols<3>(bslice, bs1, r, om[2 * s + 1], srows, yrows); break;
+          default: expand_cols<4>(bslice, bs1, r, om[2 * s + 1], srows, yrows); break;
         }
       }
     }
   };
 
-  // Groups never share output rows, so threads take whole groups: one parallel region per call and no
-  // barrier between shrink and expand (barriers are what hurts on a busy 2-core machine). Groups are
-  // dealt to threads by cost, largest first.
+  // Groups never share output rows, so threads take whole pieces of groups (a group of many tokens is cut
+  // into pieces of at most PIECE tokens, so that one long prefill still uses every thread): one parallel
+  // region per call and no barrier between shrink and expand (barriers are what hurts on a busy 2-core
+  // machine). Pieces are dealt to threads by cost, largest first.
+  constexpr int64_t PIECE = 32;
   const int64_t out_total = om[2 * (S - 1)] + om[2 * (S - 1) + 1];
-  std::vector<std::pair<int64_t, int64_t>> cost(G);
+  struct Piece {
+    int64_t cost, slot, start, count;
+  };
+  std::vector<Piece> pieces;
   int64_t total_cost = 0;
   for (int64_t i = 0; i < G; ++i) {
-    int64_t slot = g[3 * i], r = 0;
+    const int64_t slot = g[3 * i], start = g[3 * i + 1], count = g[3 * i + 2];
+    int64_t r = 0;
     for (int64_t s = 0; s < S; ++s) r += rk[slot * S + s];
-    cost[i] = {g[3 * i + 2] * r * (in + out_total), i};
-    total_cost += cost[i].first;
+    for (int64_t t0 = 0; t0 < count; t0 += PIECE) {
+      const int64_t n = std::min(PIECE, count - t0);
+      pieces.push_back({n * r * (in + out_total), slot, start + t0, n});
+      total_cost += pieces.back().cost;
+    }
   }
-  const int64_t bins = total_cost < min_parallel_cost ? 1 : std::min<int64_t>(at::get_num_threads(), G);
+  const int64_t P = static_cast<int64_t>(pieces.size());
+  const int64_t bins = total_cost < min_parallel_cost ? 1 : std::min<int64_t>(at::get_num_threads(), P);
   if (bins <= 1) {
-    for (int64_t i = 0; i < G; ++i) run_group(i);
+    for (const Piece& p : pieces) run_piece(p.slot, p.start, p.count);
     return;
   }
-  std::sort(cost.begin(), cost.end(), std::greater<>());
+  std::sort(pieces.begin(), pieces.end(), [](const Piece& a, const Piece& b) { return a.cost > b.cost; });
   std::vector<std::vector<int64_t>> assigned(bins);
   std::vector<int64_t> load(bins, 0);
-  for (auto& [c, i] : cost) {
-    int64_t b = std::min_element(load.begin(), load.end()) - load.begin();
+  for (int64_t i = 0; i < P; ++i) {
+    const int64_t b = std::min_element(load.begin(), load.end()) - load.begin();
     assigned[b].push_back(i);
-    load[b] += c;
+    load[b] += pieces[i].cost;
   }
   at::parallel_for(0, bins, 1, [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b)
-      for (int64_t i : assigned[b]) run_group(i);
+      for (int64_t i : assigned[b]) run_piece(pieces[i].slot, pieces[i].start, pieces[i].count);
   });
 }
 """
 
-EXTENSION_NAME = "loraplex_lora_cpu_v3"  # bump the suffix when the C++ source changes incompatibly
+EXTENSION_NAME = "loraplex_lora_cpu_v6"  # bump the suffix when the C++ source changes incompatibly
 _EXTENSION = InlineExtension(
-    EXTENSION_NAME, _SOURCE, ["lora_small_groups"], what="CPU LoRA kernel",
+    EXTENSION_NAME, _SOURCE, ["lora_groups"], what="CPU LoRA kernel",
 )
 
 
@@ -139,29 +253,12 @@ def available() -> bool:
     return _load() is not None
 
 
-class _GroupTensors:
-    """The step's groups split in two: small ones for the kernel, large ones (prefill) as a batch of their
-    own for the torch path, which then gathers and scatters once per projection, not once per group."""
-
-    __slots__ = ("small", "large")
-
-    def __init__(self, batch: LoraBatch):
-        groups = list(zip(batch.slot_ids, batch.starts, batch.counts, strict=True))
-        small = [g for g in groups if g[2] < DENSE_GROUP_MIN]
-        self.small = torch.tensor(small, dtype=torch.int64).reshape(-1, 3)
-        large = [g for g in groups if g[2] >= DENSE_GROUP_MIN]
-        self.large = None
-        if large:
-            ids = torch.cat([batch.sorted_token_ids[st : st + c] for _, st, c in large])
-            slots = torch.full((batch.num_tokens,), -1, dtype=torch.int64)
-            slots[ids] = torch.cat([torch.full((c,), s, dtype=torch.int64) for s, _, c in large])
-            self.large = LoraBatch.build(slots)
-
-
-def _groups(batch: LoraBatch) -> _GroupTensors:
+def _groups(batch: LoraBatch) -> torch.Tensor:
+    """The step's groups as int64 [G, 3] (slot, start, count), built once per step for every projection."""
     cached = batch.scratch.get("cpu_groups")
     if cached is None:
-        cached = batch.scratch["cpu_groups"] = _GroupTensors(batch)
+        groups = list(zip(batch.slot_ids, batch.starts, batch.counts, strict=True))
+        cached = batch.scratch["cpu_groups"] = torch.tensor(groups, dtype=torch.int64).reshape(-1, 3)
     return cached
 
 
@@ -179,11 +276,9 @@ def add_lora_cpu(y: torch.Tensor, x: torch.Tensor, w: LoraSlotWeights, batch: Lo
         add_lora_torch(y, x, w, batch)
         return
     groups = _groups(batch)
-    if groups.small.shape[0]:
+    if groups.shape[0]:
         shrunk = torch.empty(batch.num_lora_tokens, w.a.shape[1], dtype=torch.float32)
-        mod.lora_small_groups(
-            y, x, w.a, w.b, batch.sorted_token_ids, groups.small, w.ranks_t, w.rank_offsets_t, w.out_meta,
+        mod.lora_groups(
+            y, x, w.a, w.b, batch.sorted_token_ids, groups, w.ranks_t, w.rank_offsets_t, w.out_meta,
             shrunk, MIN_PARALLEL_COST,
         )
-    if groups.large is not None:
-        add_lora_torch(y, x, w, groups.large)

@@ -1,4 +1,4 @@
-"""The fused CPU kernel against the torch path: small groups (the kernel), large groups (MKL), mixed."""
+"""The fused CPU kernel against the definition: decode-size groups, prefill-size groups, mixed."""
 
 from __future__ import annotations
 
@@ -19,7 +19,8 @@ def _compiled():
     "token_slots",
     [
         [0, 2, -1, 1, 0, 2, 3, -1],  # decode-like: a few tokens per adapter
-        [1] * 20 + [-1] * 3 + [0] * 2,  # one prefill segment (dense path) plus a small group
+        [1] * 20 + [-1] * 3 + [0] * 2,  # one prefill segment plus a small group
+        [1] * 70 + [0] * 33 + [-1] * 4 + [3] * 3,  # long segments: cut into pieces spread over threads
         [3, 2, 1, 0],  # every row a different adapter, sorted order reversed
         [0] * 5 + [1] * 17,  # contiguous lora tokens
         [3, 0, 3, 3, 2, 3, 0, 3, 3, 0, 3, 0, 0, 3, 2],  # groups of 4-8 tokens: blocks of four plus a rest
