@@ -89,8 +89,8 @@ def _check_entry(name: str, key: str, info, data_len: int) -> None:
 def read_tensors(path: Path, limits: AdapterLimits) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """All tensors of a checked safetensors file in their stored dtype, and its metadata.
 
-    The file is read once into memory the tensors then share (no memory map: a map would tie the tensors
-    to a file that may be replaced or deleted, and fault pages in later, at serving time)."""
+    The tensors are read into memory (no memory map: a map would tie the tensors to a file that may be
+    replaced or deleted, and fault pages in later, at serving time)."""
     with open(path, "rb") as f:
         return _read_tensors(f, path.stat().st_size, path.name, limits)
 
@@ -101,21 +101,21 @@ def tensors_from_bytes(data: bytes, name: str, limits: AdapterLimits) -> tuple[d
 
 
 def _read_tensors(f: BinaryIO, file_size: int, name: str, limits: AdapterLimits):
+    """Each tensor is read straight into its own allocation, in file order. Tensors are at most a few MB,
+    so the allocator serves them from memory it already holds: one buffer for the whole file (an adapter
+    is tens of MB) would be fresh pages on every load, and faulting them in took 5x as long as the read
+    itself (78 MB: 32 ms against 6 ms into reused memory)."""
     header, data_start, metadata = _read_header(f, file_size, name, limits)
-    data = torch.empty(file_size - data_start, dtype=torch.uint8)
-    f.seek(data_start)
-    if f.readinto(data.numpy()) != data.numel():
-        raise _corrupt(name, "file shrank while being read")
     tensors = {}
-    for key, info in header.items():
+    for key, info in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
         start, stop = info["data_offsets"]
-        dtype = ALLOWED_DTYPES[info["dtype"]]
-        raw = data[start:stop]
-        if start % dtype.itemsize:
-            # A hand-made file may place a tensor at an offset that is not aligned for its dtype: copy its
-            # bytes to aligned memory. (safetensors is little-endian, as is every machine we serve on.)
-            raw = raw.clone()
-        tensors[key] = raw.view(dtype).view(info["shape"])
+        tensor = torch.empty(info["shape"], dtype=ALLOWED_DTYPES[info["dtype"]])
+        if stop > start:
+            f.seek(data_start + start)
+            # (safetensors is little-endian, as is every machine we serve on)
+            if f.readinto(tensor.view(-1).view(torch.uint8).numpy()) != stop - start:
+                raise _corrupt(name, "file shrank while being read")
+        tensors[key] = tensor
     return tensors, metadata
 
 
