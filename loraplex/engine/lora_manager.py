@@ -25,6 +25,7 @@ from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from loraplex.engine.errors import AdapterLoadError
@@ -75,8 +76,11 @@ def to_host_adapter(
             if r > max_rank:
                 raise ValueError(f"adapter {lora.name!r} has rank {r}, above max_lora_rank={max_rank}")
             # B is kept as a view of a contiguous B^T: slots store B rank-major, so a slot load is a
-            # straight copy and the transpose happens here, off the step loop
-            a, b = a.contiguous(), b.t().contiguous().t()
+            # straight copy and the transpose happens here, off the step loop. numpy makes the copies: a
+            # torch copy this size would start an OpenMP team in this thread, beside the step's own team
+            # on the same cores.
+            a = torch.from_numpy(np.ascontiguousarray(a.numpy()))
+            b = torch.from_numpy(np.ascontiguousarray(b.numpy().T)).t()
             if pin:
                 a, b = a.pin_memory(), b.t().pin_memory().t()
             per_slice.append((a, b))
