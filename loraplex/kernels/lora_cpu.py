@@ -32,18 +32,24 @@ _SOURCE = r"""
 #include <ATen/Parallel.h>
 #include <cstring>
 
-// Sixteen floats as one value (GCC/Clang vector extension): one AVX-512 register, two AVX registers.
-typedef float vf16 __attribute__((vector_size(64)));
+// One vector register of floats (GCC/Clang vector extension): 16 with AVX-512, otherwise 8 (AVX; two SSE or
+// NEON registers). The register blocking below is sized for 32 registers with AVX-512 and 16 without.
+#ifdef __AVX512F__
+constexpr int VW = 16;
+#else
+constexpr int VW = 8;
+#endif
+typedef float vfw __attribute__((vector_size(VW * sizeof(float))));
 
-static inline vf16 ld16(const float* p) {
-  vf16 v;
+static inline vfw ldw(const float* p) {
+  vfw v;
   std::memcpy(&v, p, sizeof(v));
   return v;
 }
 
-static inline float hsum16(vf16 v) {
+static inline float hsumw(vfw v) {
   float s = 0.f;
-  for (int i = 0; i < 16; ++i) s += v[i];
+  for (int i = 0; i < VW; ++i) s += v[i];
   return s;
 }
 
@@ -53,21 +59,21 @@ static inline float hsum16(vf16 v) {
 template <int R, int NT>
 static inline void shrink_block(const float* const* arows, const float* const* xrows, int64_t in, float* out,
                                 int64_t os) {
-  vf16 acc[R][NT];
+  vfw acc[R][NT];
   for (int r = 0; r < R; ++r)
-    for (int t = 0; t < NT; ++t) acc[r][t] = vf16{};
+    for (int t = 0; t < NT; ++t) acc[r][t] = vfw{};
   int64_t k = 0;
-  for (; k + 16 <= in; k += 16) {
-    vf16 va[R];
-    for (int r = 0; r < R; ++r) va[r] = ld16(arows[r] + k);
+  for (; k + VW <= in; k += VW) {
+    vfw va[R];
+    for (int r = 0; r < R; ++r) va[r] = ldw(arows[r] + k);
     for (int t = 0; t < NT; ++t) {
-      const vf16 vx = ld16(xrows[t] + k);
+      const vfw vx = ldw(xrows[t] + k);
       for (int r = 0; r < R; ++r) acc[r][t] += va[r] * vx;
     }
   }
   for (int r = 0; r < R; ++r)
     for (int t = 0; t < NT; ++t) {
-      float sum = hsum16(acc[r][t]);
+      float sum = hsumw(acc[r][t]);
       for (int64_t kk = k; kk < in; ++kk) sum += arows[r][kk] * xrows[t][kk];
       out[t * os + r] = sum;
     }
@@ -100,12 +106,12 @@ constexpr int WIDE_ROWS = 2;
 template <int NT, int NC>
 static inline void expand_block(const float* b, int64_t bs1, int64_t r, const float* const* srows,
                                 float* const* yrows, int64_t c0) {
-  vf16 acc[NT][NC];
+  vfw acc[NT][NC];
   for (int t = 0; t < NT; ++t)
-    for (int c = 0; c < NC; ++c) acc[t][c] = vf16{};
+    for (int c = 0; c < NC; ++c) acc[t][c] = vfw{};
   for (int64_t q = 0; q < r; ++q) {
-    vf16 vb[NC];
-    for (int c = 0; c < NC; ++c) vb[c] = ld16(b + q * bs1 + c0 + 16 * c);
+    vfw vb[NC];
+    for (int c = 0; c < NC; ++c) vb[c] = ldw(b + q * bs1 + c0 + VW * c);
     for (int t = 0; t < NT; ++t) {
       const float sv = srows[t][q];
       for (int c = 0; c < NC; ++c) acc[t][c] += sv * vb[c];
@@ -113,8 +119,8 @@ static inline void expand_block(const float* b, int64_t bs1, int64_t r, const fl
   }
   for (int t = 0; t < NT; ++t)
     for (int c = 0; c < NC; ++c) {
-      float* y = yrows[t] + c0 + 16 * c;
-      const vf16 sum = ld16(y) + acc[t][c];
+      float* y = yrows[t] + c0 + VW * c;
+      const vfw sum = ldw(y) + acc[t][c];
       std::memcpy(y, &sum, sizeof(sum));
     }
 }
@@ -124,8 +130,8 @@ static void expand_cols(const float* b, int64_t bs1, int64_t r, int64_t width, c
                         float* const* yrows) {
   constexpr int NC = NT <= 2 ? 4 : (WIDE_ROWS == 4 ? 4 : 2);  // NT * NC accumulators: 16 at most
   int64_t c0 = 0;
-  for (; c0 + 16 * NC <= width; c0 += 16 * NC) expand_block<NT, NC>(b, bs1, r, srows, yrows, c0);
-  for (; c0 + 16 <= width; c0 += 16) expand_block<NT, 1>(b, bs1, r, srows, yrows, c0);
+  for (; c0 + VW * NC <= width; c0 += VW * NC) expand_block<NT, NC>(b, bs1, r, srows, yrows, c0);
+  for (; c0 + VW <= width; c0 += VW) expand_block<NT, 1>(b, bs1, r, srows, yrows, c0);
   for (; c0 < width; ++c0)  // columns past the last full vector
     for (int t = 0; t < NT; ++t) {
       float sum = 0.f;
@@ -174,7 +180,7 @@ void lora_groups(torch::Tensor y, torch::Tensor x, torch::Tensor a, torch::Tenso
         default: shrink_rows<WIDE_ROWS, 4>(abase, as1, total, xrows, in, o, ss); break;
       }
     }
-    // expand, slice by slice: tokens up to four at a time, 64 output columns per block in registers
+    // expand, slice by slice: tokens up to four at a time, a few vectors of output columns in registers
     for (int64_t s = 0; s < S; ++s) {
       const int64_t r = rk[slot * S + s], roff = ro[slot * S + s];
       if (r == 0) continue;
@@ -239,7 +245,7 @@ void lora_groups(torch::Tensor y, torch::Tensor x, torch::Tensor a, torch::Tenso
 }
 """
 
-EXTENSION_NAME = "loraplex_lora_cpu_v6"  # bump the suffix when the C++ source changes incompatibly
+EXTENSION_NAME = "loraplex_lora_cpu_v7"  # bump the suffix when the C++ source changes incompatibly
 _EXTENSION = InlineExtension(
     EXTENSION_NAME, _SOURCE, ["lora_groups"], what="CPU LoRA kernel",
 )
