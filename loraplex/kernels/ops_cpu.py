@@ -150,6 +150,11 @@ static inline void weighted_values(const float* __restrict p, int64_t L, const f
     for (int c = 0; c < NC; ++c) store8(out + g * os + d0 + 8 * c, acc[g][c]);
 }
 
+static inline void prefetch_rows(const float* base, int64_t n, int64_t stride, int64_t D) {
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t d = 0; d < D; d += 16) __builtin_prefetch(base + i * stride + d, 0, 3);
+}
+
 // Decode attention for one sequence and one KV head, for G (1..4) of its query heads. q: [G, D], already
 // scaled; kh/vh: this KV head's cache, its rows found through `table`; scores: [G, L] scratch; out: the
 // G heads' outputs, `os` apart.
@@ -164,6 +169,10 @@ static void attend_group(const float* __restrict q, const float* kh, int64_t ks1
   for (int64_t j = 0, t0 = 0; t0 < L; ++j, t0 += BS) {
     const float* kb = kh + table[j] * ks1;
     const int64_t n = std::min(BS, L - t0);
+    // Blocks are scattered runs of a few KB that the hardware prefetchers cannot foresee: ask for the next
+    // key block, and this block's values (read after the softmax), while this block's scores compute.
+    if (t0 + BS < L) prefetch_rows(kh + table[j + 1] * ks1, std::min(BS, L - t0 - BS), ks2, D);
+    prefetch_rows(vh + table[j] * vs1, n, vs2, D);
     int64_t i = 0;
     for (; i < n && i + 8 <= BS; i += 8) {  // rows past the context are read, not used
       for (int g = 0; g < G; ++g)
@@ -425,7 +434,7 @@ void rotary_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, int64_t min_
 
 _FUNCTIONS = ["paged_decode_attention", "fused_add_rms_norm_", "rms_norm", "silu_and_mul", "rotary_"]
 
-EXTENSION_NAME = "loraplex_ops_cpu_v1"  # bump the suffix when the C++ source changes incompatibly
+EXTENSION_NAME = "loraplex_ops_cpu_v2"  # bump the suffix when the C++ source changes incompatibly
 _EXTENSION = InlineExtension(
     EXTENSION_NAME, _SOURCE, _FUNCTIONS, what="CPU fused ops",
     # no-trapping-math: lets the clamps in fast_exp become vector min/max (nothing reads FP flags)
