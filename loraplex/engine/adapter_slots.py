@@ -9,6 +9,7 @@ the step's LoRA state that the LoRA-aware projections call.
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
@@ -37,7 +38,11 @@ class AdapterSlots(Protocol):
 
     @property
     def loading(self) -> bool:
-        """A background load is under way (on a CPU engine the step then leaves it a core)."""
+        """A background load is under way (on a CPU engine a step then leaves it a core, or pauses it)."""
+        ...
+
+    def loads_paused(self) -> AbstractContextManager[None]:
+        """Hold background loads back for the duration of a large step."""
         ...
 
     def build_step(self, token_slots: torch.Tensor) -> LoraStepState | None:

@@ -8,7 +8,9 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
 from collections.abc import Sequence as Seq
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +35,10 @@ from loraplex.engine.sequence import Sequence
 from loraplex.engine.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
+
+# A step of at least this many tokens pauses background adapter loads rather than run beside them on one
+# thread fewer (see LLMEngine._cpu_threads_beside_loads): decode steps are a few dozen tokens, prefills more.
+PAUSE_LOADS_MIN_TOKENS = 256
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -140,24 +146,40 @@ class LLMEngine:
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
 
-    def _yield_core_to_loads(self) -> None:
-        """On the CPU, while an adapter loads in the background, run the step on one thread fewer.
+    @contextmanager
+    def _cpu_threads_beside_loads(self, batch) -> Iterator[None]:
+        """On the CPU, share the cores with background adapter loads for the duration of a step.
 
         The loader thread parses and copies tens of megabytes per adapter. Beside a step that uses every
-        core, it takes a core from one of the step's OpenMP threads, and every parallel region then waits
+        core it takes a core from one of the step's OpenMP threads, and every parallel region then waits
         at its barrier for the thread that lost its core: on 2 cores a prefill step with loads running
-        took 6.5 s instead of 1.9 s. Leaving the loader a core costs the step one thread for the few
-        steps a load lasts. Thread counts are per thread in OpenMP, so this is read and set on the step
-        thread itself."""
-        if self.device.type != "cpu" or self.adapter_slots is None:
+        took 6.5 s instead of 1.9 s. So while loads are under way:
+        - a small step (decodes) runs on one thread fewer, leaving the loader a core;
+        - a large step (at least PAUSE_LOADS_MIN_TOKENS tokens: prefills) pauses the loads instead, after
+          the adapter being loaded is done (20-30 ms), and runs on every thread: a core lent to the loader
+          for a whole long step would sit idle once its loads finished, while the step ran on half the
+          machine (the 100-adapter benchmark's prefill steps: 2.7-3.1 s on one thread).
+        Thread counts are per thread in OpenMP, so they are read and set on the step thread itself."""
+        slots = self.adapter_slots
+        if self.device.type != "cpu" or slots is None:
+            yield
             return
         if self._step_threads is None:
             self._step_threads = torch.get_num_threads()
         want = self._step_threads
-        if want > 1 and self.adapter_slots.loading:
-            want -= 1
+        pause = False
+        if want > 1 and slots.loading:
+            if sum(batch.num_new_tokens) >= PAUSE_LOADS_MIN_TOKENS:
+                pause = True
+            else:
+                want -= 1
         if torch.get_num_threads() != want:
             torch.set_num_threads(want)
+        if pause:
+            with slots.loads_paused():
+                yield
+        else:
+            yield
 
     def _derive_limits(self) -> EngineLimits:
         cfg = self.config
@@ -249,8 +271,8 @@ class LLMEngine:
                     s.finish_reason = "error"
                 touched[seq.request_id] = state
         if not batch.empty:
-            self._yield_core_to_loads()
-            sample_seqs, out = self.runner.run(batch)
+            with self._cpu_threads_beside_loads(batch):
+                sample_seqs, out = self.runner.run(batch)
             sampled = {} if out is None else {s.seq_id: t for s, t in zip(sample_seqs, out.token_ids, strict=True)}
             for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
                 self.prompt_tokens_total += max(0, min(n, seq.num_prompt_tokens - seq.num_computed_tokens))

@@ -21,8 +21,9 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -123,6 +124,9 @@ class LoraManager:
         }
         self._lock = threading.RLock()
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lora-load")
+        self._gate = threading.Condition()  # loads_paused(): the step thread holds loads back
+        self._paused = False
+        self._executing = False  # a load is running on the pool's thread
         self._host: OrderedDict[str, HostAdapter] = OrderedDict()  # LRU, oldest first
         self._loading: dict[str, Future] = {}  # loads submitted to the pool and not finished
         self._errors: dict[str, BaseException] = {}
@@ -189,6 +193,34 @@ class LoraManager:
             return fut
 
     def _load(self, lora: LoRARequest) -> None:
+        with self._gate:
+            while self._paused:
+                self._gate.wait()
+            self._executing = True
+        try:
+            self._load_unpaused(lora)
+        finally:
+            with self._gate:
+                self._executing = False
+                self._gate.notify_all()
+
+    @contextmanager
+    def loads_paused(self) -> Iterator[None]:
+        """Hold background loads back while the block runs: a load under way finishes first (the caller
+        waits for it), queued loads start after the block. Prefetches and waiting requests keep their
+        places; nothing is cancelled."""
+        with self._gate:
+            self._paused = True
+            while self._executing:
+                self._gate.wait()
+        try:
+            yield
+        finally:
+            with self._gate:
+                self._paused = False
+                self._gate.notify_all()
+
+    def _load_unpaused(self, lora: LoRARequest) -> None:
         try:
             weights = self.load_fn(lora)
             host = to_host_adapter(

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from loraplex.engine.llm import LLM
+from loraplex.engine.llm_engine import PAUSE_LOADS_MIN_TOKENS
 from loraplex.engine.lora_request import LoRARequest
 from loraplex.engine.sampling_params import SamplingParams
 
@@ -45,6 +48,12 @@ class FakeAdapterSlots:
         return 3
 
     loading = False
+    pauses = 0
+
+    @contextlib.contextmanager
+    def loads_paused(self):
+        self.pauses += 1
+        yield
 
     def build_step(self, token_slots):
         self.steps.append(token_slots.tolist())
@@ -92,29 +101,38 @@ def test_without_adapter_support_a_named_adapter_is_refused(tiny_llama_dir):
     assert torch.is_tensor(llm.engine.runner.kv_cache)
 
 
-def test_steps_leave_a_core_to_background_adapter_loads(tiny_qwen2_dir, monkeypatch):
-    """While an adapter loads in the background, a CPU step runs on one OpenMP thread fewer, and gets its
-    threads back once the loads are done; the tokens do not depend on it."""
+def test_steps_share_the_cores_with_background_adapter_loads(tiny_qwen2_dir, monkeypatch):
+    """While an adapter loads in the background, a small CPU step runs on one OpenMP thread fewer and a
+    large one (a prefill of many tokens) pauses the loads and keeps every thread; once the loads are done,
+    steps get all their threads back. The tokens do not depend on it."""
     previous = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
         slots = FakeAdapterSlots()
-        llm = LLM(str(tiny_qwen2_dir), num_kv_blocks=64, adapter_slots=slots)
+        llm = LLM(str(tiny_qwen2_dir), num_kv_blocks=256, adapter_slots=slots, enable_prefix_caching=False)
         seen = []
         run = llm.engine.runner.run
 
         def recording_run(batch):
-            seen.append((slots.loading, torch.get_num_threads()))
+            seen.append((slots.loading, sum(batch.num_new_tokens), torch.get_num_threads(), slots.pauses))
             return run(batch)
 
         monkeypatch.setattr(llm.engine.runner, "run", recording_run)
-        quiet = llm.generate(["Hello world"], GREEDY, use_tqdm=False)
+        long_prompt = {"prompt_token_ids": [(7 * i) % 90 + 5 for i in range(PAUSE_LOADS_MIN_TOKENS)]}
+        quiet = llm.generate(["Hello world", long_prompt], GREEDY, use_tqdm=False)
         slots.loading = True
-        busy = llm.generate(["Hello world"], GREEDY, use_tqdm=False)
+        busy = llm.generate(["Hello world", long_prompt], GREEDY, use_tqdm=False)
         slots.loading = False
-        again = llm.generate(["Hello world"], GREEDY, use_tqdm=False)
-        assert {threads for loading, threads in seen if loading} == {1}
-        assert {threads for loading, threads in seen if not loading} == {2}
-        assert quiet[0].outputs[0].token_ids == busy[0].outputs[0].token_ids == again[0].outputs[0].token_ids
+        again = llm.generate(["Hello world", long_prompt], GREEDY, use_tqdm=False)
+
+        small = [(loading, threads) for loading, tokens, threads, _ in seen if tokens < PAUSE_LOADS_MIN_TOKENS]
+        large = [(loading, threads) for loading, tokens, threads, _ in seen if tokens >= PAUSE_LOADS_MIN_TOKENS]
+        assert {threads for loading, threads in small if loading} == {1}
+        assert {threads for loading, threads in small if not loading} == {2}
+        assert {threads for _, threads in large} == {2} and len(large) == 3
+        paused = [pauses for loading, tokens, _, pauses in seen if loading and tokens >= PAUSE_LOADS_MIN_TOKENS]
+        assert paused == [1] and slots.pauses == 1  # the one large step while loading paused the loads
+        for a, b, c in zip(quiet, busy, again, strict=True):
+            assert a.outputs[0].token_ids == b.outputs[0].token_ids == c.outputs[0].token_ids
     finally:
         torch.set_num_threads(previous)

@@ -187,3 +187,35 @@ def test_waiting_requests_do_not_thrash_the_host_cache():
             break
     assert sorted(served) == list("abcdef")
     assert m.loads_total == 6 and store.calls.count("a") == 1
+
+
+def test_loads_paused_holds_queued_loads_and_waits_for_the_one_running():
+    store = FakeStore()
+    a, b = store.add("a", 4), store.add("b", 4)
+    manager = _manager(store)
+    store.gate.clear()  # the load of a starts and blocks inside the store
+    first = manager.request_load(a)
+    while not manager._executing:
+        threading.Event().wait(0.001)
+    second = manager.request_load(b)
+    entered = threading.Event()
+    during = []
+
+    def pause():
+        with manager.loads_paused():
+            entered.set()
+            threading.Event().wait(0.2)  # a large step runs
+            during.append((list(store.calls), second.done()))
+
+    step = threading.Thread(target=pause)
+    step.start()
+    assert not entered.wait(0.1)  # the pause waits for the load under way
+    store.gate.set()
+    first.result(5)
+    assert entered.wait(5)
+    step.join(5)
+    assert during == [(["a"], False)]  # b was held back while the step ran
+    second.result(5)
+    assert store.calls == ["a", "b"]
+    assert manager.ready(a) and manager.ready(b) and not manager.loading
+    manager.close()
