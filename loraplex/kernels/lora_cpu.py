@@ -31,6 +31,9 @@ _SOURCE = r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <cstring>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
 
 // One vector register of floats (GCC/Clang vector extension): 16 with AVX-512, otherwise 8 (AVX; two SSE or
 // NEON registers). The register blocking below is sized for 32 registers with AVX-512 and 16 without.
@@ -47,10 +50,18 @@ static inline vfw ldw(const float* p) {
   return v;
 }
 
+// The sum of a vector's lanes as a tree of halvings (a lane-by-lane loop is one long dependency chain of
+// scalar adds, which cost the shrink as much as its multiply-adds).
 static inline float hsumw(vfw v) {
-  float s = 0.f;
-  for (int i = 0; i < VW; ++i) s += v[i];
-  return s;
+#ifdef __AVX512F__
+  return _mm512_reduce_add_ps(reinterpret_cast<__m512>(v));
+#else
+  float h[VW];
+  std::memcpy(h, &v, sizeof(v));
+  for (int width = VW / 2; width > 0; width /= 2)
+    for (int i = 0; i < width; ++i) h[i] += h[i + width];
+  return h[0];
+#endif
 }
 
 // out[t * os + r] = <A row r, x row t> for R rows of A and NT tokens: every A vector loaded once is used
@@ -245,7 +256,7 @@ void lora_groups(torch::Tensor y, torch::Tensor x, torch::Tensor a, torch::Tenso
 }
 """
 
-EXTENSION_NAME = "loraplex_lora_cpu_v7"  # bump the suffix when the C++ source changes incompatibly
+EXTENSION_NAME = "loraplex_lora_cpu_v8"  # bump the suffix when the C++ source changes incompatibly
 _EXTENSION = InlineExtension(
     EXTENSION_NAME, _SOURCE, ["lora_groups"], what="CPU LoRA kernel",
 )
