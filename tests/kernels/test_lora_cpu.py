@@ -54,3 +54,35 @@ def test_cpu_kernel_empty_and_base_only():
         before = y.clone()
         lora_cpu.add_lora_cpu(y, x, w, batch)
         assert torch.equal(y, before)
+
+
+@pytest.mark.slow
+def test_cpu_kernel_built_without_avx512_matches_definition():
+    """The kernel's 8-wide build (machines without AVX-512) is checked here too, whatever this machine has."""
+    import platform
+
+    from loraplex.kernels.cpp_build import InlineExtension
+
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("x86 only")
+    mod = InlineExtension(
+        f"{lora_cpu.EXTENSION_NAME}_noavx512", lora_cpu._SOURCE, ["lora_groups"], what="CPU LoRA kernel (AVX2)",
+        extra_cflags=["-mno-avx512f"],
+    ).load()
+    if mod is None:
+        pytest.skip("no C++ compiler")
+    for token_slots in ([0, 2, -1, 1, 0, 2, 3, -1], [1] * 70 + [0] * 33 + [-1] * 4 + [3] * 3):
+        for hidden, out_slices in ((576, (64, 16, 16)), (101, (24, 7))):
+            gen = torch.Generator().manual_seed(len(token_slots) + hidden)
+            slot_ranks = {0: [1] * len(out_slices), 1: [64] * len(out_slices),
+                          2: [17] + [0] * (len(out_slices) - 1), 3: [8] * len(out_slices)}
+            w, per_slot, x, y, batch = random_problem(
+                gen, num_tokens=len(token_slots), in_features=hidden, out_slices=out_slices,
+                slot_ranks=slot_ranks, token_slots=token_slots, num_slots=5,
+            )
+            expected = oracle(x, y, per_slot, token_slots, out_slices)
+            groups = lora_cpu._groups(batch)
+            shrunk = torch.empty(batch.num_lora_tokens, w.a.shape[1])
+            mod.lora_groups(y, x, w.a, w.b, batch.sorted_token_ids, groups, w.ranks_t, w.rank_offsets_t,
+                            w.out_meta, shrunk, 0)
+            torch.testing.assert_close(y, expected, rtol=1e-4, atol=1e-4)
