@@ -69,7 +69,7 @@ static inline float hsumw(vfw v) {
 // time is a single dependency chain, latency-bound).
 template <int R, int NT>
 static inline void shrink_block(const float* const* arows, const float* const* xrows, int64_t in, float* out,
-                                int64_t os) {
+                                int64_t os, int64_t ahead) {
   vfw acc[R][NT];
   for (int r = 0; r < R; ++r)
     for (int t = 0; t < NT; ++t) acc[r][t] = vfw{};
@@ -77,6 +77,10 @@ static inline void shrink_block(const float* const* arows, const float* const* x
   for (; k + VW <= in; k += VW) {
     vfw va[R];
     for (int r = 0; r < R; ++r) va[r] = ldw(arows[r] + k);
+    // the rows R further on, one cache line (16 floats) at a time: the next block's A streams in while
+    // this one computes (8 adapters x 4 tokens: 10.9-11.3 -> 10.3 ms for SmolLM2's 120 projections)
+    if ((k & 15) == 0)
+      for (int r = 0; r < R; ++r) __builtin_prefetch(arows[r] + ahead + k, 0, 3);
     for (int t = 0; t < NT; ++t) {
       const vfw vx = ldw(xrows[t] + k);
       for (int r = 0; r < R; ++r) acc[r][t] += va[r] * vx;
@@ -98,11 +102,11 @@ static void shrink_rows(const float* a, int64_t as1, int64_t total, const float*
   for (; j + R <= total; j += R) {
     const float* arows[R];
     for (int r = 0; r < R; ++r) arows[r] = a + (j + r) * as1;
-    shrink_block<R, NT>(arows, xrows, in, out + j, os);
+    shrink_block<R, NT>(arows, xrows, in, out + j, os, R * as1);
   }
   for (; j < total; ++j) {
     const float* arow[1] = {a + j * as1};
-    shrink_block<1, NT>(arow, xrows, in, out + j, os);
+    shrink_block<1, NT>(arow, xrows, in, out + j, os, as1);
   }
 }
 
@@ -256,7 +260,7 @@ void lora_groups(torch::Tensor y, torch::Tensor x, torch::Tensor a, torch::Tenso
 }
 """
 
-EXTENSION_NAME = "loraplex_lora_cpu_v8"  # bump the suffix when the C++ source changes incompatibly
+EXTENSION_NAME = "loraplex_lora_cpu_v9"  # bump the suffix when the C++ source changes incompatibly
 _EXTENSION = InlineExtension(
     EXTENSION_NAME, _SOURCE, ["lora_groups"], what="CPU LoRA kernel",
 )
