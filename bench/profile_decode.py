@@ -21,7 +21,7 @@ import torch
 
 # (part, substrings of cProfile function labels whose own time belongs to it)
 PARTS = [
-    ("projections + LM head (oneDNN / F.linear)", ("_linear_pointwise", "_nn.linear", "_mkl_linear")),
+    ("projections + LM head (packed GEMM / F.linear)", ("_linear_pointwise", "_nn.linear", "_mkl_linear", "_linear_cpu_v")),
     ("paged attention", ("paged_decode_attention", "scaled_dot_product_attention", "index_select")),
     ("norms, activation, rotary (fused)", ("fused_add_rms_norm_", "rms_norm", "silu_and_mul", "rotary_")),
     ("KV cache writes", ("index_copy_",)),

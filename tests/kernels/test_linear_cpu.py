@@ -1,4 +1,5 @@
-"""Projections with oneDNN-packed weights agree with F.linear; what cannot be packed keeps F.linear."""
+"""Projections with packed weights (loraplex's AVX-512 panels or oneDNN's layout) agree with F.linear;
+what cannot be packed keeps F.linear."""
 
 from __future__ import annotations
 
@@ -7,15 +8,69 @@ import torch
 import torch.nn.functional as F
 
 from loraplex.engine.models.layers import LoraLinear
+from loraplex.kernels import linear_cpu
 from loraplex.kernels.linear_cpu import pack_weight, packed_linear
 
 needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN in this build")
+needs_panels = pytest.mark.skipif(linear_cpu._kernel() is None, reason="no AVX-512 GEMM on this machine")
+
+
+def _assert_fp32_close(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> None:
+    """Within a few fp32 roundings of the float64 product (another summation order than F.linear's)."""
+    want = F.linear(x.double(), w.double(), None if b is None else b.double())
+    assert got.shape == want.shape and got.dtype == torch.float32
+    scale = (x.double().abs() @ w.double().abs().t()) + (0 if b is None else b.double().abs())
+    err = (got.double() - want).abs()
+    assert bool((err <= 4 * x.shape[-1] ** 0.5 * 2.0**-24 * scale + 1e-30).all()), float((err / scale).max())
+
+
+@needs_panels
+@pytest.mark.parametrize("shape", [(960, 576), (49, 13), (32, 1), (1, 300), (65, 33)])
+def test_panels_match_float64_product(shape):
+    """Every row count the kernel cuts differently: register-block tails, the decode order's limit (64),
+    prefill row chunks and K blocks (576 x 1529 spans several of each)."""
+    gen = torch.Generator().manual_seed(shape[0] * 7 + shape[1])
+    w = torch.randn(*shape, generator=gen)
+    bias = torch.randn(shape[0], generator=gen)
+    packed = pack_weight(w)
+    assert packed is not None and packed.kind == "panels"
+    assert packed.data.shape == ((shape[0] + 31) // 32, shape[1], 32)
+    for rows in (0, 1, 3, 8, 9, 32, 63, 64, 65, 200, 1529):
+        x = torch.randn(rows, shape[1], generator=gen)
+        for b in (None, bias):
+            _assert_fp32_close(packed_linear(x, packed, b), x, w, b)
+
+
+@needs_panels
+def test_panels_take_any_leading_shape_and_strides():
+    gen = torch.Generator().manual_seed(3)
+    w, bias = torch.randn(40, 24, generator=gen), torch.randn(40, generator=gen)
+    packed = pack_weight(w)
+    x3 = torch.randn(2, 5, 24, generator=gen)
+    _assert_fp32_close(packed_linear(x3, packed, bias), x3, w, bias)
+    xt = torch.randn(24, 7, generator=gen).t()  # not contiguous
+    _assert_fp32_close(packed_linear(xt, packed, bias), xt, w, bias)
+    with pytest.raises(RuntimeError, match="features"):
+        packed_linear(torch.randn(3, 23), packed, None)
+
+
+@needs_onednn
+def test_onednn_form_when_asked(monkeypatch):
+    monkeypatch.setenv("LORAPLEX_CPU_GEMM", "onednn")
+    w = torch.randn(48, 20)
+    packed = pack_weight(w)
+    assert packed is not None and packed.kind == "onednn"
+    x = torch.randn(5, 20)
+    torch.testing.assert_close(packed_linear(x, packed, None), F.linear(x, w), rtol=1e-5, atol=1e-4)
 
 
 @needs_onednn
 @pytest.mark.parametrize("rows", [0, 1, 7, 32, 300])
 @pytest.mark.parametrize("shape", [(960, 576), (576, 1536), (49, 13)])
-def test_packed_matches_linear(rows, shape):
+@pytest.mark.parametrize("form", ["default", "onednn"])
+def test_packed_matches_linear(rows, shape, form, monkeypatch):
+    if form == "onednn":
+        monkeypatch.setenv("LORAPLEX_CPU_GEMM", "onednn")
     gen = torch.Generator().manual_seed(rows * 31 + shape[0])
     w = torch.randn(*shape, generator=gen)
     bias = torch.randn(shape[0], generator=gen)
@@ -26,12 +81,13 @@ def test_packed_matches_linear(rows, shape):
         got = packed_linear(x, packed, b)
         want = F.linear(x, w, b)
         assert got.shape == want.shape == (rows, shape[0])
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+        _assert_fp32_close(got, x, w, b)
 
 
 def test_not_packed_when_it_does_not_apply():
     assert pack_weight(torch.randn(8, 4, dtype=torch.bfloat16)) is None
     assert pack_weight(torch.randn(8)) is None
+    assert pack_weight(torch.randn(0, 4)) is None
 
 
 @needs_onednn

@@ -11,7 +11,7 @@ from torch import nn
 from loraplex.engine import forward_context as fctx
 from loraplex.kernels import ops_cpu
 from loraplex.kernels.attention import decode_attention, prefill_attention, write_kv
-from loraplex.kernels.linear_cpu import packed_linear
+from loraplex.kernels.linear_cpu import PackedWeight, packed_linear
 
 
 class LoraLinear(nn.Module):
@@ -40,7 +40,7 @@ class LoraLinear(nn.Module):
         out = sum(output_sizes)
         self.weight = nn.Parameter(torch.empty(out, in_features, dtype=dtype), requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(out, dtype=dtype), requires_grad=False) if bias else None
-        self._packed: torch.Tensor | None = None  # the weight in oneDNN's layout, once packed
+        self._packed: PackedWeight | None = None  # the weight in its packed CPU layout, once packed
 
     def load_shard(self, shard: int, name: str, tensor: torch.Tensor) -> None:
         if self._packed is not None:
@@ -58,7 +58,7 @@ class LoraLinear(nn.Module):
         target.data[start : start + size].copy_(tensor)
 
     def pack_for_cpu(self) -> bool:
-        """Pre-pack the weight for oneDNN (fp32 on CPU; see `loraplex.kernels.linear_cpu`). The plain copy
+        """Pre-pack the weight for the CPU GEMM (fp32 on CPU; see `loraplex.kernels.linear_cpu`). The plain copy
         is released: the forward pass reads only the packed one, and the model's memory stays one copy
         of the weights. Loading weights into a packed projection is refused."""
         from loraplex.kernels.linear_cpu import pack_weight

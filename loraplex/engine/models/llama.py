@@ -16,7 +16,7 @@ from torch import nn
 from loraplex.engine.models.arch import ModelArch
 from loraplex.engine.models.layers import LoraLinear, PagedAttention, RMSNorm, RotaryEmbedding, apply_rotary_
 from loraplex.kernels import ops_cpu
-from loraplex.kernels.linear_cpu import packed_linear
+from loraplex.kernels.linear_cpu import PackedWeight, packed_linear
 
 # PEFT module name -> (our fused module, shard index)
 _FUSED = {
@@ -122,7 +122,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.arch = arch
         self.model = LlamaModel(arch, dtype)
-        self._packed_head: torch.Tensor | None = None
+        self._packed_head: PackedWeight | None = None
         if arch.tie_word_embeddings:
             self.lm_head = None
         else:
@@ -141,11 +141,12 @@ class LlamaForCausalLM(nn.Module):
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     def pack_for_cpu(self) -> bool:
-        """On CPU in fp32, pre-pack every projection and the LM head for oneDNN's inner product. A decode
-        step streams all these weights once for a few dozen rows, and oneDNN reading its own blocked layout
-        streams them faster than `F.linear` on row-major weights (on a 2-core EPYC, 32 rows: the 120
-        projections 154 -> 88 ms, the 49152-row head 49 -> 20 ms). The projections' plain copies are
-        released; the head keeps its plain weight, which is also the embedding table when tied."""
+        """On CPU in fp32, pre-pack every projection and the LM head for the CPU GEMM (loraplex's AVX-512
+        kernel, or oneDNN's inner product; `loraplex.kernels.linear_cpu`). A decode step streams all these
+        weights once for a few dozen rows, and a packed layout streams them faster than `F.linear` on
+        row-major weights (on a 2-core EPYC, 32 rows: the 120 projections 154 -> 88 ms with oneDNN, the
+        49152-row head 49 -> 20 ms). The projections' plain copies are released; the head keeps its plain
+        weight, which is also the embedding table when tied."""
         from loraplex.kernels.linear_cpu import pack_weight
 
         packed_any = False
