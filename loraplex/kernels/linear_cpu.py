@@ -5,12 +5,11 @@ Two packed forms, chosen per machine:
 - loraplex's own AVX-512 GEMM (`loraplex_linear_cpu`, compiled on first use with `-march=native`). The
   weight [out, in] is stored as panels of 32 output columns, each panel [in, 32] contiguous, so a panel
   streams from memory as one sequential run. A decode step multiplies a few dozen rows by every weight
-  once: the kernel keeps 8 rows x 32 columns of accumulators in registers, walks each panel once per
-  8 rows (the first pass from memory, the rest from L2), and prefetches the next panel into L2 while
-  the current one computes, spread over its passes, so the memory traffic overlaps the arithmetic.
-  Larger batches (prefill) are cut into row chunks that stay in L2 and K blocks that stay in L1.
-  On a 2-core Zen 4 with 32 rows this ran the SmolLM2-135M decode step's projections in 45 ms against
-  oneDNN's 50-52 ms (bench/RESULTS.md); for prefill-sized batches it is within 4% of oneDNN.
+  once: the kernel keeps up to 12 rows x 32 columns of accumulators in registers and walks each panel
+  once per row block (the first pass from memory, the rest from cache). Larger batches (prefill) are
+  cut into row chunks, packed so that a K step's rows sit together, and K blocks.
+  On a 2-core Zen 4 with 32 rows this ran the SmolLM2-135M decode step's projections and LM head in
+  42-43 ms against oneDNN's 50-52 ms (bench/RESULTS.md); prefill-sized batches run a few % below oneDNN.
 - oneDNN's inner product on its own blocked layout, where the build has no AVX-512 (its kernels pick
   the best ISA at run time) or no compiler exists.
 
@@ -38,6 +37,7 @@ _SOURCE = r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
+#include <vector>
 #ifdef __AVX512F__
 #include <immintrin.h>
 #endif
@@ -50,25 +50,24 @@ bool has_kernel() {
 #endif
 }
 
+constexpr int NR = 32;  // output columns per panel: two 16-float registers
+
 #ifdef __AVX512F__
-constexpr int NR = 32;               // output columns per panel: two 16-float registers
-constexpr int MR = 8;                // rows per register block: 8 x 2 accumulators
-constexpr int64_t SMALL_M = 64;      // up to this many rows: panel-outer order, whole K per pass
-constexpr int64_t KC = 288;          // larger batches: K blocks whose panel slice stays in L1
-constexpr int64_t X_CHUNK_BYTES = 512 * 1024;  // and row chunks of the input that stay in L2
-constexpr int64_t NEAR_PREFETCH = 24;          // K steps ahead, for a panel nothing prefetched yet
+constexpr int MR = 12;                         // rows per register block at most: 12 x 2 accumulators
+constexpr int MRB = 8;                         // rows per register block in larger batches (packed rows)
+constexpr int64_t SMALL_M = 64;                // up to this many rows: whole K per pass, rows unpacked
+constexpr int64_t KC = 576;                    // larger batches: K blocks
+constexpr int64_t X_CHUNK_BYTES = 512 * 1024;  // and row chunks of the (packed) input that stay in L2
 
 static inline __mmask16 lo_mask(int n) { return n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1u); }
 
-// y[R rows, ncols] (=|+=) x[R rows, kc] @ panel[kc, 32] (+ bias). `near`: prefetch this panel ahead
-// of use (its first pass, when nothing fetched it before). `next`/`next_lines`: cache lines of the next
-// panel to pull into L2 during this pass, spread evenly over its K steps.
-template <int R>
+// y[R rows, ncols] (= or +=) x[R rows, kc] @ panel[kc, 32] (+ bias). XS 0: row r of x at x + r * ldx;
+// XS > 0: x is a packed row block [kc][XS] (pack_rows), so one K step's R values are adjacent.
+template <int R, int XS>
 static inline void micro(const float* __restrict x, int64_t ldx, const float* __restrict w, int64_t kc,
-                         float* __restrict y, int64_t ldy, int ncols, const float* __restrict bias,
-                         bool accum, bool near, const char* next, int64_t next_lines) {
+                         float* __restrict y, int64_t ldy, int ncols, const float* __restrict bias, bool accum) {
   __m512 a0[R], a1[R];
-  const __mmask16 m0 = lo_mask(ncols), m1 = lo_mask(ncols - 16 > 0 ? ncols - 16 : 0);
+  const __mmask16 m0 = lo_mask(ncols), m1 = lo_mask(ncols > 16 ? ncols - 16 : 0);
   if (accum) {
     for (int r = 0; r < R; ++r) {
       a0[r] = _mm512_maskz_loadu_ps(m0, y + r * ldy);
@@ -80,24 +79,11 @@ static inline void micro(const float* __restrict x, int64_t ldx, const float* __
       a1[r] = _mm512_setzero_ps();
     }
   }
-  int64_t spread = 0, line = 0;
   for (int64_t k = 0; k < kc; ++k) {
     const __m512 w0 = _mm512_loadu_ps(w + k * NR), w1 = _mm512_loadu_ps(w + k * NR + 16);
-    if (near) {
-      _mm_prefetch(reinterpret_cast<const char*>(w + (k + NEAR_PREFETCH) * NR), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(w + (k + NEAR_PREFETCH) * NR + 16), _MM_HINT_T0);
-    }
-    if (next) {
-      spread += next_lines;
-      while (spread >= kc) {
-        _mm_prefetch(next + 64 * line, _MM_HINT_T1);
-        ++line;
-        spread -= kc;
-      }
-    }
-#pragma GCC unroll 8
+#pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
-      const __m512 b = _mm512_set1_ps(x[r * ldx + k]);
+      const __m512 b = _mm512_set1_ps(XS ? x[k * XS + r] : x[r * ldx + k]);
       a0[r] = _mm512_fmadd_ps(b, w0, a0[r]);
       a1[r] = _mm512_fmadd_ps(b, w1, a1[r]);
     }
@@ -122,18 +108,37 @@ static inline void micro(const float* __restrict x, int64_t ldx, const float* __
   }
 }
 
+// `ldx` 0: x is a packed row block [kc][MRB] (pack_rows).
 static void block(int rows, const float* x, int64_t ldx, const float* w, int64_t kc, float* y, int64_t ldy,
-                  int ncols, const float* bias, bool accum, bool near, const char* next, int64_t next_lines) {
+                  int ncols, const float* bias, bool accum) {
   switch (rows) {
-#define LP_CASE(R) \
-    case R: micro<R>(x, ldx, w, kc, y, ldy, ncols, bias, accum, near, next, next_lines); break;
-    LP_CASE(1) LP_CASE(2) LP_CASE(3) LP_CASE(4) LP_CASE(5) LP_CASE(6) LP_CASE(7) LP_CASE(8)
+#define LP_CASE(R)                                                   \
+    case R:                                                          \
+      if (ldx) micro<R, 0>(x, ldx, w, kc, y, ldy, ncols, bias, accum);  \
+      else micro<R, MRB>(x, 0, w, kc, y, ldy, ncols, bias, accum);      \
+      break;
+    LP_CASE(1) LP_CASE(2) LP_CASE(3) LP_CASE(4) LP_CASE(5) LP_CASE(6)
+    LP_CASE(7) LP_CASE(8) LP_CASE(9) LP_CASE(10) LP_CASE(11) LP_CASE(12)
 #undef LP_CASE
     default: TORCH_CHECK(false, "row block of ", rows);
   }
 }
-#else
-constexpr int NR = 32;
+
+// rows of x [rows, K] -> blocks of MRB rows, each [K][MRB]; the last block's missing rows are zero.
+static void pack_rows(const float* x, int64_t K, int64_t rows, float* out) {
+  constexpr int MR = MRB;
+  const int64_t blocks = (rows + MR - 1) / MR;
+  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      float* dst = out + b * K * MR;
+      const int64_t n = std::min<int64_t>(MR, rows - b * MR);
+      for (int64_t r = 0; r < MR; ++r) {
+        const float* src = x + (b * MR + r) * K;
+        for (int64_t k = 0; k < K; ++k) dst[k * MR + r] = r < n ? src[k] : 0.0f;
+      }
+    }
+  });
+}
 #endif
 
 // weight [N, K] -> panels [ceil(N / 32), K, 32], the last one zero-padded.
@@ -161,14 +166,13 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t N, c10::opti
   TORCH_CHECK(x.scalar_type() == torch::kFloat32 && packed.scalar_type() == torch::kFloat32, "linear: fp32");
   TORCH_CHECK(packed.dim() == 3 && packed.size(2) == NR && packed.is_contiguous(), "linear: packed panels");
   const int64_t K = packed.size(1), P = packed.size(0);
-  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == K, "linear: input has ", x.size(-1), " features, weight ", K);
+  TORCH_CHECK(K > 0 && x.dim() >= 1 && x.size(-1) == K, "linear: input has ", x.size(-1), " features, weight ", K);
   TORCH_CHECK(P == (N + NR - 1) / NR, "linear: ", N, " outputs do not match ", P, " panels");
   auto xc = x.contiguous();
   std::vector<int64_t> shape(xc.sizes().begin(), xc.sizes().end());
   shape.back() = N;
   auto y = torch::empty(shape, xc.options());
-  const int64_t M = K ? xc.numel() / K : (xc.numel() ? -1 : 0);
-  TORCH_CHECK(M >= 0, "linear: zero input features");
+  const int64_t M = xc.numel() / K;
   if (M == 0 || N == 0) return y;
   torch::Tensor b;
   const float* bp = nullptr;
@@ -182,39 +186,34 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t N, c10::opti
   float* yp = y.data_ptr<float>();
   const int64_t grain = M * N * K < min_parallel_cost ? P : 1;
   if (M <= SMALL_M) {
-    const int64_t passes = (M + MR - 1) / MR, lines = K * NR / 16;
-    const int64_t per_pass = (lines + passes - 1) / passes;
+    // A decode step: each panel streams from memory once (the hardware prefetcher follows the sequential
+    // panels; software prefetching measured slower) and is reused from L1/L2 by the row blocks, sized
+    // evenly (32 rows: 11 + 11 + 10).
+    const int64_t passes = (M + MR - 1) / MR, rows = (M + passes - 1) / passes;
     at::parallel_for(0, P, grain, [&](int64_t p0, int64_t p1) {
       for (int64_t p = p0; p < p1; ++p) {
         const int ncols = static_cast<int>(std::min<int64_t>(NR, N - p * NR));
-        const float* panel = wp + p * K * NR;
-        for (int64_t m = 0, j = 0; m < M; m += MR, ++j) {
-          const char* next = nullptr;
-          int64_t next_lines = 0;
-          if (p + 1 < p1) {
-            next_lines = std::max<int64_t>(0, std::min<int64_t>(per_pass, lines - j * per_pass));
-            next = reinterpret_cast<const char*>(panel + K * NR) + 64 * j * per_pass;
-          }
-          block(static_cast<int>(std::min<int64_t>(MR, M - m)), xp + m * K, K, panel, K, yp + m * N + p * NR,
-                N, ncols, bp ? bp + p * NR : nullptr, false, p == p0 && j == 0, next_lines ? next : nullptr,
-                next_lines);
-        }
+        for (int64_t m = 0; m < M; m += rows)
+          block(static_cast<int>(std::min<int64_t>(rows, M - m)), xp + m * K, K, wp + p * K * NR, K,
+                yp + m * N + p * NR, N, ncols, bp ? bp + p * NR : nullptr, false);
       }
     });
   } else {
-    const int64_t chunk = std::max<int64_t>(MR, X_CHUNK_BYTES / (4 * K) / MR * MR);
+    // Larger batches: row chunks packed into MRB-row blocks, K in blocks of KC accumulated in y.
+    const int64_t chunk = std::max<int64_t>(MRB, X_CHUNK_BYTES / (4 * K) / MRB * MRB);
+    std::vector<float> xpk(static_cast<size_t>(chunk * K));
     for (int64_t c0 = 0; c0 < M; c0 += chunk) {
       const int64_t rows = std::min<int64_t>(chunk, M - c0);
+      pack_rows(xp + c0 * K, K, rows, xpk.data());
       at::parallel_for(0, P, grain, [&](int64_t p0, int64_t p1) {
         for (int64_t p = p0; p < p1; ++p) {
           const int ncols = static_cast<int>(std::min<int64_t>(NR, N - p * NR));
           for (int64_t k0 = 0; k0 < K; k0 += KC) {
             const int64_t kc = std::min<int64_t>(KC, K - k0);
             const float* pb = bp && k0 + kc == K ? bp + p * NR : nullptr;
-            for (int64_t m = 0; m < rows; m += MR)
-              block(static_cast<int>(std::min<int64_t>(MR, rows - m)), xp + (c0 + m) * K + k0, K,
-                    wp + p * K * NR + k0 * NR, kc, yp + (c0 + m) * N + p * NR, N, ncols, pb, k0 > 0, false,
-                    nullptr, 0);
+            for (int64_t m = 0; m < rows; m += MRB)
+              block(static_cast<int>(std::min<int64_t>(MRB, rows - m)), xpk.data() + m * K + k0 * MRB, 0,
+                    wp + p * K * NR + k0 * NR, kc, yp + (c0 + m) * N + p * NR, N, ncols, pb, k0 > 0);
           }
         }
       });
@@ -227,7 +226,7 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t N, c10::opti
 }
 """
 
-EXTENSION_NAME = "loraplex_linear_cpu_v1"  # bump the suffix when the C++ source changes incompatibly
+EXTENSION_NAME = "loraplex_linear_cpu_v2"  # bump the suffix when the C++ source changes incompatibly
 _EXTENSION = InlineExtension(EXTENSION_NAME, _SOURCE, ["has_kernel", "pack", "linear"], what="CPU GEMM kernel")
 
 
