@@ -24,7 +24,7 @@ PARTS = [
     ("projections + LM head (packed GEMM / F.linear)", ("_linear_pointwise", "_nn.linear", "_mkl_linear", "_linear_cpu_v")),
     ("paged attention", ("paged_decode_attention", "scaled_dot_product_attention", "index_select")),
     ("norms, activation, rotary (fused)", ("fused_add_rms_norm_", "rms_norm", "silu_and_mul", "rotary_")),
-    ("KV cache writes", ("index_copy_",)),
+    ("KV cache writes", ("index_copy_", "write_kv_")),
     ("sampling (argmax, softmax, top-k)", ("argmax", "softmax", "topk", "multinomial", "log_softmax")),
 ]
 

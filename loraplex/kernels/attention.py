@@ -18,6 +18,8 @@ def write_kv(
     k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
     """Store new keys/values [num_tokens, num_kv_heads, head_dim] at their slots."""
+    if ops_cpu.write_kv_(k_cache, v_cache, k, v, slot_mapping):
+        return
     num_kv_heads, head_dim = k_cache.shape[0], k_cache.shape[-1]
     k_cache.view(num_kv_heads, -1, head_dim).index_copy_(1, slot_mapping, k.transpose(0, 1))
     v_cache.view(num_kv_heads, -1, head_dim).index_copy_(1, slot_mapping, v.transpose(0, 1))

@@ -477,6 +477,35 @@ void silu_and_mul(torch::Tensor out, torch::Tensor x, int64_t min_elements) {
 }
 
 // Neox rotary in place: x [T, heads, D] (D contiguous), cos/sin [T, 1, D/2] (last dim contiguous).
+// k_cache/v_cache [Hkv, num_blocks, block_size, D] (contiguous); k/v [T, Hkv, D] (rows of D contiguous);
+// slots int64 [T]: token t's K/V go to slot slots[t] (block * block_size + offset) of every head.
+void write_kv_(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor k, torch::Tensor v,
+               torch::Tensor slots) {
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes() &&
+              v_cache.is_contiguous(), "write_kv_: caches must be contiguous [Hkv, blocks, block_size, D]");
+  const int64_t Hkv = k_cache.size(0), S = k_cache.size(1) * k_cache.size(2), D = k_cache.size(3);
+  TORCH_CHECK(k.dim() == 3 && v.sizes() == k.sizes() && k.size(1) == Hkv && k.size(2) == D &&
+              k.stride(2) == 1 && v.stride(2) == 1, "write_kv_: k/v must be [T, Hkv, D]");
+  TORCH_CHECK(slots.dim() == 1 && slots.size(0) == k.size(0) && slots.scalar_type() == at::kLong,
+              "write_kv_: one int64 slot per token");
+  const int64_t T = k.size(0);
+  const int64_t* sl = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t) TORCH_CHECK(sl[t * slots.stride(0)] >= 0 && sl[t * slots.stride(0)] < S,
+                                              "write_kv_: slot ", sl[t * slots.stride(0)], " out of range");
+  float* kc = k_cache.data_ptr<float>();
+  float* vc = v_cache.data_ptr<float>();
+  const float* kp = k.data_ptr<float>();
+  const float* vp = v.data_ptr<float>();
+  const int64_t k0 = k.stride(0), k1 = k.stride(1), v0 = v.stride(0), v1 = v.stride(1), ss = slots.stride(0);
+  for (int64_t t = 0; t < T; ++t) {
+    const int64_t slot = sl[t * ss];
+    for (int64_t h = 0; h < Hkv; ++h) {
+      std::memcpy(kc + (h * S + slot) * D, kp + t * k0 + h * k1, D * sizeof(float));
+      std::memcpy(vc + (h * S + slot) * D, vp + t * v0 + h * v1, D * sizeof(float));
+    }
+  }
+}
+
 void rotary_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, int64_t min_elements) {
   TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && cos.dim() == 3 && sin.dim() == 3, "bad shapes");
   const int64_t T = x.size(0), NH = x.size(1), D = x.size(2), half = D / 2;
@@ -505,9 +534,9 @@ void rotary_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, int64_t min_
 }
 """
 
-_FUNCTIONS = ["paged_decode_attention", "fused_add_rms_norm_", "rms_norm", "silu_and_mul", "rotary_"]
+_FUNCTIONS = ["paged_decode_attention", "fused_add_rms_norm_", "rms_norm", "silu_and_mul", "rotary_", "write_kv_"]
 
-EXTENSION_NAME = "loraplex_ops_cpu_v3"  # bump the suffix when the C++ source changes incompatibly
+EXTENSION_NAME = "loraplex_ops_cpu_v4"  # bump the suffix when the C++ source changes incompatibly
 _EXTENSION = InlineExtension(
     EXTENSION_NAME, _SOURCE, _FUNCTIONS, what="CPU fused ops",
     # no-trapping-math: lets the clamps in fast_exp become vector min/max (nothing reads FP flags)
@@ -525,6 +554,23 @@ def available() -> bool:
 
 def _fp32_cpu(t: torch.Tensor) -> bool:
     return t.dtype == torch.float32 and t.is_cpu
+
+
+def write_kv_(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
+) -> bool:
+    """Store new keys/values [T, Hkv, D] at their cache slots in one pass; False when it does not apply
+    (not fp32 on CPU, a layout the kernel does not take, no compiler): the caller's torch code runs."""
+    if not (_fp32_cpu(k_cache) and _fp32_cpu(v_cache) and _fp32_cpu(k) and _fp32_cpu(v)):
+        return False
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous() and k.dim() == 3 and k.stride(-1) == 1
+            and v.dim() == 3 and v.stride(-1) == 1 and slot_mapping.dtype == torch.int64 and not slot_mapping.is_cuda):
+        return False
+    mod = _load()
+    if mod is None:
+        return False
+    mod.write_kv_(k_cache, v_cache, k, v, slot_mapping)
+    return True
 
 
 def paged_decode_attention(

@@ -247,3 +247,24 @@ def test_unavailable_extension_falls_back_to_torch(monkeypatch):
     apply_rotary_torch_(expected, angles.cos(), angles.sin())
     apply_rotary_(rot, angles.cos(), angles.sin())
     torch.testing.assert_close(rot, expected, rtol=0, atol=0)
+
+
+@pytest.mark.usefixtures("_compiled")
+def test_write_kv_matches_index_copy():
+    gen = torch.Generator().manual_seed(11)
+    k_cache = torch.randn(3, 10, 4, 8, generator=gen)
+    v_cache = torch.randn(3, 10, 4, 8, generator=gen)
+    qkv = torch.randn(5, 3 * 8 + 2 * 3 * 8, generator=gen)  # k and v as strided views of a fused output
+    k = qkv[:, 24:48].view(5, 3, 8)
+    v = qkv[:, 48:].view(5, 3, 8)
+    slots = torch.tensor([0, 7, 39, 12, 13])
+    want_k, want_v = k_cache.clone(), v_cache.clone()
+    want_k.view(3, -1, 8).index_copy_(1, slots, k.transpose(0, 1))
+    want_v.view(3, -1, 8).index_copy_(1, slots, v.transpose(0, 1))
+    assert ops_cpu.write_kv_(k_cache, v_cache, k, v, slots)
+    assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
+    before = k_cache.clone()
+    with pytest.raises(RuntimeError, match="out of range"):
+        ops_cpu.write_kv_(k_cache, v_cache, k, v, torch.tensor([0, 1, 2, 3, 40]))
+    assert torch.equal(k_cache, before)  # checked before anything is written
+    assert not ops_cpu.write_kv_(k_cache.bfloat16(), v_cache.bfloat16(), k.bfloat16(), v.bfloat16(), slots)
