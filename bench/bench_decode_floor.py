@@ -1,5 +1,5 @@
 """What bounds a decode step's projections: SmolLM2-135M's 120 projections run once with 32 rows, every
-weight distinct (read cold from memory, as in a real step), five ways, beside the machine's memory stream
+weight distinct (read cold from memory, as in a real step), six ways, beside the machine's memory stream
 rate (a sum over 400 MB) and its fp32 matmul peak (1024x1024x1024, the best of MKL and oneDNN). A way whose effective GB/s is far below
 the stream rate while its GFLOP/s approaches the peak is bound by arithmetic, not by memory.
 
@@ -13,6 +13,7 @@ import torch.nn.functional as F
 import torch.utils.mkldnn
 
 from loraplex.engine.benchmark import measure_matmul_peak
+from loraplex.kernels import linear_cpu
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # qkv, o, gate_up, down (out, in)
 LAYERS, ROWS, ITERS = 30, 32, 10
@@ -33,6 +34,8 @@ def main() -> None:
         onednn.append(row)
     packed = [[torch.ops.mkl._mkl_reorder_linear_weight(w, ROWS) for w in ws] for ws in weights]
     prepacked = [[torch.ops.mkldnn._reorder_linear_weight(w, ROWS) for w in ws] for ws in weights]
+    kernel = linear_cpu._kernel()  # loraplex's AVX-512 GEMM, where this machine's build has it
+    panels = [[kernel.pack(w) for w in ws] for ws in weights] if kernel is not None else None
     gflop = sum(2 * ROWS * w.numel() for ws in weights for w in ws) / 1e9
     transposed = [[w.t().contiguous() for w in ws] for ws in weights]
 
@@ -56,6 +59,11 @@ def main() -> None:
             for w, p in zip(ws, ps, strict=True):
                 torch.ops.mkldnn._linear_pointwise(x[w.shape[1]], p, None, "none", [], "")
 
+    def run_panels():
+        for ws, ps in zip(weights, panels, strict=True):
+            for w, p in zip(ws, ps, strict=True):
+                kernel.linear(x[w.shape[1]], p, w.shape[0], None, linear_cpu.MIN_PARALLEL_COST)
+
     def run_mm_transposed():
         for ws in transposed:
             for w in ws:
@@ -72,9 +80,12 @@ def main() -> None:
           f"{torch.get_num_threads()} threads")
     print(f"memory stream (sum over 400 MB): {stream_gbs:.1f} GB/s; fp32 matmul peak: {peak:.0f} GFLOP/s")
     print("| way | ms/step | effective GB/s | GFLOP/s | % of matmul peak |\n|---|---:|---:|---:|---:|")
-    for name, fn in [("F.linear", run_linear), ("oneDNN linear (MkldnnLinear)", run_onednn),
-                     ("oneDNN inner product, weights pre-packed (the engine)", run_prepacked),
-                     ("MKL packed GEMM", run_mkl_packed), ("torch.mm, pre-transposed", run_mm_transposed)]:
+    ways = [("F.linear", run_linear), ("oneDNN linear (MkldnnLinear)", run_onednn),
+            ("oneDNN inner product, weights pre-packed (the engine without AVX-512)", run_prepacked),
+            ("MKL packed GEMM", run_mkl_packed), ("torch.mm, pre-transposed", run_mm_transposed)]
+    if panels is not None:
+        ways.insert(0, ("loraplex AVX-512 GEMM, 32-column panels (the engine)", run_panels))
+    for name, fn in ways:
         for _ in range(2):
             fn()
         start = time.perf_counter()
