@@ -45,6 +45,10 @@ class AdapterSlots(Protocol):
         """Hold background loads back for the duration of a large step."""
         ...
 
+    def wait_for_load(self, timeout: float) -> None:
+        """Block until a background load finishes, or `timeout` seconds pass (at once when none runs)."""
+        ...
+
     def build_step(self, token_slots: torch.Tensor) -> LoraStepState | None:
         """LoRA state for one step, from each token's slot (-1: base model); None when no token has one."""
         ...

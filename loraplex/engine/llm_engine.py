@@ -39,6 +39,9 @@ log = logging.getLogger(__name__)
 # A step of at least this many tokens pauses background adapter loads rather than run beside them on one
 # thread fewer (see LLMEngine._cpu_threads_beside_loads): decode steps are a few dozen tokens, prefills more.
 PAUSE_LOADS_MIN_TOKENS = 256
+# A step with nothing to run while adapter loads are under way waits this long at most for one to finish
+# (LoraManager.wait_for_load) instead of returning at once to a caller that would step again.
+IDLE_LOAD_WAIT_S = 0.02
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -287,6 +290,9 @@ class LLMEngine:
                 if finish is not None:
                     self.scheduler.finish(seq, *finish)
                 touched[seq.request_id] = state
+        elif not touched and self.adapter_slots is not None and self.adapter_slots.loading:
+            # Every request that could run waits for an adapter: let the loader have the interpreter.
+            self.adapter_slots.wait_for_load(IDLE_LOAD_WAIT_S)
         outputs = []
         for request_id, state in touched.items():
             outputs.append(state.make_output())

@@ -127,6 +127,7 @@ class LoraManager:
         self._gate = threading.Condition()  # loads_paused(): the step thread holds loads back
         self._paused = False
         self._executing = False  # a load is running on the pool's thread
+        self._finished = 0  # loads finished (or failed), under _gate: wait_for_load() watches it
         self._host: OrderedDict[str, HostAdapter] = OrderedDict()  # LRU, oldest first
         self._loading: dict[str, Future] = {}  # loads submitted to the pool and not finished
         self._errors: dict[str, BaseException] = {}
@@ -202,7 +203,20 @@ class LoraManager:
         finally:
             with self._gate:
                 self._executing = False
+                self._finished += 1
                 self._gate.notify_all()
+
+    def wait_for_load(self, timeout: float) -> None:
+        """Block the step thread until a background load finishes, or `timeout` seconds pass; at once when
+        no load is queued or running. A step loop with nothing to run but loads under way calls this
+        rather than stepping again at once: spinning would hold the interpreter lock that the loader
+        needs for its Python work between file reads and copies (on 2 cores a 100-adapter run with
+        reloads spent 70 of its 80 s in 370,000 empty steps while each load crawled)."""
+        with self._gate:
+            if not self._loading:
+                return
+            seen = self._finished
+            self._gate.wait_for(lambda: self._finished != seen or not self._loading, timeout)
 
     @contextmanager
     def loads_paused(self) -> Iterator[None]:

@@ -226,7 +226,7 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t N, c10::opti
 }
 """
 
-EXTENSION_NAME = "loraplex_linear_cpu_v2"  # bump the suffix when the C++ source changes incompatibly
+EXTENSION_NAME = "loraplex_linear_cpu_v3"  # bump the suffix when the C++ source changes incompatibly
 _EXTENSION = InlineExtension(EXTENSION_NAME, _SOURCE, ["has_kernel", "pack", "linear"], what="CPU GEMM kernel")
 
 

@@ -260,7 +260,7 @@ void lora_groups(torch::Tensor y, torch::Tensor x, torch::Tensor a, torch::Tenso
 }
 """
 
-EXTENSION_NAME = "loraplex_lora_cpu_v9"  # bump the suffix when the C++ source changes incompatibly
+EXTENSION_NAME = "loraplex_lora_cpu_v10"  # bump the suffix when the C++ source changes incompatibly
 _EXTENSION = InlineExtension(
     EXTENSION_NAME, _SOURCE, ["lora_groups"], what="CPU LoRA kernel",
 )

@@ -536,7 +536,7 @@ void rotary_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, int64_t min_
 
 _FUNCTIONS = ["paged_decode_attention", "fused_add_rms_norm_", "rms_norm", "silu_and_mul", "rotary_", "write_kv_"]
 
-EXTENSION_NAME = "loraplex_ops_cpu_v4"  # bump the suffix when the C++ source changes incompatibly
+EXTENSION_NAME = "loraplex_ops_cpu_v5"  # bump the suffix when the C++ source changes incompatibly
 _EXTENSION = InlineExtension(
     EXTENSION_NAME, _SOURCE, _FUNCTIONS, what="CPU fused ops",
     # no-trapping-math: lets the clamps in fast_exp become vector min/max (nothing reads FP flags)

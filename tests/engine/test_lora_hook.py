@@ -55,6 +55,9 @@ class FakeAdapterSlots:
         self.pauses += 1
         yield
 
+    def wait_for_load(self, timeout):
+        pass
+
     def build_step(self, token_slots):
         self.steps.append(token_slots.tolist())
         if bool((token_slots < 0).all()):
