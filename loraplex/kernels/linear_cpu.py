@@ -248,12 +248,6 @@ class PackedWeight:
     out_features: int
     in_features: int
 
-    @property
-    def nbytes(self) -> int:
-        return self.data.numel() * self.data.element_size() if self.kind == "panels" else (
-            self.out_features * self.in_features * 4
-        )
-
 
 def can_pack(weight: torch.Tensor) -> bool:
     return weight.device.type == "cpu" and weight.dtype == torch.float32 and weight.dim() == 2
