@@ -152,54 +152,23 @@ static inline float dot1(const float* __restrict qg, const float* __restrict k, 
   return t;
 }
 
-// out[g][d0 : d0 + 8 * NC] = sum over the context of p[g][t] * V[t][...], NC vectors per query head kept in
-// registers across all rows (G * NC independent accumulators).
-template <int G, int NC>
+// out[g][d0 : d0 + W * NC] = sum over the context of p[g][t] * V[t][...], W the floats of a vector of type
+// VT, NC vectors per query head kept in registers across all rows (G * NC independent accumulators).
+template <typename VT, int G, int NC>
 static inline void weighted_values(const float* __restrict p, int64_t L, const float* vh, int64_t vs1,
                                    int64_t vs2, const int64_t* table, int64_t BS, int64_t d0,
                                    float* __restrict out, int64_t os) {
-  vf8 acc[G][NC];
+  constexpr int W = sizeof(VT) / sizeof(float);
+  VT acc[G][NC];
   for (int g = 0; g < G; ++g)
-    for (int c = 0; c < NC; ++c) acc[g][c] = vf8{};
+    for (int c = 0; c < NC; ++c) acc[g][c] = VT{};
   for (int64_t j = 0, t0 = 0; t0 < L; ++j, t0 += BS) {
     const float* vb = vh + table[j] * vs1 + d0;
     const int64_t n = std::min(BS, L - t0);
     for (int64_t i = 0; i < n; ++i) {
       const float* vrow = vb + i * vs2;
-      for (int g = 0; g < G; ++g) {
-        const float pg = p[g * L + t0 + i];
-        for (int c = 0; c < NC; ++c) acc[g][c] += pg * load8(vrow + 8 * c);
-      }
-    }
-  }
-  for (int g = 0; g < G; ++g)
-    for (int c = 0; c < NC; ++c) store8(out + g * os + d0 + 8 * c, acc[g][c]);
-}
-
-#ifdef __AVX512F__
-// weighted_values with sixteen-float vectors (one AVX-512 register): half the instructions per row.
-typedef float vf16 __attribute__((vector_size(64)));
-
-static inline vf16 load16(const float* p) {
-  vf16 v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-
-template <int G, int NC>
-static inline void weighted_values16(const float* __restrict p, int64_t L, const float* vh, int64_t vs1,
-                                     int64_t vs2, const int64_t* table, int64_t BS, int64_t d0,
-                                     float* __restrict out, int64_t os) {
-  vf16 acc[G][NC];
-  for (int g = 0; g < G; ++g)
-    for (int c = 0; c < NC; ++c) acc[g][c] = vf16{};
-  for (int64_t j = 0, t0 = 0; t0 < L; ++j, t0 += BS) {
-    const float* vb = vh + table[j] * vs1 + d0;
-    const int64_t n = std::min(BS, L - t0);
-    for (int64_t i = 0; i < n; ++i) {
-      const float* vrow = vb + i * vs2;
-      vf16 v[NC];
-      for (int c = 0; c < NC; ++c) v[c] = load16(vrow + 16 * c);
+      VT v[NC];
+      for (int c = 0; c < NC; ++c) std::memcpy(&v[c], vrow + W * c, sizeof(VT));
       for (int g = 0; g < G; ++g) {
         const float pg = p[g * L + t0 + i];
         for (int c = 0; c < NC; ++c) acc[g][c] += pg * v[c];
@@ -207,8 +176,12 @@ static inline void weighted_values16(const float* __restrict p, int64_t L, const
     }
   }
   for (int g = 0; g < G; ++g)
-    for (int c = 0; c < NC; ++c) std::memcpy(out + g * os + d0 + 16 * c, &acc[g][c], sizeof(vf16));
+    for (int c = 0; c < NC; ++c) std::memcpy(out + g * os + d0 + W * c, &acc[g][c], sizeof(VT));
 }
+
+#ifdef __AVX512F__
+// Sixteen floats (one AVX-512 register): weighted_values with half the instructions per row.
+typedef float vf16 __attribute__((vector_size(64)));
 #endif
 
 static inline void prefetch_rows(const float* base, int64_t n, int64_t stride, int64_t D) {
@@ -273,11 +246,11 @@ static void attend_group(const float* __restrict q, const float* kh, int64_t ks1
 #ifdef __AVX512F__
   constexpr int NC16 = G == 4 ? 2 : 4;  // G * NC16 accumulators and NC16 value vectors in 32 registers
   for (; d0 + 16 * NC16 <= D; d0 += 16 * NC16)
-    weighted_values16<G, NC16>(scores, L, vh, vs1, vs2, table, BS, d0, out, os);
-  for (; d0 + 16 <= D; d0 += 16) weighted_values16<G, 1>(scores, L, vh, vs1, vs2, table, BS, d0, out, os);
+    weighted_values<vf16, G, NC16>(scores, L, vh, vs1, vs2, table, BS, d0, out, os);
+  for (; d0 + 16 <= D; d0 += 16) weighted_values<vf16, G, 1>(scores, L, vh, vs1, vs2, table, BS, d0, out, os);
 #endif
-  for (; d0 + 8 * NC <= D; d0 += 8 * NC) weighted_values<G, NC>(scores, L, vh, vs1, vs2, table, BS, d0, out, os);
-  for (; d0 + 8 <= D; d0 += 8) weighted_values<G, 1>(scores, L, vh, vs1, vs2, table, BS, d0, out, os);
+  for (; d0 + 8 * NC <= D; d0 += 8 * NC) weighted_values<vf8, G, NC>(scores, L, vh, vs1, vs2, table, BS, d0, out, os);
+  for (; d0 + 8 <= D; d0 += 8) weighted_values<vf8, G, 1>(scores, L, vh, vs1, vs2, table, BS, d0, out, os);
   if (d0 < D) {  // head_dim not a multiple of 8: the last columns one at a time
     for (int g = 0; g < G; ++g) std::fill(out + g * os + d0, out + g * os + D, 0.f);
     for (int64_t j = 0, t0 = 0; t0 < L; ++j, t0 += BS) {
@@ -536,7 +509,7 @@ void rotary_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, int64_t min_
 
 _FUNCTIONS = ["paged_decode_attention", "fused_add_rms_norm_", "rms_norm", "silu_and_mul", "rotary_", "write_kv_"]
 
-EXTENSION_NAME = "loraplex_ops_cpu_v5"  # bump the suffix when the C++ source changes incompatibly
+EXTENSION_NAME = "loraplex_ops_cpu_v6"  # bump the suffix when the C++ source changes incompatibly
 _EXTENSION = InlineExtension(
     EXTENSION_NAME, _SOURCE, _FUNCTIONS, what="CPU fused ops",
     # no-trapping-math: lets the clamps in fast_exp become vector min/max (nothing reads FP flags)
