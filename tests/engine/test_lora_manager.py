@@ -219,3 +219,29 @@ def test_loads_paused_holds_queued_loads_and_waits_for_the_one_running():
     assert store.calls == ["a", "b"]
     assert manager.ready(a) and manager.ready(b) and not manager.loading
     manager.close()
+
+
+def test_wait_for_load_returns_when_a_load_finishes():
+    """An idle step thread blocks here while a load runs, and goes on when it is done (not at the timeout)."""
+    store = FakeStore()
+    a = store.add("a", 4)
+    manager = _manager(store)
+    manager.wait_for_load(60)  # nothing queued: returns at once
+    store.gate.clear()  # the load of a starts and blocks inside the store
+    fut = manager.request_load(a)
+    assert manager.loading
+    waited = []
+
+    def idle_step():
+        manager.wait_for_load(60)
+        waited.append(fut.done() or manager.ready(a))
+
+    step = threading.Thread(target=idle_step)
+    step.start()
+    step.join(0.1)
+    assert step.is_alive()  # still waiting: the load has not finished
+    store.gate.set()
+    step.join(30)
+    assert not step.is_alive() and waited == [True]
+    assert not manager.loading
+    manager.close()
