@@ -155,6 +155,45 @@ static void expand_cols(const float* b, int64_t bs1, int64_t r, int64_t width, c
     }
 }
 
+// y[t][c] += sum over q < r_s of s[t][roff_s + q] * B[q][c] for the columns c of each slice s: rows q and
+// q + 1 of B together, every slice's columns of a row in turn (a row of B is contiguous across slices).
+template <int NT>
+static void expand_rows(const float* b, int64_t bs1, int64_t rmax, const int32_t* rk, const int32_t* ro,
+                        const int64_t* om, int64_t S, const float* const* srows, float* const* yrows) {
+  for (int64_t q = 0; q < rmax; q += 2) {
+    const float* b0 = b + q * bs1;
+    for (int64_t s = 0; s < S; ++s) {
+      const int64_t r = rk[s];
+      if (q >= r) continue;
+      const bool two = q + 1 < r;
+      const float* b1 = two ? b0 + bs1 : b0;
+      vfw s0[NT], s1[NT];
+      float f0[NT], f1[NT];
+      for (int t = 0; t < NT; ++t) {
+        f0[t] = srows[t][ro[s] + q];
+        f1[t] = two ? srows[t][ro[s] + q + 1] : 0.f;
+        s0[t] = vfw{} + f0[t];
+        s1[t] = vfw{} + f1[t];
+      }
+      const int64_t c_begin = om[2 * s], c_end = c_begin + om[2 * s + 1];
+      int64_t c = c_begin;
+      for (; c + VW <= c_end; c += VW) {
+        const vfw v0 = ldw(b0 + c), v1 = ldw(b1 + c);
+        if ((c & 15) == 0) {  // a line of each row, 4 KB ahead
+          __builtin_prefetch(b0 + c + 1024, 0, 3);
+          __builtin_prefetch(b1 + c + 1024, 0, 3);
+        }
+        for (int t = 0; t < NT; ++t) {
+          const vfw sum = ldw(yrows[t] + c) + s0[t] * v0 + s1[t] * v1;
+          std::memcpy(yrows[t] + c, &sum, sizeof(sum));
+        }
+      }
+      for (; c < c_end; ++c)
+        for (int t = 0; t < NT; ++t) yrows[t][c] += f0[t] * b0[c] + f1[t] * b1[c];
+    }
+  }
+}
+
 // groups: int64 [G, 3] (slot, start, count); ranks / rank_offsets: int32 [num_slots, S]
 // out_meta: int64 [S, 2] (offset, size). y += expand(shrink(x)) for every group.
 void lora_groups(torch::Tensor y, torch::Tensor x, torch::Tensor a, torch::Tensor b,
@@ -195,7 +234,31 @@ void lora_groups(torch::Tensor y, torch::Tensor x, torch::Tensor a, torch::Tenso
         default: shrink_rows<WIDE_ROWS, 4>(abase, as1, total, xrows, in, o, ss); break;
       }
     }
-    // expand, slice by slice: tokens up to four at a time, a few vectors of output columns in registers
+    // expand. A decode piece (up to four tokens) reads B's rows in order, each whole across the slices that
+    // still have rank left, so the adapter's B streams from memory front to back; rows go two at a time
+    // into the tokens' outputs, which stay in cache. (Walking down each column block instead touches
+    // every rank row a few cache lines at a time, which the hardware prefetcher does not follow: 8
+    // adapters x 4 tokens, 120 projections on a 2-core Xeon, 20.6-22.2 -> 17.9-19.1 ms per step.)
+    if (count <= 4) {
+      int64_t rmax = 0;
+      for (int64_t s = 0; s < S; ++s) rmax = std::max<int64_t>(rmax, rk[slot * S + s]);
+      const float* bslot = bp + slot * bs0;
+      const float* srows[4];
+      float* yrows[4];
+      for (int64_t t = 0; t < count; ++t) {
+        srows[t] = sp + (start + t) * ss;
+        yrows[t] = yp + ids[start + t] * ys;
+      }
+      switch (count) {
+        case 1: expand_rows<1>(bslot, bs1, rmax, rk + slot * S, ro + slot * S, om, S, srows, yrows); break;
+        case 2: expand_rows<2>(bslot, bs1, rmax, rk + slot * S, ro + slot * S, om, S, srows, yrows); break;
+        case 3: expand_rows<3>(bslot, bs1, rmax, rk + slot * S, ro + slot * S, om, S, srows, yrows); break;
+        default: expand_rows<4>(bslot, bs1, rmax, rk + slot * S, ro + slot * S, om, S, srows, yrows); break;
+      }
+      return;
+    }
+    // A larger piece (prefill) keeps a few vectors of output columns of up to four tokens in registers
+    // over the rank, slice by slice (the row walk above would load and store the outputs at every row).
     for (int64_t s = 0; s < S; ++s) {
       const int64_t r = rk[slot * S + s], roff = ro[slot * S + s];
       if (r == 0) continue;
@@ -260,7 +323,7 @@ void lora_groups(torch::Tensor y, torch::Tensor x, torch::Tensor a, torch::Tenso
 }
 """
 
-EXTENSION_NAME = "loraplex_lora_cpu_v10"  # bump the suffix when the C++ source changes incompatibly
+EXTENSION_NAME = "loraplex_lora_cpu_v11"  # bump the suffix when the C++ source changes incompatibly
 _EXTENSION = InlineExtension(
     EXTENSION_NAME, _SOURCE, ["lora_groups"], what="CPU LoRA kernel",
 )
