@@ -7,6 +7,7 @@ sampling, and everything else (the Python around the model: scheduler, step tens
 
     .venv/bin/python bench/profile_decode.py                    # SmolLM2-135M, 32 requests, 2 threads
     .venv/bin/python bench/profile_decode.py --steps 20 --threads 1
+    .venv/bin/python bench/profile_decode.py --adapters 8   # bench_lora's 8 adapters, request i on i % 8
 """
 
 from __future__ import annotations
@@ -15,7 +16,10 @@ import argparse
 import cProfile
 import pstats
 import statistics
+import sys
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
@@ -26,6 +30,7 @@ PARTS = [
     ("norms, activation, rotary (fused)", ("fused_add_rms_norm_", "rms_norm", "silu_and_mul", "rotary_")),
     ("KV cache writes", ("index_copy_", "write_kv_")),
     ("sampling (argmax, softmax, top-k)", ("argmax", "softmax", "topk", "multinomial", "log_softmax")),
+    ("LoRA shrink + expand (kernel)", ("lora_groups",)),
 ]
 
 
@@ -35,6 +40,8 @@ def main() -> None:
     ap.add_argument("--num-requests", type=int, default=32)
     ap.add_argument("--steps", type=int, default=10, help="decode steps to profile, after 20 unprofiled ones")
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--adapters", type=int, default=0,
+                    help="PEFT adapters (bench_lora's ranks 8-64, all seven projections), request i on i %% N")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -43,13 +50,28 @@ def main() -> None:
     from loraplex.engine.llm import LLM
     from loraplex.engine.sampling_params import SamplingParams
 
-    llm = LLM(args.model, max_loras=0, kv_cache_memory=256 << 20)
+    loras = []
+    if args.adapters:
+        from loraplex.engine.model_loader import resolve_model_dir
+
+        sys.path.insert(0, str(Path(__file__).parent))
+        from bench_lora import make_adapters
+
+        tmp = Path(tempfile.mkdtemp(prefix="loraplex-profile-"))
+        paths = make_adapters(resolve_model_dir(args.model), tmp / "adapters", args.adapters)
+        llm = LLM(args.model, max_loras=args.adapters, max_cpu_loras=args.adapters, max_num_seqs=64,
+                  adapter_store=str(tmp / "store"), enable_prefix_caching=False, kv_cache_memory=256 << 20)
+        loras = [llm.resolve_adapter(str(p)) for p in paths]
+    else:
+        llm = LLM(args.model, max_loras=0, kv_cache_memory=256 << 20, enable_prefix_caching=False)
     engine = llm.engine
     warm = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     llm.generate(["warm up " * 30, "warm up"], warm, use_tqdm=False)
+    if loras:  # every adapter into its slot before the measured steps
+        llm.generate(["warm up"] * len(loras), warm, adapter=loras, use_tqdm=False)
     params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
     for i, prompt in enumerate(make_prompts(args.num_requests)):
-        engine.add_request(f"r{i}", prompt, params)
+        engine.add_request(f"r{i}", prompt, params, lora=loras[i % len(loras)] if loras else None)
 
     before = engine.prompt_tokens_total
     start = time.perf_counter()
@@ -81,7 +103,7 @@ def main() -> None:
             if any(n in label for n in needles):
                 own[name] += tottime
                 break
-    print(f"{args.model}, {args.num_requests} requests, {torch.get_num_threads()} threads")
+    print(f"{args.model}, {args.num_requests} requests, {args.adapters} adapters, {torch.get_num_threads()} threads")
     print(f"prefill step ({prefill_tokens} prompt tokens): {prefill * 1e3:.0f} ms")
     print(f"decode step: median {statistics.median(plain) * 1e3:.1f} ms unprofiled; "
           f"{profiled * 1e3:.1f} ms under the profiler ({args.steps} steps)\n")

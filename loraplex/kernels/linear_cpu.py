@@ -21,6 +21,8 @@ forces the oneDNN form (for comparisons).
 from __future__ import annotations
 
 import os
+import threading
+import time
 from dataclasses import dataclass
 
 import torch
@@ -32,11 +34,17 @@ from loraplex.kernels.cpp_build import InlineExtension
 BATCH_HINT = 32
 # Below this many multiply-adds a call stays on one thread: waking the other costs more than it saves.
 MIN_PARALLEL_COST = 200_000
+# From this many rows (a prefill chunk) a call may instead copy the panels out into a plain transposed
+# weight and run the BLAS GEMM (MKL), where that is faster on this machine: measured once per process
+# (`large_batch_path`). The copy reads and writes the weight once, which a product of this many rows
+# repays; a decode step never takes this path.
+BLAS_MIN_ROWS = 512
 
 _SOURCE = r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
+#include <cstring>
 #include <vector>
 #ifdef __AVX512F__
 #include <immintrin.h>
@@ -165,6 +173,22 @@ torch::Tensor pack(torch::Tensor weight) {
   return out;
 }
 
+// panels [P, K, 32] -> out [K, P * 32], the weight transposed (for a BLAS product on large batches).
+void unpack_t(torch::Tensor packed, torch::Tensor out) {
+  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == NR && packed.is_contiguous() &&
+              packed.scalar_type() == torch::kFloat32, "unpack_t: packed panels");
+  const int64_t P = packed.size(0), K = packed.size(1);
+  TORCH_CHECK(out.is_contiguous() && out.scalar_type() == torch::kFloat32 && out.dim() == 2 &&
+              out.size(0) == K && out.size(1) == P * NR, "unpack_t: out must be fp32 [", K, ", ", P * NR, "]");
+  const float* src = packed.data_ptr<float>();
+  float* dst = out.data_ptr<float>();
+  at::parallel_for(0, K, 64, [&](int64_t k0, int64_t k1) {
+    for (int64_t p = 0; p < P; ++p)
+      for (int64_t k = k0; k < k1; ++k)
+        std::memcpy(dst + k * P * NR + p * NR, src + (p * K + k) * NR, NR * sizeof(float));
+  });
+}
+
 torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t N, c10::optional<torch::Tensor> bias,
                      int64_t min_parallel_cost) {
 #ifdef __AVX512F__
@@ -236,8 +260,9 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t N, c10::opti
 }
 """
 
-EXTENSION_NAME = "loraplex_linear_cpu_v4"  # bump the suffix when the C++ source changes incompatibly
-_EXTENSION = InlineExtension(EXTENSION_NAME, _SOURCE, ["has_kernel", "pack", "linear"], what="CPU GEMM kernel")
+EXTENSION_NAME = "loraplex_linear_cpu_v5"  # bump the suffix when the C++ source changes incompatibly
+_EXTENSION = InlineExtension(EXTENSION_NAME, _SOURCE, ["has_kernel", "pack", "linear", "unpack_t"],
+                             what="CPU GEMM kernel")
 
 
 def _kernel():
@@ -291,8 +316,68 @@ def pack_weight(weight: torch.Tensor) -> PackedWeight | None:
     return packed if ok else None
 
 
+_scratch = threading.local()  # per thread: the transposed weight of the BLAS path, reused call to call
+_large_path: str | None = None
+_large_path_lock = threading.Lock()
+
+
+def _blas_linear(x: torch.Tensor, data: torch.Tensor, out_features: int, bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ W^T + bias via the BLAS GEMM: the panels copied out to W^T [in, padded out] first."""
+    panels, in_features, _ = data.shape
+    need = in_features * panels * 32
+    buf = getattr(_scratch, "buf", None)
+    if buf is None or buf.numel() < need:
+        buf = _scratch.buf = torch.empty(need, dtype=torch.float32)
+    wt = buf[:need].view(in_features, panels * 32)
+    _EXTENSION.load().unpack_t(data, wt)
+    x2 = x.reshape(-1, in_features)
+    w = wt[:, :out_features]
+    y = torch.addmm(bias, x2, w) if bias is not None else torch.mm(x2, w)
+    return y.view(*x.shape[:-1], out_features)
+
+
+def _calibrate() -> str:
+    """"blas" when copying out + BLAS beats the panel kernel by 5% on prefill-sized products (1024 rows,
+    576 -> 1536 and 1536 -> 576; best of three each, alternated), else "panels"."""
+    mod = _EXTENSION.load()
+    gen = torch.Generator().manual_seed(0)
+    cases = []
+    for out_features, in_features in ((1536, 576), (576, 1536)):
+        data = mod.pack(torch.randn(out_features, in_features, generator=gen))
+        cases.append((torch.randn(1024, in_features, generator=gen), data, out_features))
+    ways = {
+        "panels": lambda x, data, n: mod.linear(x, data, n, None, MIN_PARALLEL_COST),
+        "blas": lambda x, data, n: _blas_linear(x, data, n, None),
+    }
+    best = {name: float("inf") for name in ways}
+    for _ in range(3):
+        for name, run in ways.items():
+            start = time.perf_counter()
+            for case in cases:
+                run(*case)
+            best[name] = min(best[name], time.perf_counter() - start)
+    return "blas" if best["blas"] < 0.95 * best["panels"] else "panels"
+
+
+def large_batch_path() -> str:
+    """How the panel form runs calls of BLAS_MIN_ROWS rows or more in this process: "panels" or "blas"
+    (`LORAPLEX_CPU_PREFILL_GEMM=panels|blas` decides instead of the measurement)."""
+    global _large_path
+    if _large_path is None:
+        with _large_path_lock:
+            if _large_path is None:
+                forced = os.environ.get("LORAPLEX_CPU_PREFILL_GEMM", "").lower()
+                if forced in ("panels", "blas"):
+                    _large_path = forced
+                else:
+                    _large_path = _calibrate() if _kernel() is not None else "panels"
+    return _large_path
+
+
 def packed_linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
     """x [..., in] @ W^T + bias with the packed weight (zero rows give an empty result)."""
     if packed.kind == "panels":
+        if x.numel() >= BLAS_MIN_ROWS * packed.in_features and large_batch_path() == "blas":
+            return _blas_linear(x, packed.data, packed.out_features, bias)
         return _EXTENSION.load().linear(x, packed.data, packed.out_features, bias, MIN_PARALLEL_COST)
     return torch.ops.mkldnn._linear_pointwise(x, packed.data, bias, "none", [], "")

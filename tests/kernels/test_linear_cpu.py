@@ -84,6 +84,43 @@ def test_packed_matches_linear(rows, shape, form, monkeypatch):
         _assert_fp32_close(got, x, w, b)
 
 
+@needs_panels
+@pytest.mark.parametrize("path", ["panels", "blas"])
+@pytest.mark.parametrize("shape", [(960, 576), (49, 13)])
+def test_large_batches_on_either_path(path, shape, monkeypatch):
+    """From BLAS_MIN_ROWS rows a call runs the panels or copies them out for the BLAS GEMM, whichever the
+    process chose; both give the product, with and without bias, for any leading shape, and the copied
+    weight's buffer is reused across calls of different sizes."""
+    monkeypatch.setattr(linear_cpu, "_large_path", path)
+    gen = torch.Generator().manual_seed(shape[0])
+    w = torch.randn(*shape, generator=gen)
+    bias = torch.randn(shape[0], generator=gen)
+    packed = pack_weight(w)
+    small_w = torch.randn(7, shape[1], generator=gen)
+    small = pack_weight(small_w)
+    for rows in (linear_cpu.BLAS_MIN_ROWS, 2 * linear_cpu.BLAS_MIN_ROWS + 3):
+        x = torch.randn(rows, shape[1], generator=gen)
+        for b in (None, bias):
+            _assert_fp32_close(packed_linear(x, packed, b), x, w, b)
+        _assert_fp32_close(packed_linear(x, small, None), x, small_w, None)
+        got = packed_linear(x.view(1, rows, shape[1]).expand(2, rows, shape[1]), packed, bias)
+        assert got.shape == (2, rows, shape[0])
+        _assert_fp32_close(got[1], x, w, bias)
+
+
+@needs_panels
+def test_large_batch_path_measured_once_or_forced(monkeypatch):
+    monkeypatch.setattr(linear_cpu, "_large_path", None)
+    monkeypatch.setenv("LORAPLEX_CPU_PREFILL_GEMM", "blas")
+    assert linear_cpu.large_batch_path() == "blas"
+    monkeypatch.setattr(linear_cpu, "_large_path", None)
+    monkeypatch.delenv("LORAPLEX_CPU_PREFILL_GEMM")
+    chosen = linear_cpu.large_batch_path()
+    assert chosen in ("panels", "blas")
+    monkeypatch.setenv("LORAPLEX_CPU_PREFILL_GEMM", "panels" if chosen == "blas" else "blas")
+    assert linear_cpu.large_batch_path() == chosen  # decided once per process
+
+
 def test_not_packed_when_it_does_not_apply():
     assert pack_weight(torch.randn(8, 4, dtype=torch.bfloat16)) is None
     assert pack_weight(torch.randn(8)) is None
