@@ -30,6 +30,16 @@ def test_greedy_takes_the_argmax():
     assert Sampler()(LOGITS.view(1, -1), _rows([SamplingParams(temperature=0)])).token_ids == [0]
 
 
+def test_greedy_ties_take_the_first_index_over_a_vocabulary():
+    logits = torch.randn(6, 49152, generator=torch.Generator().manual_seed(0))
+    top = logits.max() + 1
+    for row, (first, second) in enumerate([(3, 40000), (0, 1), (49150, 49151), (7, 7), (100, 20000), (5, 49000)]):
+        logits[row, second] = top
+        logits[row, first] = top
+    got = Sampler()(logits, _rows([SamplingParams(temperature=0)] * 6)).token_ids
+    assert got == [3, 0, 49150, 7, 100, 5] == logits.argmax(dim=-1).tolist()
+
+
 def test_top_k_top_p_min_p_restrict_the_support():
     assert set(_draws(LOGITS, SamplingParams(top_k=2))) <= {0, 1}
     assert set(_draws(LOGITS, SamplingParams(top_p=0.7))) <= {0, 1}  # 0.5 + 0.3 reaches 0.7
