@@ -99,8 +99,8 @@ def prepare_cpu_kernels(*, lora: bool) -> None:
         log.warning("some CPU kernels could not be built; their plain-torch paths are used (slower)")
     from loraplex.kernels import linear_cpu
 
-    if linear_cpu._kernel() is not None:  # measured now rather than in the first request's prefill
-        log.info("CPU GEMM for prefill-sized batches: %s", linear_cpu.large_batch_path())
+    # measured now rather than in the first request's prefill ("panels" at once where there is no kernel)
+    log.info("CPU GEMM for prefill-sized batches: %s", linear_cpu.large_batch_path())
 
 
 class LLMEngine:

@@ -3,6 +3,8 @@ what cannot be packed keeps F.linear."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -92,6 +94,7 @@ def test_large_batches_on_either_path(path, shape, monkeypatch):
     process chose; both give the product, with and without bias, for any leading shape, and the copied
     weight's buffer is reused across calls of different sizes."""
     monkeypatch.setattr(linear_cpu, "_large_path", path)
+    monkeypatch.setattr(linear_cpu, "_scratch", threading.local())
     gen = torch.Generator().manual_seed(shape[0])
     w = torch.randn(*shape, generator=gen)
     bias = torch.randn(shape[0], generator=gen)
@@ -103,6 +106,8 @@ def test_large_batches_on_either_path(path, shape, monkeypatch):
         for b in (None, bias):
             _assert_fp32_close(packed_linear(x, packed, b), x, w, b)
         _assert_fp32_close(packed_linear(x, small, None), x, small_w, None)
+        if path == "blas":  # the smaller weight reused the larger one's buffer
+            assert linear_cpu._scratch.buf.numel() == shape[1] * packed.data.shape[0] * 32
         got = packed_linear(x.view(1, rows, shape[1]).expand(2, rows, shape[1]), packed, bias)
         assert got.shape == (2, rows, shape[0])
         _assert_fp32_close(got[1], x, w, bias)
