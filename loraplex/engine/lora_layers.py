@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from loraplex.kernels.lora import LoraBatch, LoraSlotWeights, add_lora
+from loraplex.kernels.lora_cpu import cpu_lora_step
 
 
 @dataclass(frozen=True)
@@ -40,11 +41,12 @@ def model_projections(model: torch.nn.Module) -> list[LoraProjection]:
 class LoraStep:
     """The forward context's LoRA state for one step (implements `LoraStepState`)."""
 
-    __slots__ = ("batch", "weights")
+    __slots__ = ("batch", "weights", "_cpu")
 
     def __init__(self, batch: LoraBatch, weights: dict[tuple[int, str], LoraSlotWeights]):
         self.batch = batch
         self.weights = weights
+        self._cpu = cpu_lora_step(batch, weights)
 
     def apply(
         self,
@@ -55,5 +57,7 @@ class LoraStep:
         output_slices: tuple[int, ...],
     ) -> torch.Tensor:
         w = self.weights[(layer_idx, module_names[0])]
+        if self._cpu is not None and self._cpu(y.view(-1, y.shape[-1]), x.view(-1, x.shape[-1]), w):
+            return y
         add_lora(y.view(-1, y.shape[-1]), x.view(-1, x.shape[-1]), w, self.batch)
         return y

@@ -56,6 +56,33 @@ def test_cpu_kernel_empty_and_base_only():
         assert torch.equal(y, before)
 
 
+def test_step_fast_path_shares_one_buffer_across_projections_of_different_widths():
+    """A step's calls share one shrunk buffer as wide as the widest projection: every projection, narrow
+    or wide, still gets its own adapter's delta; calls the kernel cannot take are left to the caller."""
+    from loraplex.engine.lora_layers import LoraStep
+
+    gen = torch.Generator().manual_seed(7)
+    token_slots = [0, 2, -1, 1, 0, 2, 1, 1, 0]
+    problems = {}
+    for key, (hidden, out_slices, ranks) in {
+        (0, "q_proj"): (96, (64, 16, 16), {0: [4, 4, 4], 1: [32, 32, 32], 2: [8, 0, 8]}),
+        (0, "o_proj"): (64, (96,), {0: [2], 1: [16], 2: [5]}),
+    }.items():
+        problems[key] = random_problem(
+            gen, num_tokens=len(token_slots), in_features=hidden, out_slices=out_slices, slot_ranks=ranks,
+            token_slots=token_slots, num_slots=3,
+        ) + (out_slices,)
+    batch = problems[(0, "q_proj")][4]
+    step = LoraStep(batch, {k: p[0] for k, p in problems.items()})
+    assert step._cpu is not None
+    for (layer, name), (w, per_slot, x, y, _, out_slices) in problems.items():
+        expected = oracle(x, y, per_slot, token_slots, out_slices)
+        step.apply(layer, (name,), x, y, out_slices)
+        torch.testing.assert_close(y, expected, rtol=1e-4, atol=1e-4)
+    w, _, x, y, _, _ = problems[(0, "o_proj")]
+    assert step._cpu(y, x.double(), w) is False  # not fp32: the caller's general path runs instead
+
+
 @pytest.mark.slow
 def test_cpu_kernel_built_without_avx512_matches_definition():
     """The kernel's 8-wide build (machines without AVX-512) is checked here too, whatever this machine has."""
