@@ -75,7 +75,7 @@ def test_step_fast_path_shares_one_buffer_across_projections_of_different_widths
     batch = problems[(0, "q_proj")][4]
     step = LoraStep(batch, {k: p[0] for k, p in problems.items()})
     assert step._cpu is not None
-    for (layer, name), (w, per_slot, x, y, _, out_slices) in problems.items():
+    for (layer, name), (_w, per_slot, x, y, _, out_slices) in problems.items():
         expected = oracle(x, y, per_slot, token_slots, out_slices)
         step.apply(layer, (name,), x, y, out_slices)
         torch.testing.assert_close(y, expected, rtol=1e-4, atol=1e-4)
