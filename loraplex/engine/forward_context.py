@@ -33,6 +33,9 @@ class AttentionMetadata:
     decode_max_context_len: int = 0
     decode_mask: torch.Tensor | None = None  # bool [1, num_decodes, 1, max_blocks * block_size]
     prefills: list[PrefillSegment] = field(default_factory=list)
+    # every token as a row of its own (block table, context length through that token), built by the first
+    # layer that runs short prefills on the CPU kernel and shared by the rest (see PagedAttention)
+    token_tables: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 class LoraStepState(Protocol):

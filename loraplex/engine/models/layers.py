@@ -161,6 +161,36 @@ def apply_rotary_torch_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -
     x1.copy_(new_x1)
 
 
+# Steps whose prefill chunks all have contexts up to this long attend in one call of the CPU decode kernel,
+# each new token a row with its own context length (its K/V is in the cache by then): the chunks' K/V stay
+# in cache across their rows, and one call per layer replaces a torch call per sequence. Longer contexts
+# go to scaled_dot_product_attention per chunk, whose blocked products scale better with length.
+SHORT_PREFILL_CONTEXT = 256
+
+
+def token_tables(meta: fctx.AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every token of the step as a decode row: int64 block tables [T, W] and context lengths [T], the
+    decodes' own rows first, then each prefill chunk's tokens (token i of a chunk sees the context up to
+    and including itself). Built once per step, on the first layer's call."""
+    if meta.token_tables is None:
+        widths = [seg.block_table.numel() for seg in meta.prefills]
+        if meta.num_decode_tokens:
+            widths.append(meta.decode_block_tables.shape[1])
+        tables = torch.zeros(meta.slot_mapping.numel(), max(widths), dtype=torch.int64)
+        lens = torch.zeros(meta.slot_mapping.numel(), dtype=torch.int64)
+        n = meta.num_decode_tokens
+        if n:
+            tables[:n, : meta.decode_block_tables.shape[1]] = meta.decode_block_tables
+            lens[:n] = meta.decode_context_lens
+        for seg in meta.prefills:
+            rows = slice(seg.query_start, seg.query_start + seg.query_len)
+            tables[rows, : seg.block_table.numel()] = seg.block_table
+            first = seg.context_len - seg.query_len + 1
+            torch.arange(first, first + seg.query_len, out=lens[rows])
+        meta.token_tables = (tables, lens)
+    return meta.token_tables
+
+
 class PagedAttention(nn.Module):
     """Writes the step's new K/V into this layer's cache, then attends over each sequence's blocks."""
 
@@ -184,6 +214,12 @@ class PagedAttention(nn.Module):
                 meta.decode_mask,
             )
             return out.reshape(q.shape[0], -1)
+        if (q.dtype == torch.float32 and q.device.type == "cpu" and ops_cpu.available()
+                and max(seg.context_len for seg in meta.prefills) <= SHORT_PREFILL_CONTEXT):
+            tables, lens = token_tables(meta)
+            out = ops_cpu.paged_decode_attention(q, self.k_cache, self.v_cache, tables, lens, self.scale)
+            if out is not None:
+                return out.reshape(q.shape[0], -1)
         out = torch.empty_like(q)
         if num_decodes:
             out[:num_decodes] = decode_attention(
