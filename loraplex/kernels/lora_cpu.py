@@ -403,21 +403,8 @@ def cpu_lora_step(batch: LoraBatch, weights) -> CpuLoraStep | None:
 
 def add_lora_cpu(y: torch.Tensor, x: torch.Tensor, w: LoraSlotWeights, batch: LoraBatch) -> None:
     """y += each token's adapter delta; fp32 contiguous rows via the kernel, anything else via torch."""
-    mod = _load()
-    if (
-        mod is None
-        or x.dtype != torch.float32
-        or y.dtype != torch.float32
-        or w.a.dtype != torch.float32
-        or x.stride(-1) != 1
-        or y.stride(-1) != 1
-    ):
-        add_lora_torch(y, x, w, batch)
+    if batch.empty:
         return
-    groups = _groups(batch)
-    if groups.shape[0]:
-        shrunk = torch.empty(batch.num_lora_tokens, w.a.shape[1], dtype=torch.float32)
-        mod.lora_groups(
-            y, x, w.a, w.b, batch.sorted_token_ids, groups, w.ranks_t, w.rank_offsets_t, w.out_meta,
-            shrunk, MIN_PARALLEL_COST,
-        )
+    mod = _load()
+    if mod is None or not CpuLoraStep(mod, batch, w.a.shape[1])(y, x, w):
+        add_lora_torch(y, x, w, batch)
