@@ -3,7 +3,9 @@
 Levels:
 - store/disk -> host: parsing, validation and conversion run in a background thread (`request_load`,
   `prefetch`), so the step loop never waits on a disk read.
-- host -> device slot: a copy into weights preallocated once for every projection (`try_acquire`).
+- host -> device slot (`try_acquire`): on a GPU a copy into weights preallocated once for every
+  projection; on the CPU the slot refers to the host copy, already in the slot layout, and nothing is
+  copied (the host copy lives on while the slot holds it, even after the LRU lets it go).
 
 Requests hold a reference on their adapter's slot while they run; an adapter with references, or pinned,
 is never evicted. The least recently used idle adapter gives up its slot when a new one needs it.
@@ -26,13 +28,12 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from loraplex.engine.errors import AdapterLoadError
 from loraplex.engine.lora_layers import LoraProjection, LoraStep, model_projections
 from loraplex.engine.lora_request import LoRARequest
-from loraplex.kernels.lora import LoraBatch, LoraSlotWeights
+from loraplex.kernels.lora import LoraBatch, LoraSlotWeights, fuse_slices
 
 # (layer index, PEFT module name) -> (A [r, in], B [out, r]) with the scaling folded into B
 ModuleWeights = Mapping[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
@@ -46,19 +47,24 @@ class HostAdapter:
     key: str
     name: str
     rank: int
-    slices: dict[tuple[int, str], list[tuple[torch.Tensor, torch.Tensor] | None]]
+    # per projection, the weights in the slot layout (`fuse_slices`): A [sum ranks, in], B^T [max rank, out],
+    # and the rank of each slice (0 where the adapter does not target it)
+    fused: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor, list[int]]]
     nbytes: int
 
 
 def to_host_adapter(
-    lora: LoRARequest, weights: ModuleWeights, projections: Sequence[LoraProjection], max_rank: int, pin: bool
+    lora: LoRARequest, weights: ModuleWeights, projections: Sequence[LoraProjection], max_rank: int, pin: bool,
+    dtype: torch.dtype = torch.float32,
 ) -> HostAdapter:
-    """Regroup per-module weights into the model's (possibly fused) projections."""
+    """Regroup per-module weights into the model's (possibly fused) projections, each in the slot layout:
+    the one copy of the adapter made here, off the step loop. On the CPU a slot then refers to these
+    tensors (`LoraSlotWeights(views=True)`) and loading into a slot copies nothing."""
     by_name = {(p.layer_idx, name) for p in projections for name in p.module_names}
     unknown = sorted(k for k in weights if k not in by_name)
     if unknown:
         raise ValueError(f"adapter {lora.name!r} targets modules the model does not have: {unknown[:4]}")
-    slices: dict[tuple[int, str], list[tuple[torch.Tensor, torch.Tensor] | None]] = {}
+    fused: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor, list[int]]] = {}
     rank = nbytes = 0
     for p in projections:
         per_slice: list[tuple[torch.Tensor, torch.Tensor] | None] = []
@@ -76,22 +82,18 @@ def to_host_adapter(
                 )
             if r > max_rank:
                 raise ValueError(f"adapter {lora.name!r} has rank {r}, above max_lora_rank={max_rank}")
-            # B is kept as a view of a contiguous B^T: slots store B rank-major, so a slot load is a
-            # straight copy and the transpose happens here, off the step loop. numpy makes the copies: a
-            # torch copy this size would start an OpenMP team in this thread, beside the step's own team
-            # on the same cores.
-            a = torch.from_numpy(np.ascontiguousarray(a.numpy()))
-            b = torch.from_numpy(np.ascontiguousarray(b.numpy().T)).t()
-            if pin:
-                a, b = a.pin_memory(), b.t().pin_memory().t()
             per_slice.append((a, b))
             rank = max(rank, r)
-            nbytes += a.numel() * a.element_size() + b.numel() * b.element_size()
-        if any(s is not None for s in per_slice):
-            slices[p.key] = per_slice
-    if not slices:
+        if all(s is None for s in per_slice):
+            continue
+        fa, fb = fuse_slices(per_slice, p.in_features, p.output_sizes, dtype=dtype)
+        if pin:
+            fa, fb = fa.pin_memory(), fb.pin_memory()
+        fused[p.key] = (fa, fb, [0 if s is None else s[0].shape[0] for s in per_slice])
+        nbytes += (fa.numel() + fb.numel()) * fa.element_size()
+    if not fused:
         raise ValueError(f"adapter {lora.name!r} has no weights for any projection of the model")
-    return HostAdapter(lora.key, lora.name, rank, slices, nbytes)
+    return HostAdapter(lora.key, lora.name, rank, fused, nbytes)
 
 
 class LoraManager:
@@ -117,9 +119,12 @@ class LoraManager:
         self.max_rank = max_rank
         self.dtype = dtype
         self.device = torch.device(device)
-        # Allocated once: loading an adapter is a copy into these, never an allocation.
+        # On a GPU, allocated once: loading an adapter is a copy into these, never an allocation. On the
+        # CPU the slots are views of the host copies: loading one into a slot copies nothing.
+        views = self.device.type == "cpu"
         self.weights: dict[tuple[int, str], LoraSlotWeights] = {
-            p.key: LoraSlotWeights(max_loras, p.in_features, p.output_sizes, max_rank, dtype=dtype, device=device)
+            p.key: LoraSlotWeights(max_loras, p.in_features, p.output_sizes, max_rank, dtype=dtype, device=device,
+                                   views=views)
             for p in self.projections
         }
         self._lock = threading.RLock()
@@ -238,7 +243,7 @@ class LoraManager:
         try:
             weights = self.load_fn(lora)
             host = to_host_adapter(
-                lora, weights, self.projections, self.max_rank, pin=self.device.type == "cuda"
+                lora, weights, self.projections, self.max_rank, pin=self.device.type == "cuda", dtype=self.dtype
             )
         except Exception as exc:
             error = AdapterLoadError(f"adapter {lora.name!r} could not be loaded: {exc}")
@@ -264,7 +269,9 @@ class LoraManager:
 
     def put_host(self, lora: LoRARequest, weights: ModuleWeights) -> None:
         """Hand over weights already read (a path just validated), sparing a second read."""
-        host = to_host_adapter(lora, weights, self.projections, self.max_rank, pin=self.device.type == "cuda")
+        host = to_host_adapter(
+            lora, weights, self.projections, self.max_rank, pin=self.device.type == "cuda", dtype=self.dtype
+        )
         with self._lock:
             if lora.key not in self._host:
                 self.loads_total += 1
@@ -434,11 +441,11 @@ class LoraManager:
     def _activate(self, key: str, slot: int) -> None:
         host = self._host[key]
         for pkey, w in self.weights.items():
-            pairs = host.slices.get(pkey)
-            if pairs is None:
+            fused = host.fused.get(pkey)
+            if fused is None:
                 w.clear_slot(slot)
             else:
-                w.set_slot(slot, pairs)
+                w.set_slot_fused(slot, *fused)
         self._slot_key[slot] = key
         self._slot_of[key] = slot
         self._host.move_to_end(key)

@@ -77,10 +77,20 @@ class LoraBatch:
 
 
 class LoraSlotWeights:
-    """One projection's LoRA weights for every device slot, allocated once.
+    """One projection's LoRA weights for every device slot.
 
-    a: [num_slots, num_slices * max_rank, in_features]   A rows of all slices, packed per slot
-    b: [num_slots, max_rank, sum(out_slices)]            B transposed; column n belongs to the slice that owns it
+    Per slot, the A rows of all slices packed back to back ([rank_total, in_features]) and B transposed
+    ([rank, sum(out_slices)], column n belonging to the slice that owns it). Two ways to hold them:
+
+    - copies (the default, and what a GPU uses): allocated once for every slot at full capacity,
+        a: [num_slots, num_slices * max_rank, in_features], b: [num_slots, max_rank, sum(out_slices)];
+      a slot load copies the adapter in.
+    - views (`views=True`, CPU only): a slot refers to the adapter's own host tensors, already in that
+      layout (`set_slot_fused`). Host memory is the device memory there: loading into a slot copies
+      nothing, and the slots take no memory of their own.
+
+    `slot_a(slot)` / `slot_b(slot)` give a slot's tensors either way; `a_ptrs` / `b_ptrs` (CPU) hold their
+    addresses for the C++ kernel.
     """
 
     def __init__(
@@ -92,18 +102,38 @@ class LoraSlotWeights:
         *,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        views: bool = False,
     ) -> None:
         if num_slots <= 0 or max_rank <= 0 or not out_slices:
             raise ValueError("LoraSlotWeights needs at least one slot, one slice and rank >= 1")
+        if views and torch.device(device).type != "cpu":
+            raise ValueError("slots as views of host tensors exist on the CPU only")
         self.num_slots = num_slots
         self.in_features = in_features
         self.out_slices = tuple(out_slices)
         self.out_offsets = tuple(sum(out_slices[:i]) for i in range(len(out_slices)))
         self.out_features = sum(out_slices)
         self.max_rank = max_rank
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.views = views
         num_slices = len(out_slices)
-        self.a = torch.zeros(num_slots, num_slices * max_rank, in_features, dtype=dtype, device=device)
-        self.b = torch.zeros(num_slots, max_rank, self.out_features, dtype=dtype, device=device)
+        self.a_rows = num_slices * max_rank  # the most A rows a slot can hold (the shrunk values' width)
+        self.a: torch.Tensor | None = None
+        self.b: torch.Tensor | None = None
+        self._a_views: list[torch.Tensor | None] = [None] * num_slots
+        self._b_views: list[torch.Tensor | None] = [None] * num_slots
+        if not views:
+            self.a = torch.zeros(num_slots, self.a_rows, in_features, dtype=dtype, device=device)
+            self.b = torch.zeros(num_slots, max_rank, self.out_features, dtype=dtype, device=device)
+        self.a_ptrs = self.b_ptrs = None
+        if self.device.type == "cpu":
+            # every slot's A and B address, for the C++ kernel (0: nothing there; ranks are then zero)
+            self.a_ptrs = torch.zeros(num_slots, dtype=torch.int64)
+            self.b_ptrs = torch.zeros(num_slots, dtype=torch.int64)
+            if not views:
+                self.a_ptrs.copy_(torch.tensor([self.a[i].data_ptr() for i in range(num_slots)]))
+                self.b_ptrs.copy_(torch.tensor([self.b[i].data_ptr() for i in range(num_slots)]))
         # host copies drive the torch path's loop; device copies drive the Triton kernels
         self.ranks: list[list[int]] = [[0] * num_slices for _ in range(num_slots)]
         self.rank_offsets: list[list[int]] = [[0] * num_slices for _ in range(num_slots)]
@@ -139,13 +169,59 @@ class LoraSlotWeights:
                 )
             if r > self.max_rank:
                 raise ValueError(f"rank {r} exceeds the slot capacity max_rank={self.max_rank}")
-            self.a[slot, offset : offset + r].copy_(a, non_blocking=True)
-            o = self.out_offsets[i]
-            self.b[slot, :r, o : o + self.out_slices[i]].copy_(b.t(), non_blocking=True)
             ranks.append(r)
             offsets.append(offset)
             offset += r
+        if self.views:
+            a_fused, b_fused = fuse_slices(weights, self.in_features, self.out_slices, dtype=self.dtype)
+            self.set_slot_fused(slot, a_fused, b_fused, ranks)
+            return
+        for i, pair in enumerate(weights):
+            if pair is None:
+                continue
+            a, b = pair
+            r, offset = ranks[i], offsets[i]
+            self.a[slot, offset : offset + r].copy_(a, non_blocking=True)
+            o = self.out_offsets[i]
+            self.b[slot, :r, o : o + self.out_slices[i]].copy_(b.t(), non_blocking=True)
         self._write_meta(slot, ranks, offsets)
+
+    def set_slot_fused(self, slot: int, a: torch.Tensor, b: torch.Tensor, ranks: list[int]) -> None:
+        """Place an adapter already in the slot layout (`fuse_slices`): a [sum(ranks), in] and b
+        [max(ranks), out_features], both contiguous. With views the slot refers to these very tensors
+        (they must not be written while it does); with copies they are copied in."""
+        if len(ranks) != self.num_slices or any(r < 0 or r > self.max_rank for r in ranks):
+            raise ValueError(f"ranks {ranks} do not fit {self.num_slices} slices of rank <= {self.max_rank}")
+        total, rmax = sum(ranks), max(ranks, default=0)
+        if (a.shape != (total, self.in_features) or b.shape != (rmax, self.out_features)
+                or a.dtype != self.dtype or b.dtype != self.dtype):
+            raise ValueError(
+                f"fused A {tuple(a.shape)} / B {tuple(b.shape)} ({a.dtype}) do not fit ranks {ranks}, "
+                f"in={self.in_features}, out={self.out_features} ({self.dtype})"
+            )
+        offsets = [sum(ranks[:i]) for i in range(len(ranks))]
+        if not self.views:
+            self.a[slot, :total].copy_(a, non_blocking=True)
+            self.b[slot, :rmax].copy_(b, non_blocking=True)
+            self._write_meta(slot, ranks, offsets)
+            return
+        if a.device.type != "cpu" or not a.is_contiguous() or not b.is_contiguous():
+            raise ValueError("a slot view needs contiguous CPU tensors")
+        # Ranks first to zero, then the tensors, then the ranks: a reader never pairs new ranks with old
+        # tensors (slots change between steps anyway; this keeps it true for any caller).
+        self._write_meta(slot, [0] * self.num_slices, [0] * self.num_slices)
+        self._a_views[slot], self._b_views[slot] = a, b
+        self.a_ptrs.numpy()[slot] = a.data_ptr() if total else 0
+        self.b_ptrs.numpy()[slot] = b.data_ptr() if rmax else 0
+        self._write_meta(slot, list(ranks), offsets)
+
+    def slot_a(self, slot: int) -> torch.Tensor:
+        """The slot's A rows of every slice, [at least rank_total(slot), in_features]."""
+        return self._a_views[slot] if self.views else self.a[slot]
+
+    def slot_b(self, slot: int) -> torch.Tensor:
+        """The slot's B, transposed: [at least its largest rank, out_features]."""
+        return self._b_views[slot] if self.views else self.b[slot]
 
     def _write_meta(self, slot: int, ranks: list[int], offsets: list[int]) -> None:
         self.ranks[slot] = ranks
@@ -163,21 +239,51 @@ class LoraSlotWeights:
     def clear_slot(self, slot: int) -> None:
         # Stale A/B values are harmless once the ranks say zero: nothing reads past a slice's rank.
         self._write_meta(slot, [0] * self.num_slices, [0] * self.num_slices)
+        if self.views:
+            self.a_ptrs.numpy()[slot] = self.b_ptrs.numpy()[slot] = 0
+            self._a_views[slot] = self._b_views[slot] = None
 
     def rank_total(self, slot: int) -> int:
         return sum(self.ranks[slot])
 
 
+def fuse_slices(
+    weights: list[tuple[torch.Tensor, torch.Tensor] | None], in_features: int, out_slices: tuple[int, ...],
+    *, dtype: torch.dtype = torch.float32,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per slice (A [r, in], B [out_slice, r]) or None -> the slot layout of one projection: A of every
+    slice back to back [sum r, in], and B transposed [max r, sum(out_slices)] (zero where a slice's rank
+    is below the largest). Copies made with numpy where the tensors are CPU fp32: a torch copy would start
+    an OpenMP team in the calling thread (an adapter loader), beside the step's own on the same cores."""
+    ranks = [0 if p is None else p[0].shape[0] for p in weights]
+    a = torch.empty(sum(ranks), in_features, dtype=dtype)
+    b = torch.zeros(max(ranks, default=0), sum(out_slices), dtype=dtype)
+    an, bn = (a.numpy(), b.numpy()) if dtype == torch.float32 else (None, None)
+    row = col = 0
+    for pair, r, size in zip(weights, ranks, out_slices, strict=True):
+        if pair is not None:
+            pa, pb = pair[0].detach().cpu(), pair[1].detach().cpu()
+            if an is not None and pa.dtype == torch.float32 and pb.dtype == torch.float32:
+                an[row : row + r] = pa.numpy()
+                bn[:r, col : col + size] = pb.numpy().T
+            else:
+                a[row : row + r] = pa
+                b[:r, col : col + size] = pb.t()
+            row += r
+        col += size
+    return a, b
+
+
 def lora_shrink_torch(x: torch.Tensor, w: LoraSlotWeights, batch: LoraBatch) -> torch.Tensor:
     """x [num_tokens, in] -> [num_lora_tokens, num_slices * max_rank] in sorted order; per group only the
     first rank_total(slot) columns are meaningful."""
-    out = x.new_empty(batch.num_lora_tokens, w.a.shape[1])
+    out = x.new_empty(batch.num_lora_tokens, w.a_rows)
     xs = x[: batch.num_lora_tokens] if batch.contiguous else x.index_select(0, batch.sorted_token_ids)
     for slot, start, count in zip(batch.slot_ids, batch.starts, batch.counts, strict=True):
         rt = w.rank_total(slot)
         if rt == 0:
             continue
-        torch.mm(xs[start : start + count], w.a[slot, :rt].t(), out=out[start : start + count, :rt])
+        torch.mm(xs[start : start + count], w.slot_a(slot)[:rt].t(), out=out[start : start + count, :rt])
     return out
 
 
@@ -191,10 +297,11 @@ def lora_expand_torch(y: torch.Tensor, shrunk: torch.Tensor, w: LoraSlotWeights,
         ys = delta
     for slot, start, count in zip(batch.slot_ids, batch.starts, batch.counts, strict=True):
         rows = slice(start, start + count)
+        b = w.slot_b(slot)
         for r, roff, o, size in zip(w.ranks[slot], w.rank_offsets[slot], w.out_offsets, w.out_slices, strict=True):
             if r == 0:
                 continue
-            ys[rows, o : o + size].addmm_(shrunk[rows, roff : roff + r], w.b[slot, :r, o : o + size])
+            ys[rows, o : o + size].addmm_(shrunk[rows, roff : roff + r], b[:r, o : o + size])
     if delta is not None:
         y.index_add_(0, batch.sorted_token_ids, delta)
 

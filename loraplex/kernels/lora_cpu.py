@@ -206,12 +206,14 @@ static void expand_rows(const float* b, int64_t bs1, int64_t rmax, const int32_t
   }
 }
 
-// groups: int64 [G, 3] (slot, start, count); ranks / rank_offsets: int32 [num_slots, S]
-// out_meta: int64 [S, 2] (offset, size). y += expand(shrink(x)) for every group.
-void lora_groups(torch::Tensor y, torch::Tensor x, torch::Tensor a, torch::Tensor b,
-                       torch::Tensor sorted_ids, torch::Tensor groups, torch::Tensor ranks,
-                       torch::Tensor rank_offsets, torch::Tensor out_meta, torch::Tensor shrunk,
-                       int64_t min_parallel_cost) {
+// a_ptrs / b_ptrs: int64 [num_slots], the address of each slot's A ([rank_total, in], rows `as1` floats
+// apart) and B ([max rank, out], rows `bs1` apart); groups: int64 [G, 3] (slot, start, count);
+// ranks / rank_offsets: int32 [num_slots, S]; out_meta: int64 [S, 2] (offset, size).
+// y += expand(shrink(x)) for every group.
+void lora_groups(torch::Tensor y, torch::Tensor x, torch::Tensor a_ptrs, torch::Tensor b_ptrs, int64_t as1,
+                 int64_t bs1, torch::Tensor sorted_ids, torch::Tensor groups, torch::Tensor ranks,
+                 torch::Tensor rank_offsets, torch::Tensor out_meta, torch::Tensor shrunk,
+                 int64_t min_parallel_cost) {
   const int64_t G = groups.size(0), S = ranks.size(1), in = x.size(1);
   const int64_t* g = groups.data_ptr<int64_t>();
   const int64_t* ids = sorted_ids.data_ptr<int64_t>();
@@ -219,21 +221,21 @@ void lora_groups(torch::Tensor y, torch::Tensor x, torch::Tensor a, torch::Tenso
   const int32_t* ro = rank_offsets.data_ptr<int32_t>();
   const int64_t* om = out_meta.data_ptr<int64_t>();
   const float* xp = x.data_ptr<float>();
-  const float* ap = a.data_ptr<float>();
-  const float* bp = b.data_ptr<float>();
+  const int64_t* ap = a_ptrs.data_ptr<int64_t>();
+  const int64_t* bp = b_ptrs.data_ptr<int64_t>();
   float* yp = y.data_ptr<float>();
   float* sp = shrunk.data_ptr<float>();
   const int64_t xs = x.stride(0), ys = y.stride(0), ss = shrunk.stride(0);
-  const int64_t as0 = a.stride(0), as1 = a.stride(1), bs0 = b.stride(0), bs1 = b.stride(1);
 
-  // One group (an adapter's tokens): shrink, then expand. B is rank-major, so the expand is AXPYs over
-  // contiguous output columns; every weight row is read once and reused for the group's tokens.
-  // One piece of a group (some of an adapter's tokens): shrink, then expand.
+  // One piece of a group (some of an adapter's tokens): shrink, then expand. B is rank-major, so the
+  // expand is AXPYs over contiguous output columns; every weight row is read once and reused for the
+  // piece's tokens.
   auto run_piece = [&](int64_t slot, int64_t start, int64_t count) {
     int64_t total = 0;
     for (int64_t s = 0; s < S; ++s) total += rk[slot * S + s];
+    if (total == 0 || ap[slot] == 0 || bp[slot] == 0) return;  // an empty slot: nothing to add
     // shrink: tokens four at a time, each A block read once per four tokens
-    const float* abase = ap + slot * as0;
+    const float* abase = reinterpret_cast<const float*>(ap[slot]);
     for (int64_t t0 = 0; t0 < count; t0 += 4) {
       const float* xrows[4];
       const int64_t nt = std::min<int64_t>(4, count - t0);
@@ -254,7 +256,7 @@ void lora_groups(torch::Tensor y, torch::Tensor x, torch::Tensor a, torch::Tenso
     if (count <= 4) {
       int64_t rmax = 0;
       for (int64_t s = 0; s < S; ++s) rmax = std::max<int64_t>(rmax, rk[slot * S + s]);
-      const float* bslot = bp + slot * bs0;
+      const float* bslot = reinterpret_cast<const float*>(bp[slot]);
       const float* srows[4];
       float* yrows[4];
       for (int64_t t = 0; t < count; ++t) {
@@ -274,7 +276,7 @@ void lora_groups(torch::Tensor y, torch::Tensor x, torch::Tensor a, torch::Tenso
     for (int64_t s = 0; s < S; ++s) {
       const int64_t r = rk[slot * S + s], roff = ro[slot * S + s];
       if (r == 0) continue;
-      const float* bslice = bp + slot * bs0 + om[2 * s];
+      const float* bslice = reinterpret_cast<const float*>(bp[slot]) + om[2 * s];
       for (int64_t t0 = 0; t0 < count; t0 += 4) {
         const int64_t nt = std::min<int64_t>(4, count - t0);
         const float* srows[4];
@@ -335,7 +337,7 @@ void lora_groups(torch::Tensor y, torch::Tensor x, torch::Tensor a, torch::Tenso
 }
 """
 
-EXTENSION_NAME = "loraplex_lora_cpu_v13"  # bump the suffix when the C++ source changes incompatibly
+EXTENSION_NAME = "loraplex_lora_cpu_v14"  # bump the suffix when the C++ source changes incompatibly
 _EXTENSION = InlineExtension(
     EXTENSION_NAME, _SOURCE, ["lora_groups"], what="CPU LoRA kernel",
 )
@@ -375,12 +377,11 @@ class CpuLoraStep:
 
     def __call__(self, y: torch.Tensor, x: torch.Tensor, w: LoraSlotWeights) -> bool:
         """y += the delta and True, or False (nothing done) when the call is not fp32 rows the kernel takes."""
-        a = w.a
-        if (x.dtype is not _F32 or y.dtype is not _F32 or a.dtype is not _F32 or x.stride(-1) != 1
-                or y.stride(-1) != 1 or a.shape[1] > self._width):
+        if (x.dtype is not _F32 or y.dtype is not _F32 or w.dtype is not _F32 or w.a_ptrs is None
+                or x.stride(-1) != 1 or y.stride(-1) != 1 or w.a_rows > self._width):
             return False
-        self._mod.lora_groups(y, x, a, w.b, self._ids, self._groups, w.ranks_t, w.rank_offsets_t, w.out_meta,
-                              self._shrunk, MIN_PARALLEL_COST)
+        self._mod.lora_groups(y, x, w.a_ptrs, w.b_ptrs, w.in_features, w.out_features, self._ids, self._groups,
+                              w.ranks_t, w.rank_offsets_t, w.out_meta, self._shrunk, MIN_PARALLEL_COST)
         return True
 
 
@@ -393,12 +394,12 @@ def cpu_lora_step(batch: LoraBatch, weights) -> CpuLoraStep | None:
     if batch.empty or not weights:
         return None
     first = next(iter(weights.values()))
-    if first.a.device.type != "cpu" or first.a.dtype != torch.float32:
+    if first.device.type != "cpu" or first.dtype != torch.float32:
         return None
     mod = _load()
     if mod is None:
         return None
-    return CpuLoraStep(mod, batch, max(w.a.shape[1] for w in weights.values()))
+    return CpuLoraStep(mod, batch, max(w.a_rows for w in weights.values()))
 
 
 def add_lora_cpu(y: torch.Tensor, x: torch.Tensor, w: LoraSlotWeights, batch: LoraBatch) -> None:
@@ -406,5 +407,5 @@ def add_lora_cpu(y: torch.Tensor, x: torch.Tensor, w: LoraSlotWeights, batch: Lo
     if batch.empty:
         return
     mod = _load()
-    if mod is None or not CpuLoraStep(mod, batch, w.a.shape[1])(y, x, w):
+    if mod is None or not CpuLoraStep(mod, batch, w.a_rows)(y, x, w):
         add_lora_torch(y, x, w, batch)

@@ -17,12 +17,15 @@ def random_problem(
     token_slots: list[int],
     num_slots: int,
     max_rank: int = 64,
+    views: bool = False,
 ):
-    """slot_ranks: slot -> rank per slice (0 = slice not targeted)."""
-    w = LoraSlotWeights(num_slots, in_features, out_slices, max_rank)
-    # Fill every slot's full capacity with noise first so reading past a rank would show up as an error.
-    w.a.normal_(generator=gen)
-    w.b.normal_(generator=gen)
+    """slot_ranks: slot -> rank per slice (0 = slice not targeted). `views`: slots refer to host tensors
+    (the CPU adapter cache's way) instead of holding copies."""
+    w = LoraSlotWeights(num_slots, in_features, out_slices, max_rank, views=views)
+    if not views:
+        # Fill every slot's full capacity with noise first so reading past a rank would show up as an error.
+        w.a.normal_(generator=gen)
+        w.b.normal_(generator=gen)
     per_slot = {}
     for slot, ranks in slot_ranks.items():
         pairs = []

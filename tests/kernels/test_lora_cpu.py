@@ -27,7 +27,8 @@ def _compiled():
     ],
 )
 @pytest.mark.parametrize("hidden,out_slices", [(576, (64, 16, 16)), (96, (40,)), (101, (24, 7))])
-def test_cpu_kernel_matches_definition(token_slots, hidden, out_slices):
+@pytest.mark.parametrize("views", [False, True], ids=["slot-copies", "slot-views"])
+def test_cpu_kernel_matches_definition(token_slots, hidden, out_slices, views):
     gen = torch.Generator().manual_seed(len(token_slots) + hidden)
     slot_ranks = {
         0: [1] * len(out_slices),
@@ -37,7 +38,7 @@ def test_cpu_kernel_matches_definition(token_slots, hidden, out_slices):
     }
     w, per_slot, x, y, batch = random_problem(
         gen, num_tokens=len(token_slots), in_features=hidden, out_slices=out_slices, slot_ranks=slot_ranks,
-        token_slots=token_slots, num_slots=5,
+        token_slots=token_slots, num_slots=5, views=views,
     )
     expected = oracle(x, y, per_slot, token_slots, out_slices)
     lora_cpu.add_lora_cpu(y, x, w, batch)
@@ -110,6 +111,6 @@ def test_cpu_kernel_built_without_avx512_matches_definition():
             expected = oracle(x, y, per_slot, token_slots, out_slices)
             groups = lora_cpu._groups(batch)
             shrunk = torch.empty(batch.num_lora_tokens, w.a.shape[1])
-            mod.lora_groups(y, x, w.a, w.b, batch.sorted_token_ids, groups, w.ranks_t, w.rank_offsets_t,
-                            w.out_meta, shrunk, 0)
+            mod.lora_groups(y, x, w.a_ptrs, w.b_ptrs, w.in_features, w.out_features, batch.sorted_token_ids,
+                            groups, w.ranks_t, w.rank_offsets_t, w.out_meta, shrunk, 0)
             torch.testing.assert_close(y, expected, rtol=1e-4, atol=1e-4)

@@ -6,7 +6,7 @@ import pytest
 import torch
 from lora_kernel_cases import oracle, random_problem
 
-from loraplex.kernels.lora import LoraBatch, LoraSlotWeights, add_lora, add_lora_torch
+from loraplex.kernels.lora import LoraBatch, LoraSlotWeights, add_lora, add_lora_torch, fuse_slices
 
 QKV = (96, 32, 32)
 
@@ -20,12 +20,13 @@ QKV = (96, 32, 32)
         [3, 2, 1, 0],  # every row a different adapter
     ],
 )
-def test_matches_per_token_definition(token_slots):
+@pytest.mark.parametrize("views", [False, True], ids=["slot-copies", "slot-views"])
+def test_matches_per_token_definition(token_slots, views):
     gen = torch.Generator().manual_seed(len(token_slots))
     slot_ranks = {0: [4, 4, 4], 1: [1, 0, 1], 2: [64, 64, 0], 3: [16, 8, 2]}
     w, per_slot, x, y, batch = random_problem(
         gen, num_tokens=len(token_slots), in_features=80, out_slices=QKV, slot_ranks=slot_ranks,
-        token_slots=token_slots, num_slots=4,
+        token_slots=token_slots, num_slots=4, views=views,
     )
     expected = oracle(x, y, per_slot, token_slots, QKV)
     add_lora_torch(y, x, w, batch)
@@ -54,16 +55,48 @@ def test_batch_groups_tokens_by_slot():
     assert LoraBatch.build([1, 1, 4, -1]).contiguous
 
 
-def test_cleared_slot_contributes_nothing():
+@pytest.mark.parametrize("views", [False, True], ids=["slot-copies", "slot-views"])
+def test_cleared_slot_contributes_nothing(views):
     gen = torch.Generator().manual_seed(0)
     w, _, x, y, batch = random_problem(
         gen, num_tokens=3, in_features=16, out_slices=(16,), slot_ranks={1: [8]}, token_slots=[1, 1, 1],
-        num_slots=2,
+        num_slots=2, views=views,
     )
     w.clear_slot(1)
     before = y.clone()
     add_lora_torch(y, x, w, batch)
     assert torch.equal(y, before)
+    add_lora(y, x, w, batch)  # the CPU kernel where it is built: an empty slot is never read
+    assert torch.equal(y, before)
+
+
+def test_slot_views_refer_to_the_host_tensors_without_copying():
+    """With views, placing an adapter in a slot copies nothing: the slot reads the fused host tensors, and
+    clearing it drops them. Copies mode copies the same tensors in; both give the same result."""
+    gen = torch.Generator().manual_seed(1)
+    pairs = [(torch.randn(4, 16, generator=gen), torch.randn(8, 4, generator=gen)), None,
+             (torch.randn(2, 16, generator=gen), torch.randn(4, 2, generator=gen))]
+    a, b = fuse_slices(pairs, 16, (8, 6, 4))
+    assert a.shape == (6, 16) and b.shape == (4, 18)
+    torch.testing.assert_close(b[:2, 14:], pairs[2][1].t())
+    assert torch.equal(b[2:, 14:], torch.zeros(2, 4))  # below the largest rank: zero, never read
+    views, copies = LoraSlotWeights(2, 16, (8, 6, 4), 8, views=True), LoraSlotWeights(2, 16, (8, 6, 4), 8)
+    for w in (views, copies):
+        w.set_slot_fused(1, a, b, [4, 0, 2])
+    assert views.slot_a(1).data_ptr() == a.data_ptr() and views.a_ptrs[1] == a.data_ptr()
+    assert copies.slot_a(1).data_ptr() != a.data_ptr()
+    x, batch = torch.randn(3, 16, generator=gen), LoraBatch.build([1, -1, 1])
+    y1, y2 = torch.zeros(3, 18), torch.zeros(3, 18)
+    add_lora_torch(y1, x, views, batch)
+    add_lora(y2, x, copies, batch)
+    torch.testing.assert_close(y1, y2)
+    assert y1[1].abs().sum() == 0 and y1[0].abs().sum() > 0
+    views.clear_slot(1)
+    assert views.slot_a(1) is None and int(views.a_ptrs[1]) == 0
+    with pytest.raises(ValueError, match="do not fit"):
+        views.set_slot_fused(0, a, b, [4, 0, 3])
+    with pytest.raises(ValueError, match="CPU only"):
+        LoraSlotWeights(1, 16, (8,), 4, device="meta", views=True)
 
 
 def test_set_slot_refuses_wrong_shapes_and_ranks():
