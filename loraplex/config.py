@@ -32,6 +32,7 @@ class Settings(BaseSettings):
     max_loras: int = 8
     max_cpu_loras: int = 64
     max_lora_rank: int = 64
+    lora_dtype: str = "auto"  # adapter weights in slots: auto (the model's) | float32 | float16 | bfloat16 (CPU)
     max_model_len: int | None = None  # default: the model's own context length
 
     # uploads

@@ -60,6 +60,20 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return _DTYPES[name]
 
 
+def resolve_lora_dtype(name: str, model_dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """How adapter weights are held: `auto` is the model's dtype. Another dtype is a CPU feature (its
+    kernel widens half-precision weights as it reads them); a GPU's kernels take the model's dtype."""
+    if name == "auto":
+        return model_dtype
+    if name not in _DTYPES:
+        raise ValueError(f"lora_dtype must be one of auto, {', '.join(_DTYPES)}; got {name!r}")
+    dtype = _DTYPES[name]
+    if dtype != model_dtype and device.type != "cpu":
+        raise ValueError(f"lora_dtype={name} differs from the model's dtype, which only the CPU supports; "
+                         f"use lora_dtype=auto on {device.type}")
+    return dtype
+
+
 def load_model(model_dir, arch: ModelArch, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
     with torch.device(device):
         model = LlamaForCausalLM(arch, dtype)
@@ -108,6 +122,7 @@ class LLMEngine:
         self.config = config
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
+        self.lora_dtype = resolve_lora_dtype(config.lora_dtype, self.dtype, self.device)
         if self.device.type == "cpu":
             keep_freed_memory()
         torch.manual_seed(config.seed)
@@ -126,7 +141,8 @@ class LLMEngine:
             from loraplex.engine.lora_manager import LoraManager
 
             adapter_slots = LoraManager.for_engine(
-                self.model, self.model_dir, config, device=self.device, dtype=self.dtype
+                self.model, self.model_dir, config, device=self.device,
+                dtype=self.lora_dtype,
             )
         self.adapter_slots = adapter_slots
         self.block_manager = BlockManager(

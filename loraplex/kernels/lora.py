@@ -253,12 +253,13 @@ def fuse_slices(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per slice (A [r, in], B [out_slice, r]) or None -> the slot layout of one projection: A of every
     slice back to back [sum r, in], and B transposed [max r, sum(out_slices)] (zero where a slice's rank
-    is below the largest). Copies made with numpy where the tensors are CPU fp32: a torch copy would start
-    an OpenMP team in the calling thread (an adapter loader), beside the step's own on the same cores."""
+    is below the largest), in `dtype`. Copies made with numpy where it has the dtypes (fp32 and fp16): a
+    torch copy would start an OpenMP team in the calling thread (an adapter loader), beside the step's own
+    on the same cores."""
     ranks = [0 if p is None else p[0].shape[0] for p in weights]
     a = torch.empty(sum(ranks), in_features, dtype=dtype)
     b = torch.zeros(max(ranks, default=0), sum(out_slices), dtype=dtype)
-    an, bn = (a.numpy(), b.numpy()) if dtype == torch.float32 else (None, None)
+    an, bn = (a.numpy(), b.numpy()) if dtype in (torch.float32, torch.float16) else (None, None)
     row = col = 0
     for pair, r, size in zip(weights, ranks, out_slices, strict=True):
         if pair is not None:
@@ -283,7 +284,8 @@ def lora_shrink_torch(x: torch.Tensor, w: LoraSlotWeights, batch: LoraBatch) -> 
         rt = w.rank_total(slot)
         if rt == 0:
             continue
-        torch.mm(xs[start : start + count], w.slot_a(slot)[:rt].t(), out=out[start : start + count, :rt])
+        a = w.slot_a(slot)[:rt]
+        torch.mm(xs[start : start + count], a.to(x.dtype).t(), out=out[start : start + count, :rt])
     return out
 
 
@@ -301,7 +303,7 @@ def lora_expand_torch(y: torch.Tensor, shrunk: torch.Tensor, w: LoraSlotWeights,
         for r, roff, o, size in zip(w.ranks[slot], w.rank_offsets[slot], w.out_offsets, w.out_slices, strict=True):
             if r == 0:
                 continue
-            ys[rows, o : o + size].addmm_(shrunk[rows, roff : roff + r], b[:r, o : o + size])
+            ys[rows, o : o + size].addmm_(shrunk[rows, roff : roff + r], b[:r, o : o + size].to(ys.dtype))
     if delta is not None:
         y.index_add_(0, batch.sorted_token_ids, delta)
 

@@ -30,8 +30,9 @@ MIN_PARALLEL_COST = 200_000
 _SOURCE = r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <cstdint>
 #include <cstring>
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
 
@@ -48,6 +49,63 @@ static inline vfw ldw(const float* p) {
   vfw v;
   std::memcpy(&v, p, sizeof(v));
   return v;
+}
+
+// Adapter weights may be stored in half precision (`lora_dtype`): half the bytes to stream, widened to fp32
+// as they are loaded; x, the shrunk values, y and every accumulation stay fp32.
+struct F16 { uint16_t bits; };
+struct BF16 { uint16_t bits; };
+
+static inline float to_f32(float v) { return v; }
+static inline float to_f32(BF16 h) {
+  const uint32_t u = static_cast<uint32_t>(h.bits) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof(f));
+  return f;
+}
+static inline float to_f32(F16 h) {  // IEEE binary16, subnormals included
+  const uint32_t sign = static_cast<uint32_t>(h.bits & 0x8000u) << 16;
+  uint32_t exp = (h.bits >> 10) & 0x1Fu, man = h.bits & 0x3FFu, u;
+  if (exp == 0x1Fu) {
+    u = sign | 0x7F800000u | (man << 13);
+  } else if (exp != 0) {
+    u = sign | ((exp + 112u) << 23) | (man << 13);
+  } else if (man == 0) {
+    u = sign;
+  } else {  // subnormal: normalise
+    exp = 113u;
+    while ((man & 0x400u) == 0) { man <<= 1; --exp; }
+    u = sign | (exp << 23) | ((man & 0x3FFu) << 13);
+  }
+  float f;
+  std::memcpy(&f, &u, sizeof(f));
+  return f;
+}
+
+static inline vfw ldw(const BF16* p) {
+#ifdef __AVX512F__
+  const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return reinterpret_cast<vfw>(_mm512_castsi512_ps(_mm512_slli_epi32(w, 16)));
+#elif defined(__AVX2__)
+  const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return reinterpret_cast<vfw>(_mm256_castsi256_ps(_mm256_slli_epi32(w, 16)));
+#else
+  float f[VW];
+  for (int i = 0; i < VW; ++i) f[i] = to_f32(p[i]);
+  return ldw(f);
+#endif
+}
+
+static inline vfw ldw(const F16* p) {
+#ifdef __AVX512F__
+  return reinterpret_cast<vfw>(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))));
+#elif defined(__F16C__)
+  return reinterpret_cast<vfw>(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+#else
+  float f[VW];
+  for (int i = 0; i < VW; ++i) f[i] = to_f32(p[i]);
+  return ldw(f);
+#endif
 }
 
 // The sum of a vector's lanes as a tree of halvings (a lane-by-lane loop is one long dependency chain of
@@ -67,8 +125,8 @@ static inline float hsumw(vfw v) {
 // out[t * os + r] = <A row r, x row t> for R rows of A and NT tokens: every A vector loaded once is used
 // for all NT tokens, and R * NT independent accumulators keep the FMA units busy (one dot product at a
 // time is a single dependency chain, latency-bound).
-template <int R, int NT>
-static inline void shrink_block(const float* const* arows, const float* const* xrows, int64_t in, float* out,
+template <typename W, int R, int NT>
+static inline void shrink_block(const W* const* arows, const float* const* xrows, int64_t in, float* out,
                                 int64_t os, int64_t ahead) {
   vfw acc[R][NT];
   for (int r = 0; r < R; ++r)
@@ -91,24 +149,24 @@ static inline void shrink_block(const float* const* arows, const float* const* x
   for (int r = 0; r < R; ++r)
     for (int t = 0; t < NT; ++t) {
       float sum = hsumw(acc[r][t]);
-      for (int64_t kk = k; kk < in; ++kk) sum += arows[r][kk] * xrows[t][kk];
+      for (int64_t kk = k; kk < in; ++kk) sum += to_f32(arows[r][kk]) * xrows[t][kk];
       out[t * os + r] = sum;
     }
 }
 
 // All `total` A rows (as1 apart) against NT tokens, R rows at a time.
-template <int R, int NT>
-static void shrink_rows(const float* a, int64_t as1, int64_t total, const float* const* xrows, int64_t in,
+template <typename W, int R, int NT>
+static void shrink_rows(const W* a, int64_t as1, int64_t total, const float* const* xrows, int64_t in,
                         float* out, int64_t os) {
   int64_t j = 0;
   for (; j + R <= total; j += R) {
-    const float* arows[R];
+    const W* arows[R];
     for (int r = 0; r < R; ++r) arows[r] = a + (j + r) * as1;
-    shrink_block<R, NT>(arows, xrows, in, out + j, os, R * as1);
+    shrink_block<W, R, NT>(arows, xrows, in, out + j, os, R * as1);
   }
   for (; j < total; ++j) {
-    const float* arow[1] = {a + j * as1};
-    shrink_block<1, NT>(arow, xrows, in, out + j, os, as1);
+    const W* arow[1] = {a + j * as1};
+    shrink_block<W, 1, NT>(arow, xrows, in, out + j, os, as1);
   }
 }
 
@@ -120,8 +178,8 @@ constexpr int WIDE_ROWS = 2;
 
 // y[t][c] += sum over q < r of s[t][q] * B[q][c], for NT tokens and NC vectors of columns: the B vectors
 // of a row are loaded once for all NT tokens, and the NT * NC accumulators stay in registers over the rank.
-template <int NT, int NC>
-static inline void expand_block(const float* b, int64_t bs1, int64_t r, const float* const* srows,
+template <typename W, int NT, int NC>
+static inline void expand_block(const W* b, int64_t bs1, int64_t r, const float* const* srows,
                                 float* const* yrows, int64_t c0) {
   vfw acc[NT][NC];
   for (int t = 0; t < NT; ++t)
@@ -142,17 +200,17 @@ static inline void expand_block(const float* b, int64_t bs1, int64_t r, const fl
     }
 }
 
-template <int NT>
-static void expand_cols(const float* b, int64_t bs1, int64_t r, int64_t width, const float* const* srows,
+template <typename W, int NT>
+static void expand_cols(const W* b, int64_t bs1, int64_t r, int64_t width, const float* const* srows,
                         float* const* yrows) {
   constexpr int NC = NT <= 2 ? 4 : (WIDE_ROWS == 4 ? 4 : 2);  // NT * NC accumulators: 16 at most
   int64_t c0 = 0;
-  for (; c0 + VW * NC <= width; c0 += VW * NC) expand_block<NT, NC>(b, bs1, r, srows, yrows, c0);
-  for (; c0 + VW <= width; c0 += VW) expand_block<NT, 1>(b, bs1, r, srows, yrows, c0);
+  for (; c0 + VW * NC <= width; c0 += VW * NC) expand_block<W, NT, NC>(b, bs1, r, srows, yrows, c0);
+  for (; c0 + VW <= width; c0 += VW) expand_block<W, NT, 1>(b, bs1, r, srows, yrows, c0);
   for (; c0 < width; ++c0)  // columns past the last full vector
     for (int t = 0; t < NT; ++t) {
       float sum = 0.f;
-      for (int64_t q = 0; q < r; ++q) sum += srows[t][q] * b[q * bs1 + c0];
+      for (int64_t q = 0; q < r; ++q) sum += srows[t][q] * to_f32(b[q * bs1 + c0]);
       yrows[t][c0] += sum;
     }
 }
@@ -164,16 +222,16 @@ static void expand_cols(const float* b, int64_t bs1, int64_t r, int64_t width, c
 // whose rank ends inside the QR rows repeats its last row pointer with a zero factor.
 constexpr int QR = VW == 16 ? 4 : 2;  // QR x NT broadcast factors and QR row vectors in registers
 
-template <int NT>
-static void expand_rows(const float* b, int64_t bs1, int64_t rmax, const int32_t* rk, const int32_t* ro,
+template <typename W, int NT>
+static void expand_rows(const W* b, int64_t bs1, int64_t rmax, const int32_t* rk, const int32_t* ro,
                         const int64_t* om, int64_t S, const float* const* srows, float* const* yrows) {
   for (int64_t q = 0; q < rmax; q += QR) {
-    const float* bq = b + q * bs1;
+    const W* bq = b + q * bs1;
     for (int64_t s = 0; s < S; ++s) {
       const int64_t r = rk[s];
       if (q >= r) continue;
       const int nv = static_cast<int>(std::min<int64_t>(QR, r - q));
-      const float* br[QR];
+      const W* br[QR];
       vfw sv[QR][NT];
       float f[QR][NT];
       for (int i = 0; i < QR; ++i) {
@@ -199,7 +257,7 @@ static void expand_rows(const float* b, int64_t bs1, int64_t rmax, const int32_t
       for (; c < c_end; ++c)
         for (int t = 0; t < NT; ++t) {
           float sum = 0.f;
-          for (int i = 0; i < QR; ++i) sum += f[i][t] * br[i][c];
+          for (int i = 0; i < QR; ++i) sum += f[i][t] * to_f32(br[i][c]);
           yrows[t][c] += sum;
         }
     }
@@ -210,10 +268,11 @@ static void expand_rows(const float* b, int64_t bs1, int64_t rmax, const int32_t
 // apart) and B ([max rank, out], rows `bs1` apart); groups: int64 [G, 3] (slot, start, count);
 // ranks / rank_offsets: int32 [num_slots, S]; out_meta: int64 [S, 2] (offset, size).
 // y += expand(shrink(x)) for every group.
-void lora_groups(torch::Tensor y, torch::Tensor x, torch::Tensor a_ptrs, torch::Tensor b_ptrs, int64_t as1,
-                 int64_t bs1, torch::Tensor sorted_ids, torch::Tensor groups, torch::Tensor ranks,
-                 torch::Tensor rank_offsets, torch::Tensor out_meta, torch::Tensor shrunk,
-                 int64_t min_parallel_cost) {
+template <typename W>
+static void lora_groups_impl(torch::Tensor y, torch::Tensor x, torch::Tensor a_ptrs, torch::Tensor b_ptrs,
+                             int64_t as1, int64_t bs1, torch::Tensor sorted_ids, torch::Tensor groups,
+                             torch::Tensor ranks, torch::Tensor rank_offsets, torch::Tensor out_meta,
+                             torch::Tensor shrunk, int64_t min_parallel_cost) {
   const int64_t G = groups.size(0), S = ranks.size(1), in = x.size(1);
   const int64_t* g = groups.data_ptr<int64_t>();
   const int64_t* ids = sorted_ids.data_ptr<int64_t>();
@@ -235,17 +294,17 @@ void lora_groups(torch::Tensor y, torch::Tensor x, torch::Tensor a_ptrs, torch::
     for (int64_t s = 0; s < S; ++s) total += rk[slot * S + s];
     if (total == 0 || ap[slot] == 0 || bp[slot] == 0) return;  // an empty slot: nothing to add
     // shrink: tokens four at a time, each A block read once per four tokens
-    const float* abase = reinterpret_cast<const float*>(ap[slot]);
+    const W* abase = reinterpret_cast<const W*>(ap[slot]);
     for (int64_t t0 = 0; t0 < count; t0 += 4) {
       const float* xrows[4];
       const int64_t nt = std::min<int64_t>(4, count - t0);
       for (int64_t t = 0; t < nt; ++t) xrows[t] = xp + ids[start + t0 + t] * xs;
       float* o = sp + (start + t0) * ss;
       switch (nt) {
-        case 1: shrink_rows<4, 1>(abase, as1, total, xrows, in, o, ss); break;
-        case 2: shrink_rows<4, 2>(abase, as1, total, xrows, in, o, ss); break;
-        case 3: shrink_rows<WIDE_ROWS, 3>(abase, as1, total, xrows, in, o, ss); break;
-        default: shrink_rows<WIDE_ROWS, 4>(abase, as1, total, xrows, in, o, ss); break;
+        case 1: shrink_rows<W, 4, 1>(abase, as1, total, xrows, in, o, ss); break;
+        case 2: shrink_rows<W, 4, 2>(abase, as1, total, xrows, in, o, ss); break;
+        case 3: shrink_rows<W, WIDE_ROWS, 3>(abase, as1, total, xrows, in, o, ss); break;
+        default: shrink_rows<W, WIDE_ROWS, 4>(abase, as1, total, xrows, in, o, ss); break;
       }
     }
     // expand. A decode piece (up to four tokens) reads B's rows in order, each whole across the slices that
@@ -256,7 +315,7 @@ void lora_groups(torch::Tensor y, torch::Tensor x, torch::Tensor a_ptrs, torch::
     if (count <= 4) {
       int64_t rmax = 0;
       for (int64_t s = 0; s < S; ++s) rmax = std::max<int64_t>(rmax, rk[slot * S + s]);
-      const float* bslot = reinterpret_cast<const float*>(bp[slot]);
+      const W* bslot = reinterpret_cast<const W*>(bp[slot]);
       const float* srows[4];
       float* yrows[4];
       for (int64_t t = 0; t < count; ++t) {
@@ -264,10 +323,10 @@ void lora_groups(torch::Tensor y, torch::Tensor x, torch::Tensor a_ptrs, torch::
         yrows[t] = yp + ids[start + t] * ys;
       }
       switch (count) {
-        case 1: expand_rows<1>(bslot, bs1, rmax, rk + slot * S, ro + slot * S, om, S, srows, yrows); break;
-        case 2: expand_rows<2>(bslot, bs1, rmax, rk + slot * S, ro + slot * S, om, S, srows, yrows); break;
-        case 3: expand_rows<3>(bslot, bs1, rmax, rk + slot * S, ro + slot * S, om, S, srows, yrows); break;
-        default: expand_rows<4>(bslot, bs1, rmax, rk + slot * S, ro + slot * S, om, S, srows, yrows); break;
+        case 1: expand_rows<W, 1>(bslot, bs1, rmax, rk + slot * S, ro + slot * S, om, S, srows, yrows); break;
+        case 2: expand_rows<W, 2>(bslot, bs1, rmax, rk + slot * S, ro + slot * S, om, S, srows, yrows); break;
+        case 3: expand_rows<W, 3>(bslot, bs1, rmax, rk + slot * S, ro + slot * S, om, S, srows, yrows); break;
+        default: expand_rows<W, 4>(bslot, bs1, rmax, rk + slot * S, ro + slot * S, om, S, srows, yrows); break;
       }
       return;
     }
@@ -276,7 +335,7 @@ void lora_groups(torch::Tensor y, torch::Tensor x, torch::Tensor a_ptrs, torch::
     for (int64_t s = 0; s < S; ++s) {
       const int64_t r = rk[slot * S + s], roff = ro[slot * S + s];
       if (r == 0) continue;
-      const float* bslice = reinterpret_cast<const float*>(bp[slot]) + om[2 * s];
+      const W* bslice = reinterpret_cast<const W*>(bp[slot]) + om[2 * s];
       for (int64_t t0 = 0; t0 < count; t0 += 4) {
         const int64_t nt = std::min<int64_t>(4, count - t0);
         const float* srows[4];
@@ -286,10 +345,10 @@ void lora_groups(torch::Tensor y, torch::Tensor x, torch::Tensor a_ptrs, torch::
           yrows[t] = yp + ids[start + t0 + t] * ys + om[2 * s];
         }
         switch (nt) {
-          case 1: expand_cols<1>(bslice, bs1, r, om[2 * s + 1], srows, yrows); break;
-          case 2: expand_cols<2>(bslice, bs1, r, om[2 * s + 1], srows, yrows); break;
-          case 3: expand_cols<3>(bslice, bs1, r, om[2 * s + 1], srows, yrows); break;
-          default: expand_cols<4>(bslice, bs1, r, om[2 * s + 1], srows, yrows); break;
+          case 1: expand_cols<W, 1>(bslice, bs1, r, om[2 * s + 1], srows, yrows); break;
+          case 2: expand_cols<W, 2>(bslice, bs1, r, om[2 * s + 1], srows, yrows); break;
+          case 3: expand_cols<W, 3>(bslice, bs1, r, om[2 * s + 1], srows, yrows); break;
+          default: expand_cols<W, 4>(bslice, bs1, r, om[2 * s + 1], srows, yrows); break;
         }
       }
     }
@@ -335,9 +394,25 @@ void lora_groups(torch::Tensor y, torch::Tensor x, torch::Tensor a_ptrs, torch::
       for (int64_t i : assigned[b]) run_piece(pieces[i].slot, pieces[i].start, pieces[i].count);
   });
 }
+
+// weight_dtype: 0 fp32, 1 fp16, 2 bf16 (the slots' A and B); everything else is fp32.
+void lora_groups(torch::Tensor y, torch::Tensor x, torch::Tensor a_ptrs, torch::Tensor b_ptrs, int64_t as1,
+                 int64_t bs1, int64_t weight_dtype, torch::Tensor sorted_ids, torch::Tensor groups,
+                 torch::Tensor ranks, torch::Tensor rank_offsets, torch::Tensor out_meta, torch::Tensor shrunk,
+                 int64_t min_parallel_cost) {
+  switch (weight_dtype) {
+    case 0: return lora_groups_impl<float>(y, x, a_ptrs, b_ptrs, as1, bs1, sorted_ids, groups, ranks,
+                                           rank_offsets, out_meta, shrunk, min_parallel_cost);
+    case 1: return lora_groups_impl<F16>(y, x, a_ptrs, b_ptrs, as1, bs1, sorted_ids, groups, ranks,
+                                         rank_offsets, out_meta, shrunk, min_parallel_cost);
+    case 2: return lora_groups_impl<BF16>(y, x, a_ptrs, b_ptrs, as1, bs1, sorted_ids, groups, ranks,
+                                          rank_offsets, out_meta, shrunk, min_parallel_cost);
+    default: TORCH_CHECK(false, "lora_groups: unknown weight dtype ", weight_dtype);
+  }
+}
 """
 
-EXTENSION_NAME = "loraplex_lora_cpu_v14"  # bump the suffix when the C++ source changes incompatibly
+EXTENSION_NAME = "loraplex_lora_cpu_v15"  # bump the suffix when the C++ source changes incompatibly
 _EXTENSION = InlineExtension(
     EXTENSION_NAME, _SOURCE, ["lora_groups"], what="CPU LoRA kernel",
 )
@@ -377,24 +452,28 @@ class CpuLoraStep:
 
     def __call__(self, y: torch.Tensor, x: torch.Tensor, w: LoraSlotWeights) -> bool:
         """y += the delta and True, or False (nothing done) when the call is not fp32 rows the kernel takes."""
-        if (x.dtype is not _F32 or y.dtype is not _F32 or w.dtype is not _F32 or w.a_ptrs is None
+        code = _WEIGHT_DTYPES.get(w.dtype)
+        if (x.dtype is not _F32 or y.dtype is not _F32 or code is None or w.a_ptrs is None
                 or x.stride(-1) != 1 or y.stride(-1) != 1 or w.a_rows > self._width):
             return False
-        self._mod.lora_groups(y, x, w.a_ptrs, w.b_ptrs, w.in_features, w.out_features, self._ids, self._groups,
-                              w.ranks_t, w.rank_offsets_t, w.out_meta, self._shrunk, MIN_PARALLEL_COST)
+        self._mod.lora_groups(y, x, w.a_ptrs, w.b_ptrs, w.in_features, w.out_features, code, self._ids,
+                              self._groups, w.ranks_t, w.rank_offsets_t, w.out_meta, self._shrunk,
+                              MIN_PARALLEL_COST)
         return True
 
 
 _F32 = torch.float32
+# slot weight dtypes the kernel reads (widened to fp32 as they load), and its code for each
+_WEIGHT_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
 
 def cpu_lora_step(batch: LoraBatch, weights) -> CpuLoraStep | None:
-    """The step's fast path for CPU fp32 slot weights; None where the kernel is not available, the slots
-    are not on the CPU or the step has no adapter tokens."""
+    """The step's fast path for CPU slot weights (fp32, or fp16/bf16 with fp32 activations); None where the
+    kernel is not available, the slots are not on the CPU or the step has no adapter tokens."""
     if batch.empty or not weights:
         return None
     first = next(iter(weights.values()))
-    if first.device.type != "cpu" or first.dtype != torch.float32:
+    if first.device.type != "cpu" or first.dtype not in _WEIGHT_DTYPES:
         return None
     mod = _load()
     if mod is None:

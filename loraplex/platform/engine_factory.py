@@ -15,7 +15,8 @@ def engine_config(settings: Settings):
         model=settings.model, dtype=settings.dtype, kv_cache_memory=settings.kv_cache_memory,
         max_num_seqs=settings.max_num_seqs, max_num_batched_tokens=settings.max_num_batched_tokens,
         max_loras=settings.max_loras, max_cpu_loras=settings.max_cpu_loras,
-        max_lora_rank=settings.max_lora_rank, max_model_len=settings.max_model_len, adapter_store=str(store.resolve()),
+        max_lora_rank=settings.max_lora_rank, lora_dtype=settings.lora_dtype, max_model_len=settings.max_model_len,
+        adapter_store=str(store.resolve()),
     )
 
 

@@ -123,3 +123,32 @@ def test_cli_generate_with_adapter(tiny_llama_dir, adapters):
     assert tuned.output.strip() == expected.strip()
     missing = CliRunner().invoke(main, [*args, "--adapter", "/nonexistent/adapter"])
     assert missing.exit_code != 0 and "does not exist" in missing.output
+
+
+def test_half_precision_adapter_slots_give_the_fp32_tokens(tiny_llama_dir, adapters):
+    """`lora_dtype` float16 / bfloat16 on the CPU: the slots hold the adapters at half the bytes, the
+    kernel widens them as it reads, and greedy tokens match fp32 slots for every adapter, mixed in one batch
+    with base-model requests."""
+    prompts = [LONG_PROMPT[: 12 + 3 * i] for i in range(6)]
+    per_prompt = [adapters[0], None, adapters[1], adapters[2], None, adapters[3]]
+    results, sizes = {}, {}
+    for lora_dtype in ("auto", "float16", "bfloat16"):
+        llm = LLM(str(tiny_llama_dir), max_loras=4, num_kv_blocks=256, lora_dtype=lora_dtype)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], PARAMS, adapter=per_prompt, use_tqdm=False)
+        results[lora_dtype] = _tokens(outs)
+        cache = llm.engine.adapter_slots
+        host = cache._host[llm.resolve_adapter(adapters[1]).key]
+        sizes[lora_dtype] = host.nbytes
+        assert all(a.dtype == llm.engine.lora_dtype for a, _, _ in host.fused.values())
+    assert results["float16"] == results["auto"]
+    assert results["bfloat16"] == results["auto"]
+    assert sizes["float16"] * 2 == sizes["auto"] == sizes["bfloat16"] * 2
+    base = LLM(str(tiny_llama_dir), max_loras=0, num_kv_blocks=256)
+    base_tokens = _tokens(base.generate([{"prompt_token_ids": p} for p in prompts], PARAMS, use_tqdm=False))
+    assert [t for t, a in zip(results["auto"], per_prompt, strict=True) if a is not None] != \
+        [t for t, a in zip(base_tokens, per_prompt, strict=True) if a is not None], "the adapters should change the tokens"
+
+
+def test_unknown_lora_dtype_is_refused(tiny_llama_dir):
+    with pytest.raises(ValueError, match="lora_dtype must be one of"):
+        LLM(str(tiny_llama_dir), max_loras=2, num_kv_blocks=64, lora_dtype="int8")

@@ -18,10 +18,12 @@ def random_problem(
     num_slots: int,
     max_rank: int = 64,
     views: bool = False,
+    dtype: torch.dtype = torch.float32,
 ):
     """slot_ranks: slot -> rank per slice (0 = slice not targeted). `views`: slots refer to host tensors
-    (the CPU adapter cache's way) instead of holding copies."""
-    w = LoraSlotWeights(num_slots, in_features, out_slices, max_rank, views=views)
+    (the CPU adapter cache's way) instead of holding copies. `dtype`: how the slots hold the weights; the
+    pairs returned (the oracle's) are the weights as rounded to it."""
+    w = LoraSlotWeights(num_slots, in_features, out_slices, max_rank, views=views, dtype=dtype)
     if not views:
         # Fill every slot's full capacity with noise first so reading past a rank would show up as an error.
         w.a.normal_(generator=gen)
@@ -33,8 +35,9 @@ def random_problem(
             if r == 0:
                 pairs.append(None)
             else:
-                pairs.append((torch.randn(r, in_features, generator=gen) / in_features**0.5,
-                              torch.randn(out, r, generator=gen) / r**0.5))
+                a = torch.randn(r, in_features, generator=gen) / in_features**0.5
+                b = torch.randn(out, r, generator=gen) / r**0.5
+                pairs.append((a.to(dtype).float(), b.to(dtype).float()))
         w.set_slot(slot, pairs)
         per_slot[slot] = pairs
     x = torch.randn(num_tokens, in_features, generator=gen)

@@ -7,6 +7,7 @@ import torch
 from lora_kernel_cases import oracle, random_problem
 
 from loraplex.kernels import lora_cpu
+from loraplex.kernels.lora import add_lora_torch
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -43,6 +44,30 @@ def test_cpu_kernel_matches_definition(token_slots, hidden, out_slices, views):
     expected = oracle(x, y, per_slot, token_slots, out_slices)
     lora_cpu.add_lora_cpu(y, x, w, batch)
     torch.testing.assert_close(y, expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("views", [False, True], ids=["slot-copies", "slot-views"])
+def test_cpu_kernel_reads_half_precision_slots(dtype, views):
+    """Slots in fp16/bf16 (`lora_dtype`): the kernel widens the weights as it reads them and matches the
+    definition computed in fp32 on the same rounded weights, for decode groups, prefill pieces and rows
+    that are no multiple of the vector width; the torch path agrees too."""
+    for token_slots in ([0, 2, -1, 1, 0, 2, 3, -1], [1] * 70 + [0] * 33 + [-1] * 4 + [3] * 3):
+        for hidden, out_slices in ((576, (64, 16, 16)), (101, (24, 7))):
+            gen = torch.Generator().manual_seed(len(token_slots) + hidden)
+            slot_ranks = {0: [1] * len(out_slices), 1: [64] * len(out_slices),
+                          2: [17] + [0] * (len(out_slices) - 1), 3: [8] * len(out_slices)}
+            w, per_slot, x, y, batch = random_problem(
+                gen, num_tokens=len(token_slots), in_features=hidden, out_slices=out_slices,
+                slot_ranks=slot_ranks, token_slots=token_slots, num_slots=5, views=views, dtype=dtype,
+            )
+            assert w.slot_a(1).dtype == dtype
+            expected = oracle(x, y, per_slot, token_slots, out_slices)
+            y_torch = y.clone()
+            lora_cpu.add_lora_cpu(y, x, w, batch)
+            torch.testing.assert_close(y, expected, rtol=1e-4, atol=1e-4)
+            add_lora_torch(y_torch, x, w, batch)
+            torch.testing.assert_close(y_torch, expected, rtol=1e-4, atol=1e-4)
 
 
 def test_cpu_kernel_empty_and_base_only():
@@ -99,18 +124,20 @@ def test_cpu_kernel_built_without_avx512_matches_definition():
     ).load()
     if mod is None:
         pytest.skip("no C++ compiler")
-    for token_slots in ([0, 2, -1, 1, 0, 2, 3, -1], [1] * 70 + [0] * 33 + [-1] * 4 + [3] * 3):
+    cases = [([0, 2, -1, 1, 0, 2, 3, -1], torch.float32), ([1] * 70 + [0] * 33 + [-1] * 4 + [3] * 3, torch.float32),
+             ([0, 2, -1, 1, 0, 2, 3, -1], torch.float16), ([1] * 40 + [2] * 3 + [0], torch.bfloat16)]
+    for token_slots, dtype in cases:
         for hidden, out_slices in ((576, (64, 16, 16)), (101, (24, 7))):
             gen = torch.Generator().manual_seed(len(token_slots) + hidden)
             slot_ranks = {0: [1] * len(out_slices), 1: [64] * len(out_slices),
                           2: [17] + [0] * (len(out_slices) - 1), 3: [8] * len(out_slices)}
             w, per_slot, x, y, batch = random_problem(
                 gen, num_tokens=len(token_slots), in_features=hidden, out_slices=out_slices,
-                slot_ranks=slot_ranks, token_slots=token_slots, num_slots=5,
+                slot_ranks=slot_ranks, token_slots=token_slots, num_slots=5, dtype=dtype,
             )
             expected = oracle(x, y, per_slot, token_slots, out_slices)
             groups = lora_cpu._groups(batch)
-            shrunk = torch.empty(batch.num_lora_tokens, w.a.shape[1])
-            mod.lora_groups(y, x, w.a_ptrs, w.b_ptrs, w.in_features, w.out_features, batch.sorted_token_ids,
-                            groups, w.ranks_t, w.rank_offsets_t, w.out_meta, shrunk, 0)
+            shrunk = torch.empty(batch.num_lora_tokens, w.a_rows)
+            mod.lora_groups(y, x, w.a_ptrs, w.b_ptrs, w.in_features, w.out_features, lora_cpu._WEIGHT_DTYPES[dtype],
+                            batch.sorted_token_ids, groups, w.ranks_t, w.rank_offsets_t, w.out_meta, shrunk, 0)
             torch.testing.assert_close(y, expected, rtol=1e-4, atol=1e-4)
