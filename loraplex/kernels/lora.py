@@ -249,17 +249,23 @@ class LoraSlotWeights:
 
 def fuse_slices(
     weights: list[tuple[torch.Tensor, torch.Tensor] | None], in_features: int, out_slices: tuple[int, ...],
-    *, dtype: torch.dtype = torch.float32,
+    *, dtype: torch.dtype = torch.float32, alloc=None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per slice (A [r, in], B [out_slice, r]) or None -> the slot layout of one projection: A of every
     slice back to back [sum r, in], and B transposed [max r, sum(out_slices)] (zero where a slice's rank
     is below the largest), in `dtype`. Copies made with numpy where it has the dtypes (fp32 and fp16): a
     torch copy would start an OpenMP team in the calling thread (an adapter loader), beside the step's own
-    on the same cores."""
+    on the same cores. `alloc(shape, dtype)`, when given, supplies the two tensors (uninitialised), e.g.
+    from a pool of recycled ones."""
     ranks = [0 if p is None else p[0].shape[0] for p in weights]
-    a = torch.empty(sum(ranks), in_features, dtype=dtype)
-    b = torch.zeros(max(ranks, default=0), sum(out_slices), dtype=dtype)
+    new = alloc or (lambda shape, dt: torch.empty(shape, dtype=dt))
+    a = new((sum(ranks), in_features), dtype)
+    b = new((max(ranks, default=0), sum(out_slices)), dtype)
     an, bn = (a.numpy(), b.numpy()) if dtype in (torch.float32, torch.float16) else (None, None)
+    if bn is not None:
+        bn.fill(0)
+    else:
+        b.zero_()
     row = col = 0
     for pair, r, size in zip(weights, ranks, out_slices, strict=True):
         if pair is not None:

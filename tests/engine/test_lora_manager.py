@@ -245,3 +245,34 @@ def test_wait_for_load_returns_when_a_load_finishes():
     assert not step.is_alive() and waited == [True]
     assert not manager.loading
     manager.close()
+
+
+def test_host_copies_of_dropped_adapters_are_recycled_but_never_while_a_slot_reads_them():
+    """On the CPU a slot reads the adapter's host tensors; an adapter that leaves the host LRU hands its
+    tensors to the next loads of the same shapes, except those a slot still holds. Results stay exact."""
+    store = FakeStore()
+    m = _manager(store, max_loras=1, max_cpu_loras=2)
+    a, b, c, d = (store.add(name, 4) for name in "abcd")
+    _ready(m, a)
+    slot = m.try_acquire(a)
+    m.release(a.key)  # a stays in its slot, idle
+    a_ptrs = {t.data_ptr() for t, _, _ in m._host[a.key].fused.values()}
+    _ready(m, b)
+    b_ptrs = {t.data_ptr() for t, _, _ in m._host[b.key].fused.values()}
+    _ready(m, c)  # pushes a out of the host LRU: its tensors wait in the recycler, still read by the slot
+    assert a.key not in m._host and m.is_resident(a.key)
+    assert m.remove(b.key)  # b's tensors wait in the recycler, read by nobody
+    _ready(m, d)  # built in b's tensors, never in a's
+    d_ptrs = {t.data_ptr() for t, _, _ in m._host[d.key].fused.values()}
+    assert d_ptrs & b_ptrs, "d should be built in b's freed tensors"
+    assert not (d_ptrs | {t.data_ptr() for t, _, _ in m._host[c.key].fused.values()}) & a_ptrs
+    assert m._recycler.reused > 0
+    x = torch.randn(1, 16)
+    for lora in (a, d):  # the slot still computes a's delta exactly; then d's, after reloading
+        _ready(m, lora)
+        slot = m.try_acquire(lora)
+        y = torch.zeros(1, 32)
+        m.build_step([slot]).apply(0, ("q_proj", "k_proj", "v_proj"), x, y, (16, 8, 8))
+        w = store.adapters[lora.name][(0, "q_proj")]
+        torch.testing.assert_close(y[0, :16], x[0] @ w[0].t() @ w[1].t())
+        m.release(lora.key)
