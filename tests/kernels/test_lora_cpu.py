@@ -46,6 +46,15 @@ def test_cpu_kernel_matches_definition(token_slots, hidden, out_slices, views):
     torch.testing.assert_close(y, expected, rtol=1e-4, atol=1e-4)
 
 
+def _mixed_problem(token_slots, hidden, out_slices, **kw):
+    """Five slots: rank 1, rank 64, one slice of rank 17 only, rank 8 (and one empty), over `token_slots`."""
+    gen = torch.Generator().manual_seed(len(token_slots) + hidden)
+    slot_ranks = {0: [1] * len(out_slices), 1: [64] * len(out_slices),
+                  2: [17] + [0] * (len(out_slices) - 1), 3: [8] * len(out_slices)}
+    return random_problem(gen, num_tokens=len(token_slots), in_features=hidden, out_slices=out_slices,
+                          slot_ranks=slot_ranks, token_slots=token_slots, num_slots=5, **kw)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("views", [False, True], ids=["slot-copies", "slot-views"])
 def test_cpu_kernel_reads_half_precision_slots(dtype, views):
@@ -54,13 +63,7 @@ def test_cpu_kernel_reads_half_precision_slots(dtype, views):
     that are no multiple of the vector width; the torch path agrees too."""
     for token_slots in ([0, 2, -1, 1, 0, 2, 3, -1], [1] * 70 + [0] * 33 + [-1] * 4 + [3] * 3):
         for hidden, out_slices in ((576, (64, 16, 16)), (101, (24, 7))):
-            gen = torch.Generator().manual_seed(len(token_slots) + hidden)
-            slot_ranks = {0: [1] * len(out_slices), 1: [64] * len(out_slices),
-                          2: [17] + [0] * (len(out_slices) - 1), 3: [8] * len(out_slices)}
-            w, per_slot, x, y, batch = random_problem(
-                gen, num_tokens=len(token_slots), in_features=hidden, out_slices=out_slices,
-                slot_ranks=slot_ranks, token_slots=token_slots, num_slots=5, views=views, dtype=dtype,
-            )
+            w, per_slot, x, y, batch = _mixed_problem(token_slots, hidden, out_slices, views=views, dtype=dtype)
             assert w.slot_a(1).dtype == dtype
             expected = oracle(x, y, per_slot, token_slots, out_slices)
             y_torch = y.clone()
@@ -128,13 +131,7 @@ def test_cpu_kernel_built_without_avx512_matches_definition():
              ([0, 2, -1, 1, 0, 2, 3, -1], torch.float16), ([1] * 40 + [2] * 3 + [0], torch.bfloat16)]
     for token_slots, dtype in cases:
         for hidden, out_slices in ((576, (64, 16, 16)), (101, (24, 7))):
-            gen = torch.Generator().manual_seed(len(token_slots) + hidden)
-            slot_ranks = {0: [1] * len(out_slices), 1: [64] * len(out_slices),
-                          2: [17] + [0] * (len(out_slices) - 1), 3: [8] * len(out_slices)}
-            w, per_slot, x, y, batch = random_problem(
-                gen, num_tokens=len(token_slots), in_features=hidden, out_slices=out_slices,
-                slot_ranks=slot_ranks, token_slots=token_slots, num_slots=5, dtype=dtype,
-            )
+            w, per_slot, x, y, batch = _mixed_problem(token_slots, hidden, out_slices, dtype=dtype)
             expected = oracle(x, y, per_slot, token_slots, out_slices)
             groups = lora_cpu._groups(batch)
             shrunk = torch.empty(batch.num_lora_tokens, w.a_rows)
