@@ -207,9 +207,8 @@ class LoraSlotWeights:
             return
         if a.device.type != "cpu" or not a.is_contiguous() or not b.is_contiguous():
             raise ValueError("a slot view needs contiguous CPU tensors")
-        # Ranks first to zero, then the tensors, then the ranks: a reader never pairs new ranks with old
-        # tensors (slots change between steps anyway; this keeps it true for any caller).
-        self._write_meta(slot, [0] * self.num_slices, [0] * self.num_slices)
+        # No step reads a slot while it changes: the engine places adapters between steps, or (prefetch)
+        # into a free slot that no running request uses.
         self._a_views[slot], self._b_views[slot] = a, b
         self.a_ptrs.numpy()[slot] = a.data_ptr() if total else 0
         self.b_ptrs.numpy()[slot] = b.data_ptr() if rmax else 0
@@ -262,10 +261,7 @@ def fuse_slices(
     a = new((sum(ranks), in_features), dtype)
     b = new((max(ranks, default=0), sum(out_slices)), dtype)
     an, bn = (a.numpy(), b.numpy()) if dtype in (torch.float32, torch.float16) else (None, None)
-    if bn is not None:
-        bn.fill(0)
-    else:
-        b.zero_()
+    rmax = b.shape[0]
     row = col = 0
     for pair, r, size in zip(weights, ranks, out_slices, strict=True):
         if pair is not None:
@@ -277,6 +273,11 @@ def fuse_slices(
                 a[row : row + r] = pa
                 b[:r, col : col + size] = pb.t()
             row += r
+        if r < rmax:  # rows past this slice's rank (never read; zero, not stale values, all the same)
+            if bn is not None:
+                bn[r:, col : col + size] = 0
+            else:
+                b[r:, col : col + size] = 0
         col += size
     return a, b
 
