@@ -23,7 +23,8 @@ from __future__ import annotations
 import sys
 import threading
 import time
-from collections import OrderedDict
+import weakref
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
@@ -104,32 +105,59 @@ class TensorRecycler:
     go back to malloc, and with adapters of mixed ranks coming and going, later loads mostly get fresh
     pages: 6.5k page faults per load, most of the time of building a host copy beside a running step
     (the 100-adapter benchmark with reloads, Zen 5). Instead the tensors of a dropped adapter wait here,
-    up to `max_adapters` adapters' worth, and a load takes any of the exact shape it needs. A tensor is
+    up to `max_bytes` (the oldest go first), and a load takes one of the exact shape it needs. A tensor is
     only handed out when nothing else holds it: a slot still reading an adapter that left the host LRU
     keeps its tensors out of reach (their Python reference counts say so)."""
 
-    def __init__(self, max_adapters: int = 8):
-        self.max_adapters = max_adapters
-        self._batches: list[list[torch.Tensor]] = []  # oldest first
+    # references to a waiting tensor that nobody else holds: its shape's list, the loop variable in `take`
+    # and getrefcount's own argument (the arrival order keeps weak references)
+    _OWN_REFS = 3
+
+    def __init__(self, max_bytes: int = 512 * 2**20):
+        self.max_bytes = max_bytes
+        self._by_shape: dict[tuple, list[torch.Tensor]] = {}
+        self._arrivals: deque[tuple[tuple, weakref.ref]] = deque()  # oldest first
+        self._bytes = 0
         self._lock = threading.Lock()
         self.reused = self.fresh = 0
 
+    @staticmethod
+    def _key(shape, dtype) -> tuple:
+        return (tuple(shape), dtype)
+
     def give(self, host: HostAdapter) -> None:
-        tensors = [t for a, b, _ in host.fused.values() for t in (a, b) if t.device.type == "cpu" and not t.is_pinned()]
         with self._lock:
-            self._batches.append(tensors)
-            del self._batches[: max(0, len(self._batches) - self.max_adapters)]
+            for a, b, _ in host.fused.values():
+                for t in (a, b):
+                    if t.device.type != "cpu" or t.is_pinned():
+                        continue
+                    key = self._key(t.shape, t.dtype)
+                    self._by_shape.setdefault(key, []).append(t)
+                    self._arrivals.append((key, weakref.ref(t)))
+                    self._bytes += t.nbytes
+            while self._bytes > self.max_bytes and self._arrivals:
+                key, ref = self._arrivals.popleft()
+                old = ref()
+                if old is None:  # taken since, and freed
+                    continue
+                waiting = self._by_shape.get(key, [])
+                for i in range(len(waiting)):
+                    if waiting[i] is old:  # still waiting (not taken): let it go
+                        del waiting[i]
+                        self._bytes -= old.nbytes
+                        break
+                del old
 
     def take(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         with self._lock:
-            for batch in self._batches:
-                for i in range(len(batch)):
-                    t = batch[i]
-                    # 3: the list, `t` and getrefcount's argument; any more and someone still uses it
-                    if t.shape == shape and t.dtype == dtype and sys.getrefcount(t) <= 3:
-                        del batch[i]
-                        self.reused += 1
-                        return t
+            waiting = self._by_shape.get(self._key(shape, dtype), ())
+            for i in range(len(waiting)):
+                t = waiting[i]
+                if sys.getrefcount(t) <= self._OWN_REFS:
+                    del waiting[i]
+                    self._bytes -= t.nbytes
+                    self.reused += 1
+                    return t
             self.fresh += 1
         return torch.empty(shape, dtype=dtype)
 
