@@ -57,7 +57,10 @@ class LoraStep:
         output_slices: tuple[int, ...],
     ) -> torch.Tensor:
         w = self.weights[(layer_idx, module_names[0])]
-        if self._cpu is not None and self._cpu(y.view(-1, y.shape[-1]), x.view(-1, x.shape[-1]), w):
+        # rows as they come (the engine's are 2-D already: a view per call is 120 torch calls a step)
+        y2 = y if y.dim() == 2 else y.view(-1, y.shape[-1])
+        x2 = x if x.dim() == 2 else x.view(-1, x.shape[-1])
+        if self._cpu is not None and self._cpu(y2, x2, w):
             return y
-        add_lora(y.view(-1, y.shape[-1]), x.view(-1, x.shape[-1]), w, self.batch)
+        add_lora(y2, x2, w, self.batch)
         return y
