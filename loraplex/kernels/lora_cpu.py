@@ -33,7 +33,7 @@ _SOURCE = r"""
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
-#if defined(__AVX512F__) || defined(__F16C__)
+#if defined(__AVX512F__) || defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
 
@@ -441,7 +441,7 @@ void lora_groups(torch::Tensor y, torch::Tensor x, torch::Tensor a_ptrs, torch::
 }
 """
 
-EXTENSION_NAME = "loraplex_lora_cpu_v17"  # bump the suffix when the C++ source changes incompatibly
+EXTENSION_NAME = "loraplex_lora_cpu_v18"  # bump the suffix when the C++ source changes incompatibly
 _EXTENSION = InlineExtension(
     EXTENSION_NAME, _SOURCE, ["lora_groups"], what="CPU LoRA kernel",
 )

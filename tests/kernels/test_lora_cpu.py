@@ -114,7 +114,8 @@ def test_step_fast_path_shares_one_buffer_across_projections_of_different_widths
 
 @pytest.mark.slow
 def test_cpu_kernel_built_without_avx512_matches_definition():
-    """The kernel's 8-wide build (machines without AVX-512) is checked here too, whatever this machine has."""
+    """The kernel's 8-wide build (machines without AVX-512) and its portable build are checked here too,
+    whatever this machine has."""
     import platform
 
     from loraplex.kernels.cpp_build import InlineExtension
@@ -125,11 +126,19 @@ def test_cpu_kernel_built_without_avx512_matches_definition():
         f"{lora_cpu.EXTENSION_NAME}_noavx512", lora_cpu._SOURCE, ["lora_groups"], what="CPU LoRA kernel (AVX2)",
         extra_cflags=["-mno-avx512f"],
     ).load()
-    if mod is None:
+    # and the portable build (no AVX2, no F16C: half-precision weights widened one at a time in C++)
+    generic = InlineExtension(
+        f"{lora_cpu.EXTENSION_NAME}_generic", lora_cpu._SOURCE, ["lora_groups"], what="CPU LoRA kernel (generic)",
+        extra_cflags=["-mno-avx512f", "-mno-avx2", "-mno-f16c"],
+    ).load()
+    if mod is None or generic is None:
         pytest.skip("no C++ compiler")
-    cases = [([0, 2, -1, 1, 0, 2, 3, -1], torch.float32), ([1] * 70 + [0] * 33 + [-1] * 4 + [3] * 3, torch.float32),
-             ([0, 2, -1, 1, 0, 2, 3, -1], torch.float16), ([1] * 40 + [2] * 3 + [0], torch.bfloat16)]
-    for token_slots, dtype in cases:
+    cases = [([0, 2, -1, 1, 0, 2, 3, -1], torch.float32, mod),
+             ([1] * 70 + [0] * 33 + [-1] * 4 + [3] * 3, torch.float32, mod),
+             ([0, 2, -1, 1, 0, 2, 3, -1], torch.float16, mod), ([1] * 40 + [2] * 3 + [0], torch.bfloat16, mod),
+             ([0, 2, -1, 1, 0, 2, 3, -1], torch.float16, generic), ([1] * 40 + [2] * 3 + [0], torch.float16, generic),
+             ([1] * 40 + [2] * 3 + [0], torch.bfloat16, generic)]
+    for token_slots, dtype, mod in cases:
         for hidden, out_slices in ((576, (64, 16, 16)), (101, (24, 7))):
             w, per_slot, x, y, batch = _mixed_problem(token_slots, hidden, out_slices, dtype=dtype)
             expected = oracle(x, y, per_slot, token_slots, out_slices)
