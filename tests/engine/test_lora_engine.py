@@ -4,10 +4,12 @@ the async front door's adapter calls and the CLI flag."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from loraplex.engine.config import EngineConfig
 from loraplex.engine.errors import AdapterLoadError
 from loraplex.engine.llm import LLM
+from loraplex.engine.llm_engine import resolve_lora_dtype
 from loraplex.engine.sampling_params import SamplingParams
 from loraplex.testing import make_peft_adapter
 
@@ -133,7 +135,7 @@ def test_half_precision_adapter_slots_give_the_fp32_tokens(tiny_llama_dir, adapt
     per_prompt = [adapters[0], None, adapters[1], adapters[2], None, adapters[3]]
     results, sizes = {}, {}
     for lora_dtype in ("auto", "float16", "bfloat16"):
-        llm = LLM(str(tiny_llama_dir), max_loras=4, num_kv_blocks=256, lora_dtype=lora_dtype)
+        llm = LLM(str(tiny_llama_dir), device="cpu", max_loras=4, num_kv_blocks=256, lora_dtype=lora_dtype)
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], PARAMS, adapter=per_prompt, use_tqdm=False)
         results[lora_dtype] = _tokens(outs)
         cache = llm.engine.adapter_slots
@@ -143,7 +145,7 @@ def test_half_precision_adapter_slots_give_the_fp32_tokens(tiny_llama_dir, adapt
     assert results["float16"] == results["auto"]
     assert results["bfloat16"] == results["auto"]
     assert sizes["float16"] * 2 == sizes["auto"] == sizes["bfloat16"] * 2
-    base = LLM(str(tiny_llama_dir), max_loras=0, num_kv_blocks=256)
+    base = LLM(str(tiny_llama_dir), device="cpu", max_loras=0, num_kv_blocks=256)
     base_tokens = _tokens(base.generate([{"prompt_token_ids": p} for p in prompts], PARAMS, use_tqdm=False))
     assert [t for t, a in zip(results["auto"], per_prompt, strict=True) if a is not None] != \
         [t for t, a in zip(base_tokens, per_prompt, strict=True) if a is not None], "the adapters should change the tokens"
@@ -152,3 +154,13 @@ def test_half_precision_adapter_slots_give_the_fp32_tokens(tiny_llama_dir, adapt
 def test_unknown_lora_dtype_is_refused(tiny_llama_dir):
     with pytest.raises(ValueError, match="lora_dtype must be one of"):
         LLM(str(tiny_llama_dir), max_loras=2, num_kv_blocks=64, lora_dtype="int8")
+
+
+def test_half_precision_slots_are_refused_off_the_cpu():
+    """The GPU kernels take the model's dtype: another lora_dtype there is refused before any weight loads."""
+    cuda = torch.device("cuda")
+    assert resolve_lora_dtype("auto", torch.bfloat16, cuda) is torch.bfloat16
+    assert resolve_lora_dtype("bfloat16", torch.bfloat16, cuda) is torch.bfloat16
+    with pytest.raises(ValueError, match="only the CPU supports"):
+        resolve_lora_dtype("float16", torch.bfloat16, cuda)
+    assert resolve_lora_dtype("float16", torch.float32, torch.device("cpu")) is torch.float16

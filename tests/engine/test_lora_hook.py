@@ -112,7 +112,8 @@ def test_steps_share_the_cores_with_background_adapter_loads(tiny_qwen2_dir, mon
     torch.set_num_threads(2)
     try:
         slots = FakeAdapterSlots()
-        llm = LLM(str(tiny_qwen2_dir), num_kv_blocks=256, adapter_slots=slots, enable_prefix_caching=False)
+        llm = LLM(str(tiny_qwen2_dir), device="cpu", num_kv_blocks=256, adapter_slots=slots,
+                  enable_prefix_caching=False)
         seen = []
         run = llm.engine.runner.run
 
