@@ -2,18 +2,20 @@
 
 Two packed forms, chosen per machine:
 
-- loraplex's own AVX-512 GEMM (`loraplex_linear_cpu`, compiled on first use with `-march=native`). The
-  weight [out, in] is stored as panels of 32 output columns, each panel [in, 32] contiguous, so a panel
-  streams from memory as one sequential run. A decode step multiplies a few dozen rows by every weight
-  once: the kernel keeps up to 12 rows x 32 columns of accumulators in registers and walks each panel
-  once per row block (the first pass from memory, the rest from cache), prefetching the next panel
-  meanwhile. Larger batches (prefill) are cut into row chunks, packed so that a K step's rows sit
-  together, and K blocks; or, where the BLAS GEMM measures faster at engine start (MKL on Intel
+- loraplex's own GEMM (`loraplex_linear_cpu`, compiled on first use with `-march=native`), built for
+  AVX-512 or for AVX2 with FMA. The weight [out, in] is stored as panels of two vector registers of
+  output columns (32 with AVX-512, 16 with AVX2), each panel [in, width] contiguous, so a panel streams
+  from memory as one sequential run. A decode step multiplies a few dozen rows by every weight once: the
+  kernel keeps up to 12 rows (AVX-512; 6 with AVX2's 16 registers) x 2 registers of accumulators and
+  walks each panel once per row block (the first pass from memory, the rest from cache), prefetching the
+  next panel meanwhile. Larger batches (prefill) are cut into row chunks, packed so that a K step's rows
+  sit together, and K blocks; or, where the BLAS GEMM measures faster at engine start (MKL on Intel
   processors: 15-28% at 1529 rows), the panels are copied out into a plain transposed weight for it.
   On a 2-core Zen 4 with 32 rows this ran the SmolLM2-135M decode step's projections and LM head in
-  42-43 ms against oneDNN's 50-52 ms (bench/RESULTS.md); prefill-sized batches run a few % below oneDNN.
-- oneDNN's inner product on its own blocked layout, where the build has no AVX-512 (its kernels pick
-  the best ISA at run time) or no compiler exists.
+  42-43 ms against oneDNN's 50-52 ms; on a 2-core Zen 3 (AVX2) in 53-57 ms against 90 ms
+  (bench/RESULTS.md).
+- oneDNN's inner product on its own blocked layout, where the build has neither AVX-512 nor AVX2 (its
+  kernels pick the best ISA at run time) or no compiler exists.
 
 The packed copy replaces the plain one for the forward pass; results agree with `F.linear` to fp32
 rounding. Only fp32 CPU weights are packed; everything else keeps `F.linear`. `LORAPLEX_CPU_GEMM=onednn`
@@ -48,28 +50,67 @@ _SOURCE = r"""
 #include <algorithm>
 #include <cstring>
 #include <vector>
-#ifdef __AVX512F__
+#if defined(__AVX512F__)
+#define LP_GEMM 512
+#elif defined(__AVX2__) && defined(__FMA__)
+#define LP_GEMM 256
+#endif
+#ifdef LP_GEMM
 #include <immintrin.h>
 #endif
 
 bool has_kernel() {
-#ifdef __AVX512F__
+#ifdef LP_GEMM
   return true;
 #else
   return false;
 #endif
 }
 
-constexpr int NR = 32;  // output columns per panel: two 16-float registers
-
-#ifdef __AVX512F__
+// The vector width decides the layout: a panel is two registers of output columns.
+#if LP_GEMM == 512
+typedef __m512 vec;
+constexpr int VW = 16;
 constexpr int MR = 12;                         // rows per register block at most: 12 x 2 accumulators
 constexpr int MRB = 8;                         // rows per register block in larger batches (packed rows)
+static inline __mmask16 lo_mask(int n) { return n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1u); }
+static inline vec vzero() { return _mm512_setzero_ps(); }
+static inline vec vload(const float* p) { return _mm512_loadu_ps(p); }
+static inline vec vload_n(const float* p, int n) { return _mm512_maskz_loadu_ps(lo_mask(n), p); }
+static inline void vstore(float* p, vec v) { _mm512_storeu_ps(p, v); }
+static inline void vstore_n(float* p, vec v, int n) { _mm512_mask_storeu_ps(p, lo_mask(n), v); }
+static inline vec vset1(float f) { return _mm512_set1_ps(f); }
+static inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
+static inline vec vadd(vec a, vec b) { return _mm512_add_ps(a, b); }
+#elif LP_GEMM == 256
+// 16 registers: 6 rows x 2 accumulators, two weight registers and the broadcast row value.
+typedef __m256 vec;
+constexpr int VW = 8;
+constexpr int MR = 6;
+constexpr int MRB = 6;
+static inline __m256i lo_mask(int n) {
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+static inline vec vzero() { return _mm256_setzero_ps(); }
+static inline vec vload(const float* p) { return _mm256_loadu_ps(p); }
+static inline vec vload_n(const float* p, int n) { return _mm256_maskload_ps(p, lo_mask(n)); }
+static inline void vstore(float* p, vec v) { _mm256_storeu_ps(p, v); }
+static inline void vstore_n(float* p, vec v, int n) { _mm256_maskstore_ps(p, lo_mask(n), v); }
+static inline vec vset1(float f) { return _mm256_set1_ps(f); }
+static inline vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
+static inline vec vadd(vec a, vec b) { return _mm256_add_ps(a, b); }
+#else
+constexpr int VW = 16;
+#endif
+constexpr int NR = 2 * VW;  // output columns per panel: 32 with AVX-512, 16 with AVX2
+
+int64_t panel_width() { return NR; }
+
+#ifdef LP_GEMM
+constexpr int PF_LINES = NR / 16;              // cache lines of a panel per K step
 constexpr int64_t SMALL_M = 64;                // up to this many rows: whole K per pass, rows unpacked
 constexpr int64_t KC = 576;                    // larger batches: K blocks
 constexpr int64_t X_CHUNK_BYTES = 512 * 1024;  // and row chunks of the (packed) input that stay in L2
-
-static inline __mmask16 lo_mask(int n) { return n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1u); }
 
 // y[R rows, ncols] (= or +=) x[R rows, kc] @ panel[kc, 32] (+ bias). XS 0: row r of x at x + r * ldx;
 // XS > 0: x is a packed row block [kc][XS] (pack_rows), so one K step's R values are adjacent.
@@ -77,46 +118,46 @@ template <int R, int XS, int PF>  // PF: cache lines of `pf` prefetched (into L2
 static inline void micro(const float* __restrict x, int64_t ldx, const float* __restrict w, int64_t kc,
                          float* __restrict y, int64_t ldy, int ncols, const float* __restrict bias, bool accum,
                          const float* pf) {
-  __m512 a0[R], a1[R];
-  const __mmask16 m0 = lo_mask(ncols), m1 = lo_mask(ncols > 16 ? ncols - 16 : 0);
+  vec a0[R], a1[R];
+  const int n0 = std::min(ncols, VW), n1 = std::max(ncols - VW, 0);
   if (accum) {
     for (int r = 0; r < R; ++r) {
-      a0[r] = _mm512_maskz_loadu_ps(m0, y + r * ldy);
-      a1[r] = _mm512_maskz_loadu_ps(m1, y + r * ldy + 16);
+      a0[r] = vload_n(y + r * ldy, n0);
+      a1[r] = vload_n(y + r * ldy + VW, n1);
     }
   } else {
     for (int r = 0; r < R; ++r) {
-      a0[r] = _mm512_setzero_ps();
-      a1[r] = _mm512_setzero_ps();
+      a0[r] = vzero();
+      a1[r] = vzero();
     }
   }
   for (int64_t k = 0; k < kc; ++k) {
-    const __m512 w0 = _mm512_loadu_ps(w + k * NR), w1 = _mm512_loadu_ps(w + k * NR + 16);
-    if (PF >= 1) _mm_prefetch(reinterpret_cast<const char*>(pf + k * 16 * PF), _MM_HINT_T1);
-    if (PF == 2) _mm_prefetch(reinterpret_cast<const char*>(pf + k * 32 + 16), _MM_HINT_T1);
+    const vec w0 = vload(w + k * NR), w1 = vload(w + k * NR + VW);
+#pragma GCC unroll 4
+    for (int l = 0; l < PF; ++l) _mm_prefetch(reinterpret_cast<const char*>(pf + (k * PF + l) * 16), _MM_HINT_T0);
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
-      const __m512 b = _mm512_set1_ps(XS ? x[k * XS + r] : x[r * ldx + k]);
-      a0[r] = _mm512_fmadd_ps(b, w0, a0[r]);
-      a1[r] = _mm512_fmadd_ps(b, w1, a1[r]);
+      const vec b = vset1(XS ? x[k * XS + r] : x[r * ldx + k]);
+      a0[r] = vfma(b, w0, a0[r]);
+      a1[r] = vfma(b, w1, a1[r]);
     }
   }
   if (bias) {
-    const __m512 b0 = _mm512_maskz_loadu_ps(m0, bias), b1 = _mm512_maskz_loadu_ps(m1, bias + 16);
+    const vec b0 = vload_n(bias, n0), b1 = vload_n(bias + VW, n1);
     for (int r = 0; r < R; ++r) {
-      a0[r] = _mm512_add_ps(a0[r], b0);
-      a1[r] = _mm512_add_ps(a1[r], b1);
+      a0[r] = vadd(a0[r], b0);
+      a1[r] = vadd(a1[r], b1);
     }
   }
   if (ncols == NR) {
     for (int r = 0; r < R; ++r) {
-      _mm512_storeu_ps(y + r * ldy, a0[r]);
-      _mm512_storeu_ps(y + r * ldy + 16, a1[r]);
+      vstore(y + r * ldy, a0[r]);
+      vstore(y + r * ldy + VW, a1[r]);
     }
   } else {
     for (int r = 0; r < R; ++r) {
-      _mm512_mask_storeu_ps(y + r * ldy, m0, a0[r]);
-      _mm512_mask_storeu_ps(y + r * ldy + 16, m1, a1[r]);
+      vstore_n(y + r * ldy, a0[r], n0);
+      vstore_n(y + r * ldy + VW, a1[r], n1);
     }
   }
 }
@@ -128,12 +169,14 @@ static void block(int rows, const float* x, int64_t ldx, const float* w, int64_t
 #define LP_CASE(R)                                                   \
     case R:                                                          \
       if (pf && pf_lines == 1) micro<R, 0, 1>(x, ldx, w, kc, y, ldy, ncols, bias, accum, pf);  \
-      else if (pf && pf_lines == 2) micro<R, 0, 2>(x, ldx, w, kc, y, ldy, ncols, bias, accum, pf);  \
+      else if (pf && pf_lines == PF_LINES) micro<R, 0, PF_LINES>(x, ldx, w, kc, y, ldy, ncols, bias, accum, pf);  \
       else if (ldx) micro<R, 0, 0>(x, ldx, w, kc, y, ldy, ncols, bias, accum, nullptr);  \
       else micro<R, MRB, 0>(x, 0, w, kc, y, ldy, ncols, bias, accum, nullptr);      \
       break;
     LP_CASE(1) LP_CASE(2) LP_CASE(3) LP_CASE(4) LP_CASE(5) LP_CASE(6)
+#if LP_GEMM == 512
     LP_CASE(7) LP_CASE(8) LP_CASE(9) LP_CASE(10) LP_CASE(11) LP_CASE(12)
+#endif
 #undef LP_CASE
     default: TORCH_CHECK(false, "row block of ", rows);
   }
@@ -141,7 +184,6 @@ static void block(int rows, const float* x, int64_t ldx, const float* w, int64_t
 
 // rows of x [rows, K] -> blocks of MRB rows, each [K][MRB]; the last block's missing rows are zero.
 static void pack_rows(const float* x, int64_t K, int64_t rows, float* out) {
-  constexpr int MR = MRB;
   const int64_t blocks = (rows + MR - 1) / MR;
   at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
@@ -193,7 +235,7 @@ void unpack_t(torch::Tensor packed, torch::Tensor out) {
 
 torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t N, c10::optional<torch::Tensor> bias,
                      int64_t min_parallel_cost) {
-#ifdef __AVX512F__
+#ifdef LP_GEMM
   TORCH_CHECK(x.scalar_type() == torch::kFloat32 && packed.scalar_type() == torch::kFloat32, "linear: fp32");
   TORCH_CHECK(packed.dim() == 3 && packed.size(2) == NR && packed.is_contiguous(), "linear: packed panels");
   const int64_t K = packed.size(1), P = packed.size(0);
@@ -218,19 +260,22 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t N, c10::opti
   const int64_t grain = M * N * K < min_parallel_cost ? P : 1;
   if (M <= SMALL_M) {
     // A decode step: each panel streams from memory once and is reused from cache by the row blocks,
-    // sized evenly (32 rows: 11 + 11 + 10). While a panel is multiplied, the next one of the thread's
-    // range is prefetched into L2, spread over the first two row blocks (one line per K step) or over
-    // the only one (two lines): the hardware prefetcher alone left the first row block waiting on memory
-    // (a 2-core Xeon: 43-51 -> 34-35 ms for the 120 projections of a 32-row SmolLM2 step).
-    const int64_t passes = (M + MR - 1) / MR, rows = (M + passes - 1) / passes;
+    // sized evenly (32 rows with AVX-512: 11 + 11 + 10; with AVX2: 6 + 6 + 5 + 5 + 5 + 5). While a panel
+    // is multiplied, the next one of the thread's range is prefetched into L2, one line per K step
+    // spread over the first row blocks, or all of a K step's lines in the only one: the hardware
+    // prefetcher alone left the first row block waiting on memory (a 2-core Xeon: 43-51 -> 34-35 ms for
+    // the 120 projections of a 32-row SmolLM2 step).
+    const int64_t passes = (M + MR - 1) / MR, base = M / passes, extra = M % passes;
     at::parallel_for(0, P, grain, [&](int64_t p0, int64_t p1) {
       for (int64_t p = p0; p < p1; ++p) {
         const int ncols = static_cast<int>(std::min<int64_t>(NR, N - p * NR));
         const float* next = p + 1 < p1 ? wp + (p + 1) * K * NR : nullptr;
-        for (int64_t m = 0, j = 0; m < M; m += rows, ++j) {
-          const float* pf = next && j < 2 ? next + (passes == 1 ? 0 : j * K * 16) : nullptr;
-          block(static_cast<int>(std::min<int64_t>(rows, M - m)), xp + m * K, K, wp + p * K * NR, K,
-                yp + m * N + p * NR, N, ncols, bp ? bp + p * NR : nullptr, false, pf, passes == 1 ? 2 : 1);
+        for (int64_t m = 0, j = 0; j < passes; ++j) {
+          const int64_t rows = base + (j < extra ? 1 : 0);
+          const float* pf = next && j < PF_LINES ? next + (passes == 1 ? 0 : j * K * 16) : nullptr;
+          block(static_cast<int>(rows), xp + m * K, K, wp + p * K * NR, K, yp + m * N + p * NR, N, ncols,
+                bp ? bp + p * NR : nullptr, false, pf, passes == 1 ? PF_LINES : 1);
+          m += rows;
         }
       }
     });
@@ -257,18 +302,18 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t N, c10::opti
   }
   return y;
 #else
-  TORCH_CHECK(false, "linear: built without AVX-512");
+  TORCH_CHECK(false, "linear: built without AVX-512 or AVX2/FMA");
 #endif
 }
 """
 
-EXTENSION_NAME = "loraplex_linear_cpu_v5"  # bump the suffix when the C++ source changes incompatibly
-_EXTENSION = InlineExtension(EXTENSION_NAME, _SOURCE, ["has_kernel", "pack", "linear", "unpack_t"],
+EXTENSION_NAME = "loraplex_linear_cpu_v6"  # bump the suffix when the C++ source changes incompatibly
+_EXTENSION = InlineExtension(EXTENSION_NAME, _SOURCE, ["has_kernel", "panel_width", "pack", "linear", "unpack_t"],
                              what="CPU GEMM kernel")
 
 
 def _kernel():
-    """The compiled module when this machine's build has the AVX-512 GEMM, else None."""
+    """The compiled module when this machine's build has the GEMM (AVX-512 or AVX2), else None."""
     if os.environ.get("LORAPLEX_CPU_GEMM", "").lower() == "onednn":
         return None
     mod = _EXTENSION.load()
@@ -325,12 +370,12 @@ _large_path_lock = threading.Lock()
 
 def _blas_linear(x: torch.Tensor, data: torch.Tensor, out_features: int, bias: torch.Tensor | None) -> torch.Tensor:
     """x @ W^T + bias via the BLAS GEMM: the panels copied out to W^T [in, padded out] first."""
-    panels, in_features, _ = data.shape
-    need = in_features * panels * 32
+    panels, in_features, width = data.shape
+    need = in_features * panels * width
     buf = getattr(_scratch, "buf", None)
     if buf is None or buf.numel() < need:
         buf = _scratch.buf = torch.empty(need, dtype=torch.float32)
-    wt = buf[:need].view(in_features, panels * 32)
+    wt = buf[:need].view(in_features, panels * width)
     _EXTENSION.load().unpack_t(data, wt)
     x2 = x.reshape(-1, in_features)
     w = wt[:, :out_features]
@@ -340,7 +385,7 @@ def _blas_linear(x: torch.Tensor, data: torch.Tensor, out_features: int, bias: t
 
 def _calibrate() -> str:
     """"blas" when copying out + BLAS beats the panel kernel by 5% on prefill-sized products (1024 rows,
-    576 -> 1536 and 1536 -> 576; best of three each, alternated), else "panels"."""
+    576 -> 1536 and 1536 -> 576; best of five each, alternated), else "panels"."""
     mod = _EXTENSION.load()
     gen = torch.Generator().manual_seed(0)
     cases = []
@@ -352,7 +397,7 @@ def _calibrate() -> str:
         "blas": lambda x, data, n: _blas_linear(x, data, n, None),
     }
     best = {name: float("inf") for name in ways}
-    for _ in range(3):
+    for _ in range(5):
         for name, run in ways.items():
             start = time.perf_counter()
             for case in cases:

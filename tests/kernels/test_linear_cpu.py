@@ -1,5 +1,5 @@
-"""Projections with packed weights (loraplex's AVX-512 panels or oneDNN's layout) agree with F.linear;
-what cannot be packed keeps F.linear."""
+"""Projections with packed weights (loraplex's AVX-512 or AVX2 panels, or oneDNN's layout) agree with
+F.linear; what cannot be packed keeps F.linear."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from loraplex.kernels import linear_cpu
 from loraplex.kernels.linear_cpu import pack_weight, packed_linear
 
 needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN in this build")
-needs_panels = pytest.mark.skipif(linear_cpu._kernel() is None, reason="no AVX-512 GEMM on this machine")
+needs_panels = pytest.mark.skipif(linear_cpu._kernel() is None, reason="no AVX-512 or AVX2 GEMM on this machine")
 
 
 def _assert_fp32_close(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> None:
@@ -36,7 +36,9 @@ def test_panels_match_float64_product(shape):
     bias = torch.randn(shape[0], generator=gen)
     packed = pack_weight(w)
     assert packed is not None and packed.kind == "panels"
-    assert packed.data.shape == ((shape[0] + 31) // 32, shape[1], 32)
+    width = linear_cpu._kernel().panel_width()  # 32 with AVX-512, 16 with AVX2
+    assert width in (16, 32)
+    assert packed.data.shape == ((shape[0] + width - 1) // width, shape[1], width)
     for rows in (0, 1, 3, 8, 9, 32, 63, 64, 65, 200, 1529):
         x = torch.randn(rows, shape[1], generator=gen)
         for b in (None, bias):
@@ -107,7 +109,7 @@ def test_large_batches_on_either_path(path, shape, monkeypatch):
             _assert_fp32_close(packed_linear(x, packed, b), x, w, b)
         _assert_fp32_close(packed_linear(x, small, None), x, small_w, None)
         if path == "blas":  # the smaller weight reused the larger one's buffer
-            assert linear_cpu._scratch.buf.numel() == shape[1] * packed.data.shape[0] * 32
+            assert linear_cpu._scratch.buf.numel() == shape[1] * packed.data.shape[0] * packed.data.shape[2]
         got = packed_linear(x.view(1, rows, shape[1]).expand(2, rows, shape[1]), packed, bias)
         assert got.shape == (2, rows, shape[0])
         _assert_fp32_close(got[1], x, w, bias)
@@ -124,6 +126,43 @@ def test_large_batch_path_measured_once_or_forced(monkeypatch):
     assert chosen in ("panels", "blas")
     monkeypatch.setenv("LORAPLEX_CPU_PREFILL_GEMM", "panels" if chosen == "blas" else "blas")
     assert linear_cpu.large_batch_path() == chosen  # decided once per process
+
+
+@pytest.mark.slow
+def test_gemm_built_for_avx2_and_without_simd():
+    """The 8-wide build (6-row register blocks, 16-column panels) is checked here whatever this machine has;
+    a build with neither AVX-512 nor AVX2 has no kernel and leaves the projections to oneDNN."""
+    import platform
+
+    from loraplex.kernels.cpp_build import InlineExtension
+
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("x86 only")
+    functions = ["has_kernel", "panel_width", "pack", "linear", "unpack_t"]
+    avx2 = InlineExtension(f"{linear_cpu.EXTENSION_NAME}_avx2", linear_cpu._SOURCE, functions,
+                           what="CPU GEMM kernel (AVX2)", extra_cflags=["-mno-avx512f"]).load()
+    plain = InlineExtension(f"{linear_cpu.EXTENSION_NAME}_plain", linear_cpu._SOURCE, functions,
+                            what="CPU GEMM kernel (no SIMD)", extra_cflags=["-mno-avx512f", "-mno-avx2"]).load()
+    if avx2 is None or plain is None:
+        pytest.skip("no C++ compiler")
+    assert not plain.has_kernel()
+    with pytest.raises(RuntimeError, match="built without"):
+        plain.linear(torch.randn(2, 8), plain.pack(torch.randn(4, 8)), 4, None, 0)
+    if not avx2.has_kernel():
+        pytest.skip("this compiler's native target has no AVX2/FMA")
+    assert avx2.panel_width() == 16
+    gen = torch.Generator().manual_seed(11)
+    for shape in ((960, 576), (49, 13), (24, 1536), (1, 300)):
+        w, bias = torch.randn(*shape, generator=gen), torch.randn(shape[0], generator=gen)
+        data = avx2.pack(w)
+        assert data.shape == ((shape[0] + 15) // 16, shape[1], 16)
+        for rows in (1, 5, 6, 7, 13, 32, 64, 65, 700):
+            x = torch.randn(rows, shape[1], generator=gen)
+            for b in (None, bias):
+                _assert_fp32_close(avx2.linear(x, data, shape[0], b, linear_cpu.MIN_PARALLEL_COST), x, w, b)
+        wt = torch.empty(shape[1], data.shape[0] * 16)
+        avx2.unpack_t(data, wt)
+        assert torch.equal(wt[:, : shape[0]], w.t())
 
 
 def test_not_packed_when_it_does_not_apply():
