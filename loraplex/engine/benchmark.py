@@ -49,9 +49,10 @@ def measure_matmul_peak(seconds: float = 3.0, size: int = 1024) -> dict[str, flo
     """The machine's fp32 matmul peak in GFLOP/s: the best rate of square `size` products with the threads
     torch uses, sampled over a few seconds, for each way torch can run them, plus "peak", the best of them.
 
-    Both ways count. `torch.mm` goes through MKL, which on AMD processors runs its AVX2 code even where the
-    processor has AVX-512, so alone it can understate the peak by half; oneDNN (weights pre-packed, as the
-    engine's projections run) picks the widest instructions the processor has."""
+    Every way counts. `torch.mm` goes through MKL, which on AMD processors runs its AVX2 code even where the
+    processor has AVX-512, so alone it can understate the peak by half; oneDNN (weights pre-packed) picks
+    the widest instructions the processor has; loraplex's own GEMM (`linear_cpu`, where this machine
+    builds it) is what the engine's projections run, and can beat both."""
     import torch
 
     a, b = torch.randn(size, size), torch.randn(size, size)
@@ -63,6 +64,12 @@ def measure_matmul_peak(seconds: float = 3.0, size: int = 1024) -> dict[str, flo
         ways["oneDNN inner product"] = lambda: torch.ops.mkldnn._linear_pointwise(a, packed, None, "none", [], "")
     except (RuntimeError, AttributeError):  # a torch build without oneDNN
         pass
+    from loraplex.kernels import linear_cpu
+
+    kernel = linear_cpu._kernel()
+    if kernel is not None:
+        panels = kernel.pack(b)
+        ways["loraplex GEMM"] = lambda: kernel.linear(a, panels, size, None, linear_cpu.MIN_PARALLEL_COST)
     rates: dict[str, float] = {}
     for name, fn in ways.items():
         fn()

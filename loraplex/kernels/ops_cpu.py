@@ -154,13 +154,17 @@ static inline float dot1(const float* __restrict qg, const float* __restrict k, 
 
 // out[g][d0 : d0 + W * NC] = sum over the context of p[g][t] * V[t][...], W the floats of a vector of type
 // VT, NC vectors per query head kept in registers across all rows (G * NC independent accumulators).
+// The loops over g and c are unrolled by hand's request: left to itself GCC kept the 8-wide accumulators
+// on the stack (a 2-core Zen 3: 30 layers' decode attention 17.8 -> 13.4 ms from cold caches).
 template <typename VT, int G, int NC>
 static inline void weighted_values(const float* __restrict p, int64_t L, const float* vh, int64_t vs1,
                                    int64_t vs2, const int64_t* table, int64_t BS, int64_t d0,
                                    float* __restrict out, int64_t os) {
   constexpr int W = sizeof(VT) / sizeof(float);
   VT acc[G][NC];
+#pragma GCC unroll 16
   for (int g = 0; g < G; ++g)
+#pragma GCC unroll 16
     for (int c = 0; c < NC; ++c) acc[g][c] = VT{};
   for (int64_t j = 0, t0 = 0; t0 < L; ++j, t0 += BS) {
     const float* vb = vh + table[j] * vs1 + d0;
@@ -168,14 +172,19 @@ static inline void weighted_values(const float* __restrict p, int64_t L, const f
     for (int64_t i = 0; i < n; ++i) {
       const float* vrow = vb + i * vs2;
       VT v[NC];
+#pragma GCC unroll 16
       for (int c = 0; c < NC; ++c) std::memcpy(&v[c], vrow + W * c, sizeof(VT));
+#pragma GCC unroll 16
       for (int g = 0; g < G; ++g) {
         const float pg = p[g * L + t0 + i];
+#pragma GCC unroll 16
         for (int c = 0; c < NC; ++c) acc[g][c] += pg * v[c];
       }
     }
   }
+#pragma GCC unroll 16
   for (int g = 0; g < G; ++g)
+#pragma GCC unroll 16
     for (int c = 0; c < NC; ++c) std::memcpy(out + g * os + d0 + W * c, &acc[g][c], sizeof(VT));
 }
 
@@ -226,9 +235,17 @@ static void attend_group(const float* __restrict q, const float* kh, int64_t ks1
 
   for (int g = 0; g < G; ++g) {
     float* s = scores + g * L;
-    float m = s[0];
-    #pragma omp simd reduction(max:m)
-    for (int64_t t = 1; t < L; ++t) m = std::max(m, s[t]);
+    float m = s[0];  // the maximum eight lanes at a time (a scalar loop otherwise: 7% of the kernel)
+    int64_t t8 = 0;
+    if (L >= 8) {
+      vf8 m8 = load8(s);
+      for (t8 = 8; t8 + 8 <= L; t8 += 8) {
+        const vf8 v = load8(s + t8);
+        m8 = m8 > v ? m8 : v;
+      }
+      for (int r = 0; r < 8; ++r) m = std::max(m, m8[r]);
+    }
+    for (int64_t t = t8; t < L; ++t) m = std::max(m, s[t]);
     float sum = 0.f;
     #pragma omp simd reduction(+:sum)
     for (int64_t t = 0; t < L; ++t) {
@@ -511,7 +528,7 @@ void rotary_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, int64_t min_
 
 _FUNCTIONS = ["paged_decode_attention", "fused_add_rms_norm_", "rms_norm", "silu_and_mul", "rotary_", "write_kv_"]
 
-EXTENSION_NAME = "loraplex_ops_cpu_v7"  # bump the suffix when the C++ source changes incompatibly
+EXTENSION_NAME = "loraplex_ops_cpu_v8"  # bump the suffix when the C++ source changes incompatibly
 _EXTENSION = InlineExtension(
     EXTENSION_NAME, _SOURCE, _FUNCTIONS, what="CPU fused ops",
     # no-trapping-math: lets the clamps in fast_exp become vector min/max (nothing reads FP flags)
