@@ -107,6 +107,13 @@ constexpr int NR = 2 * VW;  // output columns per panel: 32 with AVX-512, 16 wit
 int64_t panel_width() { return NR; }
 
 #ifdef LP_GEMM
+// Where the next panel is prefetched: L2 with AVX-512 (on Zen 4 and a Xeon, L1 stalled the loads in use);
+// L1 with AVX2, whose narrower steps leave more time per line (Zen 3: 61.9 -> 53.3-56.7 ms per step).
+#if LP_GEMM == 512
+#define LP_PANEL_HINT _MM_HINT_T1
+#else
+#define LP_PANEL_HINT _MM_HINT_T0
+#endif
 constexpr int PF_LINES = NR / 16;              // cache lines of a panel per K step
 constexpr int64_t SMALL_M = 64;                // up to this many rows: whole K per pass, rows unpacked
 constexpr int64_t KC = 576;                    // larger batches: K blocks
@@ -114,7 +121,7 @@ constexpr int64_t X_CHUNK_BYTES = 512 * 1024;  // and row chunks of the (packed)
 
 // y[R rows, ncols] (= or +=) x[R rows, kc] @ panel[kc, 32] (+ bias). XS 0: row r of x at x + r * ldx;
 // XS > 0: x is a packed row block [kc][XS] (pack_rows), so one K step's R values are adjacent.
-template <int R, int XS, int PF>  // PF: cache lines of `pf` prefetched (into L2) per K step
+template <int R, int XS, int PF>  // PF: cache lines of `pf` prefetched per K step
 static inline void micro(const float* __restrict x, int64_t ldx, const float* __restrict w, int64_t kc,
                          float* __restrict y, int64_t ldy, int ncols, const float* __restrict bias, bool accum,
                          const float* pf) {
@@ -134,7 +141,7 @@ static inline void micro(const float* __restrict x, int64_t ldx, const float* __
   for (int64_t k = 0; k < kc; ++k) {
     const vec w0 = vload(w + k * NR), w1 = vload(w + k * NR + VW);
 #pragma GCC unroll 4
-    for (int l = 0; l < PF; ++l) _mm_prefetch(reinterpret_cast<const char*>(pf + (k * PF + l) * 16), _MM_HINT_T0);
+    for (int l = 0; l < PF; ++l) _mm_prefetch(reinterpret_cast<const char*>(pf + (k * PF + l) * 16), LP_PANEL_HINT);
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
       const vec b = vset1(XS ? x[k * XS + r] : x[r * ldx + k]);
@@ -261,7 +268,7 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t N, c10::opti
   if (M <= SMALL_M) {
     // A decode step: each panel streams from memory once and is reused from cache by the row blocks,
     // sized evenly (32 rows with AVX-512: 11 + 11 + 10; with AVX2: 6 + 6 + 5 + 5 + 5 + 5). While a panel
-    // is multiplied, the next one of the thread's range is prefetched into L2, one line per K step
+    // is multiplied, the next one of the thread's range is prefetched, one line per K step
     // spread over the first row blocks, or all of a K step's lines in the only one: the hardware
     // prefetcher alone left the first row block waiting on memory (a 2-core Xeon: 43-51 -> 34-35 ms for
     // the 120 projections of a 32-row SmolLM2 step).
@@ -307,7 +314,7 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t N, c10::opti
 }
 """
 
-EXTENSION_NAME = "loraplex_linear_cpu_v6"  # bump the suffix when the C++ source changes incompatibly
+EXTENSION_NAME = "loraplex_linear_cpu_v7"  # bump the suffix when the C++ source changes incompatibly
 _EXTENSION = InlineExtension(EXTENSION_NAME, _SOURCE, ["has_kernel", "panel_width", "pack", "linear", "unpack_t"],
                              what="CPU GEMM kernel")
 

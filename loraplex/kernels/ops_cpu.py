@@ -154,7 +154,7 @@ static inline float dot1(const float* __restrict qg, const float* __restrict k, 
 
 // out[g][d0 : d0 + W * NC] = sum over the context of p[g][t] * V[t][...], W the floats of a vector of type
 // VT, NC vectors per query head kept in registers across all rows (G * NC independent accumulators).
-// The loops over g and c are unrolled by hand's request: left to itself GCC kept the 8-wide accumulators
+// The loops over g and c are unrolled by pragma: left to itself GCC kept the 8-wide accumulators
 // on the stack (a 2-core Zen 3: 30 layers' decode attention 17.8 -> 13.4 ms from cold caches).
 template <typename VT, int G, int NC>
 static inline void weighted_values(const float* __restrict p, int64_t L, const float* vh, int64_t vs1,
