@@ -47,6 +47,9 @@ class Settings(BaseSettings):
 
     host: str = "127.0.0.1"
     port: int = 8000
+    # seconds an idle keep-alive connection stays open; longer than HTTP clients' pool expiry (httpx and the
+    # openai client drop idle connections after 5 s), so a client never reuses one the server is closing
+    keep_alive_timeout: float = Field(default=75.0, gt=0)
     celery_task_always_eager: bool | None = None  # None: eager unless redis_url is set
     engine_queue: str = Field(default="engine", description="Celery queue the engine process consumes")
     task_queue: str = "loraplex"  # Celery queue of the background workers

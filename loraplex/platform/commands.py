@@ -17,7 +17,16 @@ def _settings(**overrides):
     try:
         return Settings(**{k: v for k, v in overrides.items() if v is not None})
     except ValidationError as exc:
-        raise click.ClickException("; ".join(e["msg"].removeprefix("Value error, ") for e in exc.errors())) from exc
+        raise click.ClickException("; ".join(_setting_error(e) for e in exc.errors())) from exc
+
+
+def _setting_error(error: dict) -> str:
+    """One settings error, naming the setting and its environment variable when it is about one field."""
+    msg = error["msg"].removeprefix("Value error, ")
+    if not error.get("loc"):
+        return msg  # a check across settings: its message names them
+    name = str(error["loc"][0])
+    return f"{name} (LORAPLEX_{name.upper()}): {msg}; got {error.get('input')!r}"
 
 
 def _print_admin_key(secret: str) -> None:
@@ -80,7 +89,8 @@ def serve(model, host, port, data_dir, no_engine):
         from loraplex.platform.engine_worker import consume_engine_queue_with_app
 
         consume_engine_queue_with_app(app)
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level="info")
+    uvicorn.run(app, host=settings.host, port=settings.port, log_level="info",
+                timeout_keep_alive=settings.keep_alive_timeout)
 
 
 @click.command()

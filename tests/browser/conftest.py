@@ -56,7 +56,8 @@ def live_console(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory)
     )
     app = create_app(settings)
     port = _free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on"))
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on",
+                                          timeout_keep_alive=75))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 300  # a start-up wait, not a speed check

@@ -19,7 +19,10 @@ def free_port() -> int:
 @contextmanager
 def live_server(app, port: int | None = None):
     port = port or free_port()
-    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on")
+    # idle connections outlive the clients' 5 s pool expiry, as in `loraplex serve`: a client never sends on
+    # a connection the server is closing at that moment (an ECONNRESET)
+    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on",
+                            timeout_keep_alive=75)
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()

@@ -39,3 +39,25 @@ def test_unknown_host_is_refused_clearly(data_dir):
     assert r.exit_code == 1
     assert "cannot listen on no-such-host.invalid:8000" in r.output
     assert "Traceback" not in r.output
+
+
+def test_idle_connections_outlive_client_pools(data_dir, monkeypatch):
+    """HTTP clients (httpx, the openai client) drop idle pooled connections after 5 s; a server that closes
+    them at the same moment races with a client reusing one, which then reads ECONNRESET."""
+    import uvicorn
+
+    import loraplex.platform.app as app_module
+
+    seen = {}
+    monkeypatch.setattr(app_module, "create_app", lambda settings: object())
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kwargs: seen.update(kwargs))
+    r = CliRunner().invoke(serve, ["--port", "0"])
+    assert r.exit_code == 0, r.output
+    assert seen["timeout_keep_alive"] == 75.0
+    monkeypatch.setenv("LORAPLEX_KEEP_ALIVE_TIMEOUT", "20")
+    r = CliRunner().invoke(serve, ["--port", "0"])
+    assert r.exit_code == 0, r.output
+    assert seen["timeout_keep_alive"] == 20.0
+    monkeypatch.setenv("LORAPLEX_KEEP_ALIVE_TIMEOUT", "0")
+    r = CliRunner().invoke(serve, ["--port", "0"])
+    assert r.exit_code == 1 and "keep_alive_timeout" in r.output, r.output

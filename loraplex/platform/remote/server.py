@@ -166,4 +166,4 @@ def run_engine_server(settings: Settings, *, host: str, port: int, advertise: st
     engine = build_engine(settings)
     redis = aioredis.from_url(settings.redis_url)
     app = build_engine_app(settings, engine, advertise=advertise, redis=redis)
-    uvicorn.run(app, host=host, port=port, log_level="info")
+    uvicorn.run(app, host=host, port=port, log_level="info", timeout_keep_alive=settings.keep_alive_timeout)
