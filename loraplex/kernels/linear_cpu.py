@@ -312,10 +312,14 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t N, c10::opti
   TORCH_CHECK(false, "linear: built without AVX-512 or AVX2/FMA");
 #endif
 }
+
+// The address of `linear`, for other extensions that run whole layers in C++ (ops_cpu's decoder_stack).
+int64_t linear_address() { return reinterpret_cast<int64_t>(&linear); }
 """
 
-EXTENSION_NAME = "loraplex_linear_cpu_v7"  # bump the suffix when the C++ source changes incompatibly
-_EXTENSION = InlineExtension(EXTENSION_NAME, _SOURCE, ["has_kernel", "panel_width", "pack", "linear", "unpack_t"],
+EXTENSION_NAME = "loraplex_linear_cpu_v8"  # bump the suffix when the C++ source changes incompatibly
+_EXTENSION = InlineExtension(EXTENSION_NAME, _SOURCE, ["has_kernel", "panel_width", "pack", "linear", "unpack_t",
+                                                              "linear_address"],
                              what="CPU GEMM kernel")
 
 
@@ -325,6 +329,12 @@ def _kernel():
         return None
     mod = _EXTENSION.load()
     return mod if mod is not None and mod.has_kernel() else None
+
+
+def linear_address() -> int | None:
+    """The C address of the panel GEMM (`linear`), for C++ that calls it directly; None without it."""
+    mod = _kernel()
+    return None if mod is None else mod.linear_address()
 
 
 @dataclass(frozen=True)

@@ -439,11 +439,14 @@ void lora_groups(torch::Tensor y, torch::Tensor x, torch::Tensor a_ptrs, torch::
     default: TORCH_CHECK(false, "lora_groups: unknown weight dtype ", weight_dtype);
   }
 }
+
+// The address of `lora_groups`, for other extensions that run whole layers in C++ (ops_cpu's decoder_stack).
+int64_t lora_groups_address() { return reinterpret_cast<int64_t>(&lora_groups); }
 """
 
-EXTENSION_NAME = "loraplex_lora_cpu_v18"  # bump the suffix when the C++ source changes incompatibly
+EXTENSION_NAME = "loraplex_lora_cpu_v19"  # bump the suffix when the C++ source changes incompatibly
 _EXTENSION = InlineExtension(
-    EXTENSION_NAME, _SOURCE, ["lora_groups"], what="CPU LoRA kernel",
+    EXTENSION_NAME, _SOURCE, ["lora_groups", "lora_groups_address"], what="CPU LoRA kernel",
 )
 
 
@@ -453,6 +456,12 @@ def _load():
 
 def available() -> bool:
     return _load() is not None
+
+
+def lora_groups_address() -> int | None:
+    """The C address of `lora_groups`, for C++ that calls it directly; None without the kernel."""
+    mod = _load()
+    return None if mod is None else mod.lora_groups_address()
 
 
 def _groups(batch: LoraBatch) -> torch.Tensor:

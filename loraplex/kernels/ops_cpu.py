@@ -524,11 +524,99 @@ void rotary_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, int64_t min_
     }
   });
 }
+
+// ---- a Llama-family decoder stack in one call ----------------------------------------------------------
+// The model's per-layer Python (module calls, slicing, each wrapper's checks) is about a tenth of a decode
+// step of a small model; here the same kernels run in the same order with the same arguments, so the
+// results are those of the module path bit for bit. The GEMM and the LoRA kernel live in their own
+// extensions and are called through their addresses (`linear_address`, `lora_groups_address`).
+using LinearFn = torch::Tensor (*)(torch::Tensor, torch::Tensor, int64_t, c10::optional<torch::Tensor>, int64_t);
+using LoraFn = void (*)(torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, int64_t, int64_t, int64_t,
+                        torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor,
+                        int64_t);
+
+// x [T, hidden]: the step's embeddings (used as the first residual, overwritten); cos/sin [T, 1, D/2].
+// layers: 6 per layer: input norm weight, qkv panels, o panels, post-attention norm weight, gate_up panels,
+//   down panels. qkv_bias: none, or one per layer. caches: k and v per layer [Hkv, blocks, block_size, D].
+// sizes: num_heads, num_kv_heads, head_dim, hidden, intermediate. slots [T]: where each token's K/V go;
+//   tables [T, W] / lens [T]: every row's blocks and context length (the attention kernel's arguments).
+// lora: none, or 5 per projection (a_ptrs, b_ptrs, ranks, rank_offsets, out_meta), 4 projections per layer
+//   (qkv, o, gate_up, down), lora_dims 3 per projection (in_features, out_features, weight dtype code) and
+//   lora_shared: sorted token ids, groups, the shrunk-values buffer.
+// limits: GEMM, attention and LoRA minimum parallel cost, elementwise minimum elements.
+// Returns the final norm's output [T, hidden].
+torch::Tensor decoder_stack(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, std::vector<torch::Tensor> layers,
+                            std::vector<torch::Tensor> qkv_bias, std::vector<torch::Tensor> caches,
+                            torch::Tensor final_norm, std::vector<int64_t> sizes, double eps, double scale,
+                            torch::Tensor slots, torch::Tensor tables, torch::Tensor lens,
+                            std::vector<torch::Tensor> lora, std::vector<int64_t> lora_dims,
+                            std::vector<torch::Tensor> lora_shared, int64_t linear_fn, int64_t lora_fn,
+                            std::vector<int64_t> limits) {
+  TORCH_CHECK(sizes.size() == 5 && limits.size() == 4, "decoder_stack: sizes and limits");
+  TORCH_CHECK(layers.size() % 6 == 0 && !layers.empty(), "decoder_stack: 6 tensors per layer");
+  const int64_t L = static_cast<int64_t>(layers.size() / 6);
+  TORCH_CHECK(caches.size() == static_cast<size_t>(2 * L), "decoder_stack: k and v caches per layer");
+  TORCH_CHECK(qkv_bias.empty() || qkv_bias.size() == static_cast<size_t>(L), "decoder_stack: qkv biases");
+  const bool has_lora = !lora.empty();
+  TORCH_CHECK(!has_lora || (lora.size() == static_cast<size_t>(20 * L) && lora_dims.size() == static_cast<size_t>(12 * L)
+                            && lora_shared.size() == 3 && lora_fn != 0), "decoder_stack: LoRA arguments");
+  TORCH_CHECK(linear_fn != 0, "decoder_stack: no GEMM");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat, "decoder_stack: x [T, hidden] fp32");
+  const auto linear = reinterpret_cast<LinearFn>(linear_fn);
+  const auto lora_groups = reinterpret_cast<LoraFn>(lora_fn);
+  const int64_t H = sizes[0], Hkv = sizes[1], D = sizes[2], hidden = sizes[3], inter = sizes[4];
+  const int64_t T = x.size(0), q_end = H * D, k_end = q_end + Hkv * D, qkv_n = k_end + Hkv * D;
+  const int64_t gemm_cost = limits[0], attn_cost = limits[1], lora_cost = limits[2], elems = limits[3];
+  auto add_lora = [&](int64_t layer, int64_t proj, torch::Tensor& y, const torch::Tensor& in) {
+    if (!has_lora) return;
+    const int64_t p = layer * 4 + proj;
+    const torch::Tensor* w = &lora[p * 5];
+    const int64_t* d = &lora_dims[p * 3];
+    lora_groups(y, in, w[0], w[1], d[0], d[1], d[2], lora_shared[0], lora_shared[1], w[2], w[3], w[4],
+                lora_shared[2], lora_cost);
+  };
+  torch::Tensor residual = x;
+  torch::Tensor h;
+  for (int64_t l = 0; l < L; ++l) {
+    const torch::Tensor* w = &layers[l * 6];
+    if (l == 0) {
+      h = torch::empty_like(x);
+      rms_norm(h, x, w[0], eps, elems);
+    } else {
+      fused_add_rms_norm_(h, residual, w[0], eps, elems);
+    }
+    c10::optional<torch::Tensor> bias;
+    if (!qkv_bias.empty()) bias = qkv_bias[l];
+    torch::Tensor qkv = linear(h, w[1], qkv_n, bias, gemm_cost);
+    add_lora(l, 0, qkv, h);
+    rotary_(qkv.narrow(1, 0, k_end).view({T, H + Hkv, D}), cos, sin, elems);
+    torch::Tensor q = qkv.narrow(1, 0, q_end).view({T, H, D});
+    torch::Tensor k = qkv.narrow(1, q_end, Hkv * D).view({T, Hkv, D});
+    torch::Tensor v = qkv.narrow(1, k_end, Hkv * D).view({T, Hkv, D});
+    const torch::Tensor& kc = caches[2 * l];
+    const torch::Tensor& vc = caches[2 * l + 1];
+    write_kv_(kc, vc, k, v, slots);
+    torch::Tensor attn = paged_decode_attention(q, kc, vc, tables, lens, scale, attn_cost).reshape({T, q_end});
+    torch::Tensor o = linear(attn, w[2], hidden, c10::nullopt, gemm_cost);
+    add_lora(l, 1, o, attn);
+    fused_add_rms_norm_(o, residual, w[3], eps, elems);
+    torch::Tensor gate_up = linear(o, w[4], 2 * inter, c10::nullopt, gemm_cost);
+    add_lora(l, 2, gate_up, o);
+    torch::Tensor act = torch::empty({T, inter}, x.options());
+    silu_and_mul(act, gate_up, elems);
+    h = linear(act, w[5], hidden, c10::nullopt, gemm_cost);
+    add_lora(l, 3, h, act);
+  }
+  fused_add_rms_norm_(h, residual, final_norm, eps, elems);
+  return h;
+}
 """
 
-_FUNCTIONS = ["paged_decode_attention", "fused_add_rms_norm_", "rms_norm", "silu_and_mul", "rotary_", "write_kv_"]
+_FUNCTIONS = [
+    "paged_decode_attention", "fused_add_rms_norm_", "rms_norm", "silu_and_mul", "rotary_", "write_kv_", "decoder_stack",
+]
 
-EXTENSION_NAME = "loraplex_ops_cpu_v8"  # bump the suffix when the C++ source changes incompatibly
+EXTENSION_NAME = "loraplex_ops_cpu_v9"  # bump the suffix when the C++ source changes incompatibly
 _EXTENSION = InlineExtension(
     EXTENSION_NAME, _SOURCE, _FUNCTIONS, what="CPU fused ops",
     # no-trapping-math: lets the clamps in fast_exp become vector min/max (nothing reads FP flags)
@@ -641,3 +729,9 @@ def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
         return False
     mod.rotary_(x, cos, sin, MIN_PARALLEL_ELEMENTS)
     return True
+
+
+def decoder_stack(*args) -> torch.Tensor:
+    """A step's decoder layers in one call; see `DecoderStack` (loraplex.engine.models.llama) for the arguments'
+    meaning, and the C++ above for their layout."""
+    return _load().decoder_stack(*args)
