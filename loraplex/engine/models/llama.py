@@ -15,10 +15,21 @@ import torch.nn.functional as F
 from torch import nn
 
 from loraplex.engine import forward_context as fctx
+from loraplex.engine.lora_layers import LoraStep
 from loraplex.engine.models.arch import ModelArch
-from loraplex.engine.models.layers import LoraLinear, PagedAttention, RMSNorm, RotaryEmbedding, apply_rotary_
-from loraplex.kernels import ops_cpu
-from loraplex.kernels.linear_cpu import PackedWeight, packed_linear
+from loraplex.engine.models.layers import (
+    SHORT_PREFILL_CONTEXT,
+    LoraLinear,
+    PagedAttention,
+    RMSNorm,
+    RotaryEmbedding,
+    apply_rotary_,
+    token_tables,
+)
+from loraplex.kernels import lora_cpu, ops_cpu
+from loraplex.kernels.linear_cpu import BLAS_MIN_ROWS, PackedWeight, linear_address, packed_linear
+from loraplex.kernels.linear_cpu import MIN_PARALLEL_COST as GEMM_COST
+from loraplex.kernels.lora_cpu import MIN_PARALLEL_COST as LORA_COST
 
 # PEFT module name -> (our fused module, shard index)
 _FUSED = {
@@ -117,8 +128,6 @@ class DecoderStack:
 
     @classmethod
     def for_model(cls, model: LlamaModel) -> DecoderStack | None:
-        from loraplex.kernels.linear_cpu import linear_address
-
         if os.environ.get("LORAPLEX_CPU_DECODER_STACK", "1") == "0" or not ops_cpu.available():
             return None
         linears = [m for m in model.modules() if isinstance(m, LoraLinear)]
@@ -154,9 +163,6 @@ class DecoderStack:
         return self._static
 
     def _lora_args(self, lora) -> tuple[list, list, list, int] | None:
-        from loraplex.engine.lora_layers import LoraStep
-        from loraplex.kernels import lora_cpu
-
         if not isinstance(lora, LoraStep) or lora._cpu is None:
             return None
         cpu = lora._cpu
@@ -175,11 +181,6 @@ class DecoderStack:
         return tensors, dims, [cpu._ids, cpu._groups, cpu._shrunk], address
 
     def run(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor | None:
-        from loraplex.engine.models.layers import SHORT_PREFILL_CONTEXT, token_tables
-        from loraplex.kernels.linear_cpu import BLAS_MIN_ROWS
-        from loraplex.kernels.linear_cpu import MIN_PARALLEL_COST as GEMM_COST
-        from loraplex.kernels.lora_cpu import MIN_PARALLEL_COST as LORA_COST
-
         ctx = fctx._current
         if ctx is None or x.dim() != 2 or x.shape[0] == 0 or x.shape[0] >= BLAS_MIN_ROWS:
             return None
