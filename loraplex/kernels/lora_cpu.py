@@ -488,11 +488,21 @@ class CpuLoraStep:
         self._width = width
         self._shrunk = torch.empty(batch.num_lora_tokens, width, dtype=torch.float32)
 
+    def step_tensors(self) -> list[torch.Tensor]:
+        """What every call of the step shares: sorted token ids, groups, the shrunk-values buffer."""
+        return [self._ids, self._groups, self._shrunk]
+
+    def weight_code(self, w: LoraSlotWeights) -> int | None:
+        """The kernel's code for the slot weights' dtype; None when the kernel does not take them."""
+        code = _WEIGHT_DTYPES.get(w.dtype)
+        if code is None or w.a_ptrs is None or w.a_rows > self._width:
+            return None
+        return code
+
     def __call__(self, y: torch.Tensor, x: torch.Tensor, w: LoraSlotWeights) -> bool:
         """y += the delta and True, or False (nothing done) when the call is not fp32 rows the kernel takes."""
-        code = _WEIGHT_DTYPES.get(w.dtype)
-        if (x.dtype is not _F32 or y.dtype is not _F32 or code is None or w.a_ptrs is None
-                or x.stride(-1) != 1 or y.stride(-1) != 1 or w.a_rows > self._width):
+        code = self.weight_code(w)
+        if x.dtype is not _F32 or y.dtype is not _F32 or code is None or x.stride(-1) != 1 or y.stride(-1) != 1:
             return False
         self._mod.lora_groups(y, x, w.a_ptrs, w.b_ptrs, w.in_features, w.out_features, code, self._ids,
                               self._groups, w.ranks_t, w.rank_offsets_t, w.out_meta, self._shrunk,

@@ -133,8 +133,7 @@ class DecoderStack:
         linears = [m for m in model.modules() if isinstance(m, LoraLinear)]
         if not linears or any(m._packed is None or m._packed.kind != "panels" for m in linears):
             return None
-        tensors = [model.embed_tokens.weight, model.norm.weight, *(m.weight for m in model.modules()
-                                                                    if isinstance(m, RMSNorm))]
+        tensors = [model.embed_tokens.weight, *(m.weight for m in model.modules() if isinstance(m, RMSNorm))]
         if any(t.dtype != torch.float32 or t.device.type != "cpu" for t in tensors):
             return None
         address = linear_address()
@@ -170,15 +169,15 @@ class DecoderStack:
         for i in range(len(self.model.layers)):
             for name in _LORA_PROJECTIONS:
                 w = lora.weights.get((i, name))
-                code = lora_cpu._WEIGHT_DTYPES.get(w.dtype) if w is not None else None
-                if code is None or w.a_ptrs is None or w.a_rows > cpu._width:
+                code = None if w is None else cpu.weight_code(w)
+                if code is None:
                     return None
                 tensors += [w.a_ptrs, w.b_ptrs, w.ranks_t, w.rank_offsets_t, w.out_meta]
                 dims += [w.in_features, w.out_features, code]
         address = lora_cpu.lora_groups_address()
         if address is None:
             return None
-        return tensors, dims, [cpu._ids, cpu._groups, cpu._shrunk], address
+        return tensors, dims, cpu.step_tensors(), address
 
     def run(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor | None:
         ctx = fctx._current
