@@ -48,6 +48,7 @@ _SOURCE = r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <vector>
 #if defined(__AVX512F__)
@@ -205,6 +206,34 @@ static void pack_rows(const float* x, int64_t K, int64_t rows, float* out) {
 }
 #endif
 
+// fn(p, next) for every panel p < P on `threads` threads; `next` is the panel the same thread takes after
+// p (P if none), for prefetching. Threads claim chunks of panels as they go rather than each taking a fixed
+// half: on a 2-core VM the two threads seldom run at the same speed for long (the other vCPU's host
+// neighbours, a late wake-up), and with fixed halves the faster one waited at every GEMM's end barrier,
+// 16% of a 32-row SmolLM2 decode step (py-spy, Zen 3). A thread claims its next chunk as it starts the
+// last panel of the current one, so that it knows which panel to prefetch.
+template <typename Fn>
+static void for_panels(int64_t P, int64_t threads, const Fn& fn) {
+  if (threads <= 1) {
+    for (int64_t p = 0; p < P; ++p) fn(p, p + 1);
+    return;
+  }
+  const int64_t chunk = std::max<int64_t>(1, P / (threads * 8));
+  std::atomic<int64_t> claimed{0};
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    int64_t cur = claimed.fetch_add(chunk);
+    while (cur < P) {
+      const int64_t end = std::min(P, cur + chunk);
+      int64_t next = P;
+      for (int64_t p = cur; p < end; ++p) {
+        if (p + 1 == end) next = std::min(P, claimed.fetch_add(chunk));
+        fn(p, p + 1 < end ? p + 1 : next);
+      }
+      cur = next;
+    }
+  });
+}
+
 // weight [N, K] -> panels [ceil(N / 32), K, 32], the last one zero-padded.
 torch::Tensor pack(torch::Tensor weight) {
   TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == torch::kFloat32, "pack: fp32 [out, in] weight");
@@ -264,7 +293,7 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t N, c10::opti
   const float* xp = xc.data_ptr<float>();
   const float* wp = packed.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  const int64_t grain = M * N * K < min_parallel_cost ? P : 1;
+  const int64_t threads = M * N * K < min_parallel_cost ? 1 : std::min<int64_t>(at::get_num_threads(), P);
   if (M <= SMALL_M) {
     // A decode step: each panel streams from memory once and is reused from cache by the row blocks,
     // sized evenly (32 rows with AVX-512: 11 + 11 + 10; with AVX2: 6 + 6 + 5 + 5 + 5 + 5). While a panel
@@ -273,19 +302,17 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t N, c10::opti
     // prefetcher alone left the first row block waiting on memory (a 2-core Xeon: 43-51 -> 34-35 ms for
     // the 120 projections of a 32-row SmolLM2 step).
     const int64_t passes = (M + MR - 1) / MR, base = M / passes, extra = M % passes;
-    at::parallel_for(0, P, grain, [&](int64_t p0, int64_t p1) {
-      for (int64_t p = p0; p < p1; ++p) {
-        const int ncols = static_cast<int>(std::min<int64_t>(NR, N - p * NR));
-        const float* next = p + 1 < p1 ? wp + (p + 1) * K * NR : nullptr;
-        for (int64_t m = 0, j = 0; j < passes; ++j) {
-          const int64_t rows = base + (j < extra ? 1 : 0);
-          const float* pf = next && j < PF_LINES ? next + (passes == 1 ? 0 : j * K * 16) : nullptr;
-          block(static_cast<int>(rows), xp + m * K, K, wp + p * K * NR, K, yp + m * N + p * NR, N, ncols,
-                bp ? bp + p * NR : nullptr, false, pf, passes == 1 ? PF_LINES : 1);
-          m += rows;
-        }
+    auto panel = [&](int64_t p, const float* next) {
+      const int ncols = static_cast<int>(std::min<int64_t>(NR, N - p * NR));
+      for (int64_t m = 0, j = 0; j < passes; ++j) {
+        const int64_t rows = base + (j < extra ? 1 : 0);
+        const float* pf = next && j < PF_LINES ? next + (passes == 1 ? 0 : j * K * 16) : nullptr;
+        block(static_cast<int>(rows), xp + m * K, K, wp + p * K * NR, K, yp + m * N + p * NR, N, ncols,
+              bp ? bp + p * NR : nullptr, false, pf, passes == 1 ? PF_LINES : 1);
+        m += rows;
       }
-    });
+    };
+    for_panels(P, threads, [&](int64_t p, int64_t next) { panel(p, next < P ? wp + next * K * NR : nullptr); });
   } else {
     // Larger batches: row chunks packed into MRB-row blocks, K in blocks of KC accumulated in y.
     const int64_t chunk = std::max<int64_t>(MRB, X_CHUNK_BYTES / (4 * K) / MRB * MRB);
@@ -293,16 +320,14 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t N, c10::opti
     for (int64_t c0 = 0; c0 < M; c0 += chunk) {
       const int64_t rows = std::min<int64_t>(chunk, M - c0);
       pack_rows(xp + c0 * K, K, rows, xpk.data());
-      at::parallel_for(0, P, grain, [&](int64_t p0, int64_t p1) {
-        for (int64_t p = p0; p < p1; ++p) {
-          const int ncols = static_cast<int>(std::min<int64_t>(NR, N - p * NR));
-          for (int64_t k0 = 0; k0 < K; k0 += KC) {
-            const int64_t kc = std::min<int64_t>(KC, K - k0);
-            const float* pb = bp && k0 + kc == K ? bp + p * NR : nullptr;
-            for (int64_t m = 0; m < rows; m += MRB)
-              block(static_cast<int>(std::min<int64_t>(MRB, rows - m)), xpk.data() + m * K + k0 * MRB, 0,
-                    wp + p * K * NR + k0 * NR, kc, yp + (c0 + m) * N + p * NR, N, ncols, pb, k0 > 0);
-          }
+      for_panels(P, threads, [&](int64_t p, int64_t) {
+        const int ncols = static_cast<int>(std::min<int64_t>(NR, N - p * NR));
+        for (int64_t k0 = 0; k0 < K; k0 += KC) {
+          const int64_t kc = std::min<int64_t>(KC, K - k0);
+          const float* pb = bp && k0 + kc == K ? bp + p * NR : nullptr;
+          for (int64_t m = 0; m < rows; m += MRB)
+            block(static_cast<int>(std::min<int64_t>(MRB, rows - m)), xpk.data() + m * K + k0 * MRB, 0,
+                  wp + p * K * NR + k0 * NR, kc, yp + (c0 + m) * N + p * NR, N, ncols, pb, k0 > 0);
         }
       });
     }
@@ -317,7 +342,7 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t N, c10::opti
 int64_t linear_address() { return reinterpret_cast<int64_t>(&linear); }
 """
 
-EXTENSION_NAME = "loraplex_linear_cpu_v8"  # bump the suffix when the C++ source changes incompatibly
+EXTENSION_NAME = "loraplex_linear_cpu_v9"  # bump the suffix when the C++ source changes incompatibly
 _EXTENSION = InlineExtension(EXTENSION_NAME, _SOURCE, ["has_kernel", "panel_width", "pack", "linear", "unpack_t",
                                                               "linear_address"],
                              what="CPU GEMM kernel")

@@ -30,6 +30,7 @@ MIN_PARALLEL_COST = 200_000
 _SOURCE = r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
@@ -386,7 +387,7 @@ static void lora_groups_impl(torch::Tensor y, torch::Tensor x, torch::Tensor a_p
   // Groups never share output rows, so threads take whole pieces of groups (a group of many tokens is cut
   // into pieces of at most PIECE tokens, so that one long prefill still uses every thread): one parallel
   // region per call and no barrier between shrink and expand (barriers are what hurts on a busy 2-core
-  // machine). Pieces are dealt to threads by cost, largest first.
+  // machine). Threads take pieces largest first, as they free up.
   constexpr int64_t PIECE = 32;
   const int64_t out_total = om[2 * (S - 1)] + om[2 * (S - 1) + 1];
   struct Piece {
@@ -410,17 +411,13 @@ static void lora_groups_impl(torch::Tensor y, torch::Tensor x, torch::Tensor a_p
     for (const Piece& p : pieces) run_piece(p.slot, p.start, p.count);
     return;
   }
+  // Largest first, each thread claiming the next piece as it finishes one (fixed shares of equal cost left
+  // the faster thread waiting on a 2-core VM, whose two threads seldom run at the same speed).
   std::sort(pieces.begin(), pieces.end(), [](const Piece& a, const Piece& b) { return a.cost > b.cost; });
-  std::vector<std::vector<int64_t>> assigned(bins);
-  std::vector<int64_t> load(bins, 0);
-  for (int64_t i = 0; i < P; ++i) {
-    const int64_t b = std::min_element(load.begin(), load.end()) - load.begin();
-    assigned[b].push_back(i);
-    load[b] += pieces[i].cost;
-  }
-  at::parallel_for(0, bins, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; ++b)
-      for (int64_t i : assigned[b]) run_piece(pieces[i].slot, pieces[i].start, pieces[i].count);
+  std::atomic<int64_t> claimed{0};
+  at::parallel_for(0, bins, 1, [&](int64_t, int64_t) {
+    for (int64_t i = claimed.fetch_add(1); i < P; i = claimed.fetch_add(1))
+      run_piece(pieces[i].slot, pieces[i].start, pieces[i].count);
   });
 }
 
@@ -444,7 +441,7 @@ void lora_groups(torch::Tensor y, torch::Tensor x, torch::Tensor a_ptrs, torch::
 int64_t lora_groups_address() { return reinterpret_cast<int64_t>(&lora_groups); }
 """
 
-EXTENSION_NAME = "loraplex_lora_cpu_v19"  # bump the suffix when the C++ source changes incompatibly
+EXTENSION_NAME = "loraplex_lora_cpu_v20"  # bump the suffix when the C++ source changes incompatibly
 _EXTENSION = InlineExtension(
     EXTENSION_NAME, _SOURCE, ["lora_groups", "lora_groups_address"], what="CPU LoRA kernel",
 )

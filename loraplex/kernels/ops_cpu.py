@@ -24,10 +24,11 @@ log = logging.getLogger(__name__)
 # Below this many multiply-adds a call stays on one thread: waking the other costs more than it saves.
 MIN_PARALLEL_COST = 200_000
 # Elementwise kernels hand each thread at least this many elements.
-MIN_PARALLEL_ELEMENTS = 32_768
+MIN_PARALLEL_ELEMENTS = 65_536
 
 _SOURCE = r"""
 #include <torch/extension.h>
+#include <atomic>
 #include <ATen/Parallel.h>
 #include <algorithm>
 #include <cmath>
@@ -359,30 +360,24 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
     }
   };
 
-  // Items are split into contiguous runs of about equal cost (context length), one run per thread.
+  // Threads claim items a few at a time as they go (rather than fixed runs of equal cost: on a 2-core VM
+  // the two threads seldom run at the same speed, and with fixed runs the faster waited at the end).
   const int64_t items = B * Hkv;
   const int64_t work = total_len * H * D * 2;
-  const int64_t bins = work < min_parallel_cost ? 1 : std::min<int64_t>(at::get_num_threads(), items);
-  std::vector<int64_t> bounds(bins + 1, items);
-  bounds[0] = 0;
-  {
-    int64_t done = 0, bin = 1;
-    for (int64_t i = 0; i < items && bin < bins; ++i) {
-      done += lens[(i / Hkv) * ls];
-      while (bin < bins && done * bins >= total_len * Hkv * bin) bounds[bin++] = i + 1;
-    }
-  }
-  auto run_bins = [&](int64_t begin, int64_t end) {
+  const int64_t threads = work < min_parallel_cost ? 1 : std::min<int64_t>(at::get_num_threads(), items);
+  const int64_t chunk = std::max<int64_t>(1, items / (threads * 8));
+  std::atomic<int64_t> claimed{0};
+  auto run_items = [&](int64_t, int64_t) {
     std::vector<float> buf(G * D + 4 * std::max<int64_t>(max_len, 1));
     float* qbuf = buf.data();
     float* scores = qbuf + G * D;
-    for (int64_t bin = begin; bin < end; ++bin)
-      for (int64_t i = bounds[bin]; i < bounds[bin + 1]; ++i) run_item(i, qbuf, scores);
+    for (int64_t i0 = claimed.fetch_add(chunk); i0 < items; i0 = claimed.fetch_add(chunk))
+      for (int64_t i = i0; i < std::min(items, i0 + chunk); ++i) run_item(i, qbuf, scores);
   };
-  if (bins <= 1)
-    run_bins(0, 1);
+  if (threads <= 1)
+    run_items(0, 1);
   else
-    at::parallel_for(0, bins, 1, run_bins);
+    at::parallel_for(0, threads, 1, run_items);
   return out;
 }
 
@@ -616,7 +611,7 @@ _FUNCTIONS = [
     "paged_decode_attention", "fused_add_rms_norm_", "rms_norm", "silu_and_mul", "rotary_", "write_kv_", "decoder_stack",
 ]
 
-EXTENSION_NAME = "loraplex_ops_cpu_v9"  # bump the suffix when the C++ source changes incompatibly
+EXTENSION_NAME = "loraplex_ops_cpu_v10"  # bump the suffix when the C++ source changes incompatibly
 _EXTENSION = InlineExtension(
     EXTENSION_NAME, _SOURCE, _FUNCTIONS, what="CPU fused ops",
     # no-trapping-math: lets the clamps in fast_exp become vector min/max (nothing reads FP flags)
