@@ -209,9 +209,10 @@ static void pack_rows(const float* x, int64_t K, int64_t rows, float* out) {
 // fn(p, next) for every panel p < P on `threads` threads; `next` is the panel the same thread takes after
 // p (P if none), for prefetching. Threads claim chunks of panels as they go rather than each taking a fixed
 // half: on a 2-core VM the two threads seldom run at the same speed for long (the other vCPU's host
-// neighbours, a late wake-up), and with fixed halves the faster one waited at every GEMM's end barrier,
-// 16% of a 32-row SmolLM2 decode step (py-spy, Zen 3). A thread claims its next chunk as it starts the
-// last panel of the current one, so that it knows which panel to prefetch.
+// neighbours, a late wake-up), and with fixed halves the faster one waited at every GEMM's end barrier:
+// 16-33% of the main thread's samples over the engine benchmark's workload (py-spy, Zen 3). A thread
+// claims its next chunk as it starts the last panel of the current one, so that it knows which panel to
+// prefetch. Called from within another parallel region, the one call made takes every chunk itself.
 template <typename Fn>
 static void for_panels(int64_t P, int64_t threads, const Fn& fn) {
   if (threads <= 1) {
