@@ -11,6 +11,7 @@ from lora_kernel_cases import oracle, random_problem
 from test_ops_cpu import _decode_problem
 
 from loraplex.kernels import linear_cpu, lora_cpu, ops_cpu
+from loraplex.kernels.attention import decode_attention_torch
 
 
 @pytest.fixture
@@ -58,6 +59,8 @@ def test_decode_attention_same_bits_on_any_thread_count(lengths):
         lambda: ops_cpu._load().paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.125, 0))
     for got in results[1:]:
         assert torch.equal(got, results[0])
+    expected = decode_attention_torch(q, k_cache, v_cache, tables, lens, 0.125)
+    torch.testing.assert_close(results[0], expected, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.usefixtures("threads")
