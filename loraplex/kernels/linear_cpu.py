@@ -192,6 +192,7 @@ static void block(int rows, const float* x, int64_t ldx, const float* w, int64_t
 
 // rows of x [rows, K] -> blocks of MRB rows, each [K][MRB]; the last block's missing rows are zero.
 static void pack_rows(const float* x, int64_t K, int64_t rows, float* out) {
+  constexpr int MR = MRB;  // the block height `micro<R, MRB>` reads; not the decode path's MR
   const int64_t blocks = (rows + MR - 1) / MR;
   at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
@@ -343,7 +344,7 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t N, c10::opti
 int64_t linear_address() { return reinterpret_cast<int64_t>(&linear); }
 """
 
-EXTENSION_NAME = "loraplex_linear_cpu_v9"  # bump the suffix when the C++ source changes incompatibly
+EXTENSION_NAME = "loraplex_linear_cpu_v10"  # bump the suffix when the C++ source changes incompatibly
 _EXTENSION = InlineExtension(EXTENSION_NAME, _SOURCE, ["has_kernel", "panel_width", "pack", "linear", "unpack_t",
                                                               "linear_address"],
                              what="CPU GEMM kernel")
