@@ -209,6 +209,33 @@ static inline void shrink_block_named(const W* const* arows, const float* const*
   shrink_finish<W, R, NT>(acc, arows, xrows, k, in, out, os);
 }
 
+// The prefill shape with AVX-512 (2 A rows x 8 tokens) the same way: 10 loads per 16 multiply-adds, where
+// the array form loaded each x vector twice and spilled an accumulator (21 loads).
+template <typename W>
+static inline void shrink_block_2x8(const W* const* arows, const float* const* xrows, int64_t in, float* out,
+                                    int64_t os, int64_t ahead) {
+  vfw c00{}, c01{}, c02{}, c03{}, c04{}, c05{}, c06{}, c07{}, c10{}, c11{}, c12{}, c13{}, c14{}, c15{}, c16{}, c17{};
+  int64_t k = 0;
+  for (; k + VW <= in; k += VW) {
+#define LP_X(t) vfw x##t = ldw(xrows[t] + k); LP_IN_REGISTER(x##t);
+    LP_X(0) LP_X(1) LP_X(2) LP_X(3) LP_X(4) LP_X(5) LP_X(6) LP_X(7)
+#undef LP_X
+    if ((k & 15) == 0)
+      for (int r = 0; r < 2; ++r) __builtin_prefetch(arows[r] + ahead + k, 0, 2);
+#define LP_ROW(r)                                                                 \
+    {                                                                             \
+      vfw a = ldw(arows[r] + k);                                                  \
+      LP_IN_REGISTER(a);                                                          \
+      c##r##0 += a * x0; c##r##1 += a * x1; c##r##2 += a * x2; c##r##3 += a * x3; \
+      c##r##4 += a * x4; c##r##5 += a * x5; c##r##6 += a * x6; c##r##7 += a * x7; \
+    }
+    LP_ROW(0) LP_ROW(1)
+#undef LP_ROW
+  }
+  const vfw acc[2][8] = {{c00, c01, c02, c03, c04, c05, c06, c07}, {c10, c11, c12, c13, c14, c15, c16, c17}};
+  shrink_finish<W, 2, 8>(acc, arows, xrows, k, in, out, os);
+}
+
 // All `total` A rows (as1 apart) against NT tokens, R rows at a time.
 template <typename W, int R, int NT>
 static void shrink_rows(const W* a, int64_t as1, int64_t total, const float* const* xrows, int64_t in,
@@ -219,6 +246,8 @@ static void shrink_rows(const W* a, int64_t as1, int64_t total, const float* con
     for (int r = 0; r < R; ++r) arows[r] = a + (j + r) * as1;
     if constexpr (R <= 4 && NT <= 4)
       shrink_block_named<W, R, NT>(arows, xrows, in, out + j, os, R * as1);
+    else if constexpr (R == 2 && NT == 8 && VW == 16)
+      shrink_block_2x8<W>(arows, xrows, in, out + j, os, R * as1);
     else
       shrink_block<W, R, NT>(arows, xrows, in, out + j, os, R * as1);
   }
@@ -314,8 +343,11 @@ static void expand_rows(const W* b, int64_t bs1, int64_t rmax, const int32_t* rk
       for (; c + VW <= c_end; c += VW) {
         vfw v[QR];
         for (int i = 0; i < QR; ++i) v[i] = ldw(br[i] + c);
-        if ((c & 15) == 0)  // a line of each row, 4 KB ahead
-          for (int i = 0; i < QR; ++i) __builtin_prefetch(br[i] + c + 1024, 0, 2);
+        // a line of each of the next QR rows: the next pass's rows stream in during this one (4 KB ahead in
+        // the same rows reached mostly lines of the rows being read; cold decode kernel over 120 projections,
+        // Zen 4: 18.9 -> 17.2 ms on one thread, 11.8 -> 11.4 ms on two)
+        if ((c & 15) == 0)
+          for (int i = 0; i < QR; ++i) __builtin_prefetch(br[i] + QR * bs1 + c, 0, 2);
         for (int t = 0; t < NT; ++t) {
           vfw sum = ldw(yrows[t] + c);
           for (int i = 0; i < QR; ++i) sum += sv[i][t] * v[i];
@@ -500,7 +532,7 @@ void lora_groups(torch::Tensor y, torch::Tensor x, torch::Tensor a_ptrs, torch::
 int64_t lora_groups_address() { return reinterpret_cast<int64_t>(&lora_groups); }
 """
 
-EXTENSION_NAME = "loraplex_lora_cpu_v21"  # bump the suffix when the C++ source changes incompatibly
+EXTENSION_NAME = "loraplex_lora_cpu_v22"  # bump the suffix when the C++ source changes incompatibly
 _EXTENSION = InlineExtension(
     EXTENSION_NAME, _SOURCE, ["lora_groups", "lora_groups_address"], what="CPU LoRA kernel",
 )
