@@ -133,15 +133,20 @@ def test_admin_prices_validation(client, admin_key, usage):
 
 
 def test_v1_usage_filters_by_adapter_and_key_and_exports_csv(client, usage, make_tenant):
-    a, _, _ = usage
-    rows = client.get("/v1/usage", headers=a.headers).json()["data"]
+    a, _, last_month = usage
+    # this month only: the default window (the last 30 days) also holds last month's row early in a month
+    since = f"start={today_utc().replace(day=1).isoformat()}"
+    rows = client.get(f"/v1/usage?{since}", headers=a.headers).json()["data"]
     assert sum(r["prompt_tokens"] for r in rows) == 300
-    only = client.get("/v1/usage?adapter=sql", headers=a.headers).json()["data"]
+    default = client.get("/v1/usage", headers=a.headers).json()["data"]
+    in_window = (today_utc() - last_month.date()).days < 30
+    assert sum(r["prompt_tokens"] for r in default) == (1300 if in_window else 300)
+    only = client.get(f"/v1/usage?adapter=sql&{since}", headers=a.headers).json()["data"]
     assert [(r["adapter"], r["prompt_tokens"]) for r in only] == [("sql", 100)]
     assert client.get("/v1/usage?api_key_id=999999", headers=a.headers).json()["data"] == []
-    mine = client.get(f"/v1/usage?api_key_id={a.key_id}", headers=a.headers).json()["data"]
+    mine = client.get(f"/v1/usage?api_key_id={a.key_id}&{since}", headers=a.headers).json()["data"]
     assert sum(r["requests"] for r in mine) == 2
-    text = client.get("/v1/usage?format=csv", headers=a.headers)
+    text = client.get(f"/v1/usage?format=csv&{since}", headers=a.headers)
     assert text.headers["content-type"].startswith("text/csv")
     parsed = list(csv.DictReader(io.StringIO(text.text)))
     assert sum(int(r["prompt_tokens"]) for r in parsed) == 300
