@@ -268,3 +268,45 @@ def test_write_kv_matches_index_copy():
         ops_cpu.write_kv_(k_cache, v_cache, k, v, torch.tensor([0, 1, 2, 3, 40]))
     assert torch.equal(k_cache, before)  # checked before anything is written
     assert not ops_cpu.write_kv_(k_cache.bfloat16(), v_cache.bfloat16(), k.bfloat16(), v.bfloat16(), slots)
+
+
+@pytest.mark.slow
+def test_ops_built_without_avx512(monkeypatch):
+    """The fused ops as built for machines without AVX-512 (8-wide vectors only), checked against the torch
+    paths whatever this machine has: on an AVX-512 machine the tests above exercise the 16-wide paths, and
+    this one the others."""
+    import platform
+
+    from loraplex.kernels.cpp_build import InlineExtension
+
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("x86 only")
+    ext = InlineExtension(f"{ops_cpu.EXTENSION_NAME}_noavx512", ops_cpu._SOURCE, ops_cpu._FUNCTIONS,
+                          what="CPU fused ops (no AVX-512)", extra_cflags=["-fno-trapping-math", "-mno-avx512f"])
+    if ext.load() is None:
+        pytest.skip("no C++ compiler")
+    monkeypatch.setattr(ops_cpu, "_EXTENSION", ext)
+    gen = torch.Generator().manual_seed(29)
+    for group, head_dim, block_size in [(1, 64, 16), (2, 64, 16), (3, 64, 16), (4, 128, 16), (5, 72, 5),
+                                        (3, 20, 8), (9, 8, 16)]:
+        lengths = [1, block_size, block_size + 1, 70, 300, 3]
+        q, k_cache, v_cache, tables, lens = _decode_problem(
+            gen, lengths=lengths, num_kv_heads=2, group=group, head_dim=head_dim, block_size=block_size
+        )
+        expected = decode_attention_torch(q, k_cache, v_cache, tables, lens, 0.2)
+        torch.testing.assert_close(ops_cpu.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.2),
+                                   expected, **TOL)
+    for num_tokens, hidden in [(1, 576), (33, 576), (200, 37)]:
+        x, residual = torch.randn(num_tokens, hidden, generator=gen), torch.randn(num_tokens, hidden, generator=gen)
+        weight = torch.rand(hidden, generator=gen) + 0.5
+        expected_res = residual + x
+        want = F.rms_norm(expected_res, (hidden,), weight, 1e-5)
+        torch.testing.assert_close(ops_cpu.rms_norm(expected_res, weight, 1e-5), want, **TOL)
+        xr, rr = x.clone(), residual.clone()
+        assert ops_cpu.fused_add_rms_norm_(xr, rr, weight, 1e-5)
+        torch.testing.assert_close(rr, expected_res, **TOL)
+        torch.testing.assert_close(xr, want, **TOL)
+    for num_tokens, intermediate in [(1, 1536), (32, 1536), (100, 13)]:
+        gate_up = torch.randn(num_tokens, 2 * intermediate, generator=gen)
+        expected = F.silu(gate_up[:, :intermediate]) * gate_up[:, intermediate:]
+        torch.testing.assert_close(ops_cpu.silu_and_mul(gate_up), expected, **TOL)
