@@ -43,10 +43,11 @@ class LoraStep:
 
     __slots__ = ("batch", "weights", "_cpu")
 
-    def __init__(self, batch: LoraBatch, weights: dict[tuple[int, str], LoraSlotWeights]):
+    def __init__(self, batch: LoraBatch, weights: dict[tuple[int, str], LoraSlotWeights], width: int | None = None):
+        """width: the most A rows of any of `weights`, where the caller knows it."""
         self.batch = batch
         self.weights = weights
-        self._cpu = cpu_lora_step(batch, weights)
+        self._cpu = cpu_lora_step(batch, weights, width)
 
     def apply(
         self,

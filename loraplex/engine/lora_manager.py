@@ -193,6 +193,7 @@ class LoraManager:
                                    views=views)
             for p in self.projections
         }
+        self._widest = max((w.a_rows for w in self.weights.values()), default=0)
         self._lock = threading.RLock()
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lora-load")
         self._gate = threading.Condition()  # loads_paused(): the step thread holds loads back
@@ -477,7 +478,7 @@ class LoraManager:
         batch = LoraBatch.build(token_slots, device=self.device)
         if batch.empty:
             return None
-        return LoraStep(batch, self.weights)
+        return LoraStep(batch, self.weights, self._widest)
 
     # ---- blocking convenience (benchmarks, offline use) ---------------------------------------------
 

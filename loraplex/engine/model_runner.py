@@ -113,8 +113,7 @@ class ModelRunner:
             if self.adapter_slots is None:
                 raise RuntimeError("a scheduled sequence uses an adapter but the engine has no adapter cache")
             slot_of = {k: self.adapter_slots.slot_of(k) for k in set(token_adapters) if k is not None}
-            token_slots = torch.tensor([-1 if k is None else slot_of[k] for k in token_adapters], dtype=torch.long)
-            lora = self.adapter_slots.build_step(token_slots)
+            lora = self.adapter_slots.build_step([-1 if k is None else slot_of[k] for k in token_adapters])
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
         return ids, pos, ForwardContext(meta, lora), sample_rows, sample_seqs

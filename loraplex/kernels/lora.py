@@ -16,6 +16,7 @@ present in the step, never over tokens.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -51,28 +52,38 @@ class LoraBatch:
         return not self.slot_ids
 
     @classmethod
-    def build(cls, token_slots: list[int] | torch.Tensor, device: torch.device | str = "cpu") -> LoraBatch:
-        """token_slots: the adapter slot of every token in the step, -1 for the base model."""
-        slots = torch.as_tensor(token_slots, dtype=torch.int64, device="cpu").reshape(-1)
-        num_tokens = int(slots.numel())
-        lora_tokens = torch.nonzero(slots >= 0).reshape(-1)
-        order = torch.argsort(slots[lora_tokens], stable=True)
-        sorted_ids = lora_tokens[order]
-        slot_ids, counts = torch.unique_consecutive(slots[sorted_ids], return_counts=True)
-        starts = torch.cumsum(counts, 0) - counts
-        n = int(sorted_ids.numel())
-        contiguous = bool(n == 0 or torch.equal(sorted_ids, torch.arange(n)))
+    def build(cls, token_slots: Sequence[int] | torch.Tensor, device: torch.device | str = "cpu") -> LoraBatch:
+        """token_slots: the adapter slot of every token in the step, -1 for the base model.
+
+        Grouped in Python: a decode step has a few dozen tokens, and the dozen small torch calls that a
+        tensor grouping takes (nonzero, argsort, unique, cumsum, ...) cost about 0.2 ms a step on a CPU."""
+        if isinstance(token_slots, torch.Tensor):
+            token_slots = token_slots.reshape(-1).tolist()
+        groups: dict[int, list[int]] = {}
+        num_tokens = 0
+        for i, slot in enumerate(token_slots):
+            num_tokens += 1
+            if slot >= 0:
+                groups.setdefault(int(slot), []).append(i)
+        slot_ids = sorted(groups)
+        sorted_ids: list[int] = []
+        starts, counts = [], []
+        for slot in slot_ids:
+            starts.append(len(sorted_ids))
+            counts.append(len(groups[slot]))
+            sorted_ids += groups[slot]
         dev = torch.device(device)
+        table = torch.tensor([slot_ids, starts, counts], dtype=torch.int32, device=dev).reshape(3, -1)
         return cls(
             num_tokens=num_tokens,
-            sorted_token_ids=sorted_ids.to(dev),
-            slot_ids=slot_ids.tolist(),
-            starts=starts.tolist(),
-            counts=counts.tolist(),
-            contiguous=contiguous,
-            slot_ids_t=slot_ids.to(dev, torch.int32),
-            starts_t=starts.to(dev, torch.int32),
-            counts_t=counts.to(dev, torch.int32),
+            sorted_token_ids=torch.tensor(sorted_ids, dtype=torch.int64, device=dev),
+            slot_ids=slot_ids,
+            starts=starts,
+            counts=counts,
+            contiguous=sorted_ids == list(range(len(sorted_ids))),
+            slot_ids_t=table[0],
+            starts_t=table[1],
+            counts_t=table[2],
         )
 
 

@@ -594,6 +594,11 @@ class CpuLoraStep:
         self._width = width
         self._shrunk = torch.empty(batch.num_lora_tokens, width, dtype=torch.float32)
 
+    @property
+    def width(self) -> int:
+        """The shrunk-values buffer's width: the most A rows a call of this step may have."""
+        return self._width
+
     def step_tensors(self) -> list[torch.Tensor]:
         """What every call of the step shares: sorted token ids, groups, the shrunk-values buffer."""
         return [self._ids, self._groups, self._shrunk]
@@ -621,9 +626,10 @@ _F32 = torch.float32
 _WEIGHT_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
 
-def cpu_lora_step(batch: LoraBatch, weights) -> CpuLoraStep | None:
+def cpu_lora_step(batch: LoraBatch, weights, width: int | None = None) -> CpuLoraStep | None:
     """The step's fast path for CPU slot weights (fp32, or fp16/bf16 with fp32 activations); None where the
-    kernel is not available, the slots are not on the CPU or the step has no adapter tokens."""
+    kernel is not available, the slots are not on the CPU or the step has no adapter tokens. `width`: the
+    most A rows of any of `weights` (the owner may know it; otherwise found here)."""
     if batch.empty or not weights:
         return None
     first = next(iter(weights.values()))
@@ -632,7 +638,7 @@ def cpu_lora_step(batch: LoraBatch, weights) -> CpuLoraStep | None:
     mod = _load()
     if mod is None:
         return None
-    return CpuLoraStep(mod, batch, max(w.a_rows for w in weights.values()))
+    return CpuLoraStep(mod, batch, width if width is not None else max(w.a_rows for w in weights.values()))
 
 
 def add_lora_cpu(y: torch.Tensor, x: torch.Tensor, w: LoraSlotWeights, batch: LoraBatch) -> None:

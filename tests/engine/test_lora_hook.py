@@ -58,7 +58,8 @@ class FakeAdapterSlots:
     def wait_for_load(self, timeout):
         pass
 
-    def build_step(self, token_slots):
+    def build_step(self, token_slots):  # a list of slots (or a tensor), as LoraManager.build_step takes
+        token_slots = torch.as_tensor(token_slots, dtype=torch.long)
         self.steps.append(token_slots.tolist())
         if bool((token_slots < 0).all()):
             return None

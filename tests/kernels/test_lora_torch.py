@@ -53,6 +53,15 @@ def test_batch_groups_tokens_by_slot():
     assert batch.sorted_token_ids.tolist() == [6, 2, 4, 0, 3]
     assert not batch.contiguous
     assert LoraBatch.build([1, 1, 4, -1]).contiguous
+    # the same grouping from a tensor of slots (any shape), with the group table as int32 tensors
+    for given in (torch.tensor([5, -1, 2, 5, 2, -1, 0]), torch.tensor([[5, -1, 2, 5, 2, -1, 0]])):
+        same = LoraBatch.build(given)
+        assert (same.num_tokens, same.slot_ids, same.starts, same.counts) == (7, [0, 2, 5], [0, 1, 3], [1, 2, 2])
+        assert same.sorted_token_ids.dtype == torch.int64 and same.sorted_token_ids.tolist() == [6, 2, 4, 0, 3]
+    assert [t.tolist() for t in (batch.slot_ids_t, batch.starts_t, batch.counts_t)] == [[0, 2, 5], [0, 1, 3], [1, 2, 2]]
+    assert batch.slot_ids_t.dtype == torch.int32
+    empty = LoraBatch.build([-1, -1])
+    assert empty.empty and empty.num_tokens == 2 and empty.num_lora_tokens == 0 and empty.slot_ids_t.numel() == 0
 
 
 @pytest.mark.parametrize("views", [False, True], ids=["slot-copies", "slot-views"])
