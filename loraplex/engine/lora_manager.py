@@ -194,6 +194,7 @@ class LoraManager:
             for p in self.projections
         }
         self._widest = max((w.a_rows for w in self.weights.values()), default=0)
+        self._last_step: tuple[list[int], LoraStep | None] | None = None  # (slot list, state) of the last step
         self._lock = threading.RLock()
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lora-load")
         self._gate = threading.Condition()  # loads_paused(): the step thread holds loads back
@@ -474,11 +475,19 @@ class LoraManager:
             return True
 
     def build_step(self, token_slots: Sequence[int] | torch.Tensor) -> LoraStep | None:
-        """The forward context's LoRA state for a step; None when no token uses an adapter."""
-        batch = LoraBatch.build(token_slots, device=self.device)
-        if batch.empty:
-            return None
-        return LoraStep(batch, self.weights, self._widest)
+        """The forward context's LoRA state for a step; None when no token uses an adapter.
+
+        Successive decode steps of the same running requests have the same slot list: the previous step's
+        state is then reused (it holds the grouping and a scratch buffer, nothing that a slot's contents
+        change: the kernels read the slot tables, which loads update in place, at every call)."""
+        slots = token_slots.reshape(-1).tolist() if isinstance(token_slots, torch.Tensor) else list(token_slots)
+        last = self._last_step
+        if last is not None and last[0] == slots:
+            return last[1]
+        batch = LoraBatch.build(slots, device=self.device)
+        step = None if batch.empty else LoraStep(batch, self.weights, self._widest)
+        self._last_step = (slots, step)
+        return step
 
     # ---- blocking convenience (benchmarks, offline use) ---------------------------------------------
 

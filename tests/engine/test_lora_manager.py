@@ -79,6 +79,39 @@ def test_slot_holds_the_adapter_and_step_applies_it():
     assert m.build_step([-1, -1]) is None
 
 
+def test_a_step_with_the_same_slots_reuses_the_state_and_reads_what_the_slot_holds_now():
+    store = FakeStore()
+    m = _manager(store, max_loras=1)
+    a, b = store.add("a", 4), store.add("b", 8)
+    _ready(m, a)
+    slot = m.try_acquire(a)
+    x = torch.randn(2, 16)
+
+    def o_proj_delta(step):
+        y = torch.zeros(2, 16)
+        step.apply(0, ("o_proj",), x, y, (16,))
+        return y
+
+    first = m.build_step([slot, -1])
+    wa = store.adapters["a"][(0, "o_proj")]
+    torch.testing.assert_close(o_proj_delta(first)[0], x[0] @ wa[0].t() @ wa[1].t())
+    # the slot now holds another adapter: the same slot list gives the same state, which reads the new weights
+    m.release(a.key)
+    assert m.remove(a.key)
+    _ready(m, b)
+    assert m.try_acquire(b) == slot
+    again = m.build_step(torch.tensor([slot, -1]))
+    assert again is first
+    wb = store.adapters["b"][(0, "o_proj")]
+    delta = o_proj_delta(again)
+    torch.testing.assert_close(delta[0], x[0] @ wb[0].t() @ wb[1].t())
+    assert torch.equal(delta[1], torch.zeros(16))
+    # another slot list: a new grouping
+    other = m.build_step([-1, slot])
+    assert other is not first and other.batch.sorted_token_ids.tolist() == [1]
+    assert m.build_step([-1, -1]) is None and m.build_step([-1, slot]) is not other  # None was the last
+
+
 def test_lru_eviction_spares_adapters_in_use_and_pinned():
     store = FakeStore()
     m = _manager(store, max_loras=2)
