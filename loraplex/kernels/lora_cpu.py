@@ -236,6 +236,27 @@ static inline void shrink_block_2x8(const W* const* arows, const float* const* x
   shrink_finish<W, 2, 8>(acc, arows, xrows, k, in, out, os);
 }
 
+// The AVX2 prefill shape (2 A rows x 6 tokens): the two A vectors held in registers, each x vector loaded once
+// and used for both rows: 8 loads per 12 multiply-adds, 12 accumulators.
+template <typename W>
+static inline void shrink_block_2x6(const W* const* arows, const float* const* xrows, int64_t in, float* out,
+                                    int64_t os, int64_t ahead) {
+  vfw c00{}, c01{}, c02{}, c03{}, c04{}, c05{}, c10{}, c11{}, c12{}, c13{}, c14{}, c15{};
+  int64_t k = 0;
+  for (; k + VW <= in; k += VW) {
+    vfw a0 = ldw(arows[0] + k), a1 = ldw(arows[1] + k);
+    LP_IN_REGISTER(a0);
+    LP_IN_REGISTER(a1);
+    if ((k & 15) == 0)
+      for (int r = 0; r < 2; ++r) __builtin_prefetch(arows[r] + ahead + k, 0, 2);
+#define LP_T(t) { vfw x = ldw(xrows[t] + k); LP_IN_REGISTER(x); c0##t += a0 * x; c1##t += a1 * x; }
+    LP_T(0) LP_T(1) LP_T(2) LP_T(3) LP_T(4) LP_T(5)
+#undef LP_T
+  }
+  const vfw acc[2][6] = {{c00, c01, c02, c03, c04, c05}, {c10, c11, c12, c13, c14, c15}};
+  shrink_finish<W, 2, 6>(acc, arows, xrows, k, in, out, os);
+}
+
 // All `total` A rows (as1 apart) against NT tokens, R rows at a time.
 template <typename W, int R, int NT>
 static void shrink_rows(const W* a, int64_t as1, int64_t total, const float* const* xrows, int64_t in,
@@ -248,6 +269,8 @@ static void shrink_rows(const W* a, int64_t as1, int64_t total, const float* con
       shrink_block_named<W, R, NT>(arows, xrows, in, out + j, os, R * as1);
     else if constexpr (R == 2 && NT == 8 && VW == 16)
       shrink_block_2x8<W>(arows, xrows, in, out + j, os, R * as1);
+    else if constexpr (R == 2 && NT == 6)
+      shrink_block_2x6<W>(arows, xrows, in, out + j, os, R * as1);
     else
       shrink_block<W, R, NT>(arows, xrows, in, out + j, os, R * as1);
   }
@@ -274,12 +297,14 @@ constexpr int WIDE_ROWS = 2;
 template <typename W>
 constexpr bool ONE_ROW_DECODE = VW == 16 && std::is_same<W, float>::value;
 
-// Prefill pieces (more than four tokens) go eight tokens at a time: each weight vector loaded from L2 then
-// serves eight tokens instead of four, with 16 accumulators (AVX-512: 2 A rows or 2 B vectors; 8 without).
-// The 120 projections of SmolLM2 over a 1572-token prefill with 8 adapters (Zen 5): 164 -> 115 ms; blocks of
-// 6, 12 or 16 tokens, or 24 accumulators, measured 11-26% slower than these.
-constexpr int PREFILL_TOKENS = 8;
-constexpr int PREFILL_ROWS = WIDE_ROWS == 4 ? 2 : 1;
+// Prefill pieces (more than four tokens) go eight tokens at a time with AVX-512: each weight vector loaded
+// from L2 then serves eight tokens instead of four, with 16 accumulators (2 A rows or 2 B vectors). The 120
+// projections of SmolLM2 over a 1572-token prefill with 8 adapters (Zen 5): 164 -> 115 ms; blocks of 6, 12
+// or 16 tokens, or 24 accumulators, measured 11-26% slower than these. With AVX2's 16 registers, six tokens
+// by 2 A rows or 2 B vectors (12 accumulators): 8 loads per 12 multiply-adds, where eight tokens by one row
+// took 9 loads per 8 (1529-token prefill with 8 adapters, Zen 3: 497 -> 434 ms; five tokens 480 ms).
+constexpr int PREFILL_TOKENS = VW == 16 ? 8 : 6;
+constexpr int PREFILL_ROWS = 2;
 
 // y[t][c] += sum over q < r of s[t][q] * B[q][c], for NT tokens and NC vectors of columns: the B vectors
 // of a row are loaded once for all NT tokens, and the NT * NC accumulators stay in registers over the rank.
@@ -550,7 +575,7 @@ void lora_groups(torch::Tensor y, torch::Tensor x, torch::Tensor a_ptrs, torch::
 int64_t lora_groups_address() { return reinterpret_cast<int64_t>(&lora_groups); }
 """
 
-EXTENSION_NAME = "loraplex_lora_cpu_v23"  # bump the suffix when the C++ source changes incompatibly
+EXTENSION_NAME = "loraplex_lora_cpu_v24"  # bump the suffix when the C++ source changes incompatibly
 _EXTENSION = InlineExtension(
     EXTENSION_NAME, _SOURCE, ["lora_groups", "lora_groups_address"], what="CPU LoRA kernel",
 )
