@@ -27,7 +27,9 @@ def _compiled():
         [3, 0, 3, 3, 2, 3, 0, 3, 3, 0, 3, 0, 0, 3, 2],  # groups of 4-8 tokens: blocks of four plus a rest
     ],
 )
-@pytest.mark.parametrize("hidden,out_slices", [(576, (64, 16, 16)), (96, (40,)), (101, (24, 7))])
+# 1100 inputs: a prefill block's shrink runs in three blocks of the K columns (368, 368, 364: the last with a
+# rest past its full vectors), each added to the sums of the ones before
+@pytest.mark.parametrize("hidden,out_slices", [(576, (64, 16, 16)), (96, (40,)), (101, (24, 7)), (1100, (24, 8))])
 @pytest.mark.parametrize("views", [False, True], ids=["slot-copies", "slot-views"])
 def test_cpu_kernel_matches_definition(token_slots, hidden, out_slices, views):
     gen = torch.Generator().manual_seed(len(token_slots) + hidden)
@@ -62,7 +64,7 @@ def test_cpu_kernel_reads_half_precision_slots(dtype, views):
     definition computed in fp32 on the same rounded weights, for decode groups, prefill pieces and rows
     that are no multiple of the vector width; the torch path agrees too."""
     for token_slots in ([0, 2, -1, 1, 0, 2, 3, -1], [1] * 70 + [0] * 33 + [-1] * 4 + [3] * 3):
-        for hidden, out_slices in ((576, (64, 16, 16)), (101, (24, 7))):
+        for hidden, out_slices in ((576, (64, 16, 16)), (101, (24, 7)), (1100, (24, 8))):
             w, per_slot, x, y, batch = _mixed_problem(token_slots, hidden, out_slices, views=views, dtype=dtype)
             assert w.slot_a(1).dtype == dtype
             expected = oracle(x, y, per_slot, token_slots, out_slices)
@@ -139,7 +141,7 @@ def test_cpu_kernel_built_without_avx512_matches_definition():
              ([0, 2, -1, 1, 0, 2, 3, -1], torch.float16, generic), ([1] * 40 + [2] * 3 + [0], torch.float16, generic),
              ([1] * 40 + [2] * 3 + [0], torch.bfloat16, generic)]
     for token_slots, dtype, mod in cases:
-        for hidden, out_slices in ((576, (64, 16, 16)), (101, (24, 7))):
+        for hidden, out_slices in ((576, (64, 16, 16)), (101, (24, 7)), (1100, (24, 8))):
             w, per_slot, x, y, batch = _mixed_problem(token_slots, hidden, out_slices, dtype=dtype)
             expected = oracle(x, y, per_slot, token_slots, out_slices)
             groups = lora_cpu._groups(batch)
