@@ -453,7 +453,7 @@ static void lora_groups_impl(torch::Tensor y, torch::Tensor x, torch::Tensor a_p
     const W* abase = reinterpret_cast<const W*>(ap[slot]);
     // A block's x rows stay in L1 over every A row when they fit: wider inputs (SmolLM2's down projection,
     // 1536) go in blocks of at most 512 columns, each block's sums added to the previous ones (Zen 3, one
-    // 192-token group of rank 32, 1536 -> 576, one thread: the call 59 -> 72 GFLOP/s).
+    // 192-token group of rank 32, 1536 -> 576, one thread, weights in cache: the call 59-61 -> 67-73 GFLOP/s).
     const int64_t kblocks = in > 768 ? (in + 511) / 512 : 1;
     const int64_t kc = ((in + kblocks - 1) / kblocks + VW - 1) / VW * VW;
     int64_t tb = 0;
