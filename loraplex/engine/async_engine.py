@@ -21,6 +21,7 @@ from loraplex.engine.llm_engine import LLMEngine
 from loraplex.engine.lora_request import LoRARequest
 from loraplex.engine.outputs import RequestOutput
 from loraplex.engine.sampling_params import SamplingParams
+from loraplex.engine.scheduler import fit_max_tokens
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +85,7 @@ class AsyncEngine:
             raise EngineOverloadedError("too many requests are queued; try again later")
         # Validate here, so a bad request fails in the caller before anything is streamed.
         _, ids = self.engine.encode_prompt(prompt)
-        self.engine.scheduler.check_fits(len(ids), params.max_tokens, params.n)
+        params = fit_max_tokens(self.engine.scheduler, len(ids), params)
         stream = _Stream(asyncio.get_running_loop())
         self._streams[request_id] = stream
         added: Future = Future()

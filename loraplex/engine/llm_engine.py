@@ -30,7 +30,7 @@ from loraplex.engine.outputs import RequestOutput
 from loraplex.engine.request_state import RequestState
 from loraplex.engine.sampler import Sampler
 from loraplex.engine.sampling_params import SamplingParams
-from loraplex.engine.scheduler import Scheduler
+from loraplex.engine.scheduler import Scheduler, fit_max_tokens
 from loraplex.engine.sequence import Sequence
 from loraplex.engine.tokenizer import Tokenizer
 
@@ -259,7 +259,7 @@ class LLMEngine:
         if params.prompt_logprobs is not None:
             raise InvalidRequestError("prompt_logprobs is not supported", param="prompt_logprobs")
         text, ids = self.encode_prompt(prompt)
-        self.scheduler.check_fits(len(ids), params.max_tokens, params.n)
+        params = fit_max_tokens(self.scheduler, len(ids), params)
         if lora is not None and self.adapter_slots is None:
             raise InvalidRequestError("this engine was started without adapter support", param="adapter")
         seqs = [Sequence(request_id, ids, params, index=i, lora=lora, tenant=tenant) for i in range(params.n)]

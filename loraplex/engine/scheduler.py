@@ -9,6 +9,7 @@ and waits without holding up the others.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
@@ -17,6 +18,7 @@ from loraplex.engine.adapter_slots import AdapterSlots
 from loraplex.engine.block_manager import BlockManager, cache_salt
 from loraplex.engine.errors import InvalidRequestError
 from loraplex.engine.fairness import VirtualTokenCounter
+from loraplex.engine.sampling_params import SamplingParams
 from loraplex.engine.sequence import Sequence, SequenceStatus
 
 
@@ -73,8 +75,11 @@ class Scheduler:
         tenants.update(s.tenant for s in self.running)
         return tenants
 
-    def check_fits(self, prompt_len: int, max_tokens: int | None, n: int = 1) -> None:
-        """Refuse a request that could never run, even alone on an empty cache."""
+    def check_fits(self, prompt_len: int, max_tokens: int | None, n: int = 1) -> int | None:
+        """Refuse a request that could never run, even alone on an empty cache. Returns the max_tokens to
+        run it with: the one given, or for an unset one (up to the context) None when the whole context fits
+        and otherwise the most that the cache can hold for all n completions at once (they then finish with
+        "length" there, as at the end of the context)."""
         if prompt_len >= self.max_model_len:
             raise InvalidRequestError(
                 f"prompt has {prompt_len} tokens but the model's context is {self.max_model_len} tokens "
@@ -84,13 +89,19 @@ class Scheduler:
         total = self.max_model_len if max_tokens is None else min(prompt_len + max_tokens, self.max_model_len)
         shared = prompt_len // self.bm.block_size  # full prompt blocks n > 1 completions share
         needed = shared + n * (self.bm.blocks_needed(total) - shared)
-        if needed > self.bm.num_blocks:
-            raise InvalidRequestError(
-                f"request needs {needed} KV cache blocks ({prompt_len} prompt tokens, up to {total} in all"
-                f"{f', n={n}' if n > 1 else ''}) but the cache has only {self.bm.num_blocks}; "
-                f"lower max_tokens or raise the KV cache size",
-                param="max_tokens",
-            )
+        if needed <= self.bm.num_blocks:
+            return max_tokens
+        if max_tokens is None:
+            per_seq = shared + (self.bm.num_blocks - shared) // n  # blocks each completion may hold
+            room = min(per_seq * self.bm.block_size, self.max_model_len) - prompt_len
+            if room >= 1:
+                return room
+        raise InvalidRequestError(
+            f"request needs {needed} KV cache blocks ({prompt_len} prompt tokens, up to {total} in all"
+            f"{f', n={n}' if n > 1 else ''}) but the cache has only {self.bm.num_blocks}; "
+            f"lower max_tokens or raise the KV cache size",
+            param="max_tokens",
+        )
 
     def add(self, seq: Sequence) -> None:
         self.fairness.on_arrival(seq.tenant, self._backlogged_tenants())
@@ -280,3 +291,18 @@ class Scheduler:
                 self.fairness.charge(member.tenant, 0, 1)
                 got_token.append(member)
         return got_token
+
+
+def fit_max_tokens(scheduler: Scheduler, prompt_len: int, params: SamplingParams) -> SamplingParams:
+    """`params` as the request will run: refused (InvalidRequestError) if it could never run, and with an
+    unset max_tokens capped to what the KV cache holds for its n completions (see `Scheduler.check_fits`)."""
+    max_tokens = scheduler.check_fits(prompt_len, params.max_tokens, params.n)
+    if max_tokens == params.max_tokens:
+        return params
+    if max_tokens < params.min_tokens:
+        raise InvalidRequestError(
+            f"min_tokens {params.min_tokens} cannot be reached: the KV cache holds at most {max_tokens} new "
+            f"tokens for each of the {params.n} completions of this prompt ({prompt_len} tokens)",
+            param="min_tokens",
+        )
+    return dataclasses.replace(params, max_tokens=max_tokens)

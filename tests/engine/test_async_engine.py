@@ -83,3 +83,26 @@ async def test_explicit_abort_ends_the_stream(engine):
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
+
+
+async def test_unset_max_tokens_with_several_completions_fits_the_cache(tiny_llama_dir):
+    # 8 blocks of 16 tokens: the tiny model's 512-token context does not fit twice, so an unset max_tokens
+    # with n=2 runs each completion up to what the cache holds for both, instead of being refused.
+    eng = AsyncEngine(EngineConfig(str(tiny_llama_dir), num_kv_blocks=8, block_size=16))
+    await eng.start()
+    try:
+        params = SamplingParams(temperature=0.8, seed=1, n=2, max_tokens=None, ignore_eos=True)
+        prompt_len = len(eng.encode("Hello world"))
+        outs = [o async for o in eng.generate("Hello world", params, "unset")]
+        last = outs[-1]
+        assert last.finished and len(last.outputs) == 2
+        shared = prompt_len // 16
+        room = (shared + (8 - shared) // 2) * 16 - prompt_len
+        for comp in last.outputs:
+            assert comp.finish_reason == "length" and len(comp.token_ids) == room
+        assert eng.stats().kv_blocks_used == 0
+        with pytest.raises(InvalidRequestError, match="KV cache blocks"):
+            async for _ in eng.generate("Hello world", SamplingParams(n=9, max_tokens=None), "too-many"):
+                pass
+    finally:
+        await eng.shutdown()

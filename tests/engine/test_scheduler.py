@@ -8,7 +8,7 @@ from loraplex.engine.block_manager import BlockManager
 from loraplex.engine.errors import InvalidRequestError
 from loraplex.engine.lora_request import LoRARequest
 from loraplex.engine.sampling_params import SamplingParams
-from loraplex.engine.scheduler import Scheduler
+from loraplex.engine.scheduler import Scheduler, fit_max_tokens
 from loraplex.engine.sequence import Sequence, SequenceStatus
 
 
@@ -71,6 +71,26 @@ def test_request_that_can_never_fit_is_refused():
     with pytest.raises(InvalidRequestError, match="context"):
         s.check_fits(256, 1)
     s.check_fits(10, 6)
+
+
+def test_unset_max_tokens_is_capped_to_what_the_cache_holds():
+    # 4 blocks of 4 tokens, context 256: a 10-token prompt fills 2 full blocks and part of a third
+    s = _scheduler(num_blocks=4, block_size=4)
+    assert s.check_fits(10, 6) == 6  # a given max_tokens is kept as it is
+    assert s.check_fits(10, None) == 6  # one completion: 4 blocks, 16 tokens in all
+    # n=2: the 2 full prompt blocks are shared, each completion gets one block of its own: 12 tokens in all
+    assert s.check_fits(10, None, n=2) == 2
+    with pytest.raises(InvalidRequestError, match="KV cache blocks"):
+        s.check_fits(10, None, n=3)  # no block left for the third completion
+    roomy = _scheduler(num_blocks=1000, block_size=4)
+    assert roomy.check_fits(10, None, n=4) is None  # the whole context fits: left unset
+
+    params = SamplingParams(max_tokens=None, n=2, temperature=0.7, min_tokens=1)
+    fitted = fit_max_tokens(s, 10, params)
+    assert fitted.max_tokens == 2 and fitted.n == 2 and fitted.temperature == 0.7 and params.max_tokens is None
+    assert fit_max_tokens(roomy, 10, params) is params
+    with pytest.raises(InvalidRequestError, match="min_tokens 3 cannot be reached"):
+        fit_max_tokens(s, 10, SamplingParams(max_tokens=None, n=2, min_tokens=3))
 
 
 def test_least_served_tenant_goes_first():

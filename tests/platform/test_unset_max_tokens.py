@@ -28,7 +28,7 @@ def test_unset_max_tokens_fits_the_token_rate(client, make_tenant, fake_engine):
 def test_unset_max_tokens_with_n_and_prompts_splits_the_budget(client, make_tenant, fake_engine):
     tenant = make_tenant(tokens_per_minute=120)
     r = client.post("/v1/completions", headers=tenant.headers,
-                    json={"model": "fake-base", "prompt": ["one two", "three four"], "n": 2})
+                    json={"model": "fake-base", "prompt": ["one two", "three four"], "n": 2, "max_tokens": None})
     assert r.status_code == 200, r.text
     prompts = sum(len(q["prompt_ids"]) for q in fake_engine.requests[-2:])
     usage = r.json()["usage"]
@@ -45,3 +45,14 @@ def test_explicit_max_tokens_is_not_rewritten(client, make_tenant, fake_engine):
     r = _chat(client, big)  # a large limit: the whole context stays available
     assert r.status_code == 200
     assert fake_engine.requests[-1]["params"].max_tokens is None
+
+
+def test_text_completions_default_to_16_tokens_as_openai_does(client, make_tenant, fake_engine):
+    tenant = make_tenant()
+    r = client.post("/v1/completions", headers=tenant.headers, json={"model": "fake-base", "prompt": "one two"})
+    assert r.status_code == 200, r.text
+    assert fake_engine.requests[-1]["params"].max_tokens == 16
+    assert r.json()["usage"]["completion_tokens"] <= 16
+    # chat completions keep no default: up to the context
+    r = _chat(client, tenant)
+    assert r.status_code == 200 and fake_engine.requests[-1]["params"].max_tokens is None
