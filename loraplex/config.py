@@ -46,7 +46,7 @@ class Settings(BaseSettings):
     default_monthly_token_budget: int = 100_000_000
 
     host: str = "127.0.0.1"
-    port: int = 8000
+    port: int = Field(default=8000, ge=0, le=65535)  # 0: any free port
     # seconds an idle keep-alive connection stays open; longer than HTTP clients' pool expiry (httpx and the
     # openai client drop idle connections after 5 s), so a client never reuses one the server is closing
     keep_alive_timeout: float = Field(default=75.0, gt=0)

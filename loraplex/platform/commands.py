@@ -54,7 +54,7 @@ def _refuse_busy_port(host: str, port: int) -> None:
 @click.command()
 @click.option("--model", default=None, help="base model: local HF folder, .gguf file, Hub id or 'smollm2-135m'")
 @click.option("--host", default=None, help="address to listen on (default 127.0.0.1)")
-@click.option("--port", default=None, type=int, help="port (default 8000)")
+@click.option("--port", default=None, type=click.IntRange(0, 65535), help="port (default 8000)")
 @click.option("--data-dir", default=None, type=click.Path(file_okay=False), help="where SQLite and adapters live")
 @click.option("--no-engine", is_flag=True, help="API only: route inference to `loraplex engine` processes")
 def serve(model, host, port, data_dir, no_engine):
@@ -119,7 +119,7 @@ def worker(queues, concurrency, pool, beat, loglevel):
 @click.command()
 @click.option("--model", default=None, help="base model (default: LORAPLEX_MODEL)")
 @click.option("--host", default="127.0.0.1", show_default=True)
-@click.option("--port", default=8100, show_default=True, type=int)
+@click.option("--port", default=8100, show_default=True, type=click.IntRange(0, 65535))
 @click.option("--advertise", default=None, help="URL API processes use to reach this engine (default http://HOST:PORT)")
 def engine(model, host, port, advertise):
     """An engine process: holds the model, serves API processes, consumes its own task queue."""

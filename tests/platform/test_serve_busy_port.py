@@ -41,6 +41,21 @@ def test_unknown_host_is_refused_clearly(data_dir):
     assert "Traceback" not in r.output
 
 
+@pytest.mark.parametrize("port", ["99999", "65536", "-1"])
+def test_port_out_of_range_is_refused_before_anything_is_created(data_dir, port):
+    # the socket API would take 99999 modulo 65536 for the probe, and the server then never came up
+    r = CliRunner().invoke(serve, ["--port", port])
+    assert r.exit_code == 2 and "is not in the range 0<=x<=65535" in r.output, r.output
+    assert not (data_dir / "loraplex.db").exists()
+
+
+def test_port_setting_out_of_range_names_the_variable(data_dir, monkeypatch):
+    monkeypatch.setenv("LORAPLEX_PORT", "70000")
+    r = CliRunner().invoke(serve, [])
+    assert r.exit_code == 1 and "port (LORAPLEX_PORT)" in r.output and "65535" in r.output, r.output
+    assert "Traceback" not in r.output and not (data_dir / "loraplex.db").exists()
+
+
 def test_idle_connections_outlive_client_pools(data_dir, monkeypatch):
     """HTTP clients (httpx, the openai client) drop idle pooled connections after 5 s; a server that closes
     them at the same moment races with a client reusing one, which then reads ECONNRESET."""
