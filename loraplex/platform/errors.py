@@ -97,7 +97,12 @@ async def _validation_handler(_request: Request, exc: RequestValidationError) ->
         return bad_request("We could not parse the JSON body of your request: "
                            f"{first.get('ctx', {}).get('error', 'invalid JSON')}").response()
     msg = first.get("msg", "invalid value")
-    message = f"Invalid value for '{param}': {msg}" if param else f"Invalid request: {msg}"
+    if first.get("type") == "missing" and param:
+        message = f"Missing required parameter: '{param}'"
+    elif first.get("type") == "extra_forbidden" and param:
+        message = f"Unrecognized request argument supplied: '{param}'"
+    else:
+        message = f"Invalid value for '{param}': {msg}" if param else f"Invalid request: {msg}"
     if len(errors) > 1:
         message += f" (and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''})"
     return bad_request(message, param=param).response()

@@ -7,11 +7,11 @@ from typing import Annotated
 
 from fastapi import APIRouter, Query
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 from sqlalchemy import select
 
 from loraplex.platform.billing.export import statement_dict, statements_summary_csv
-from loraplex.platform.billing.periods import days_in, parse_period, resolve_range
+from loraplex.platform.billing.periods import days_in, parse_period, resolve_rollup_range
 from loraplex.platform.billing.prices import price_lists, set_plan_price, set_tenant_override, tenant_override
 from loraplex.platform.billing.pricing import Price, PriceOverride
 from loraplex.platform.billing.reports import usage_report
@@ -42,6 +42,7 @@ def _effective_period():
 
 
 class PriceBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
     prompt_price: Micros
     completion_price: Micros
     adapter_surcharge_price: Micros
@@ -50,6 +51,7 @@ class PriceBody(BaseModel):
 
 
 class OverrideBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
     prompt_price: Micros | None = None
     completion_price: Micros | None = None
     adapter_surcharge_price: Micros | None = None
@@ -57,10 +59,12 @@ class OverrideBody(BaseModel):
 
 
 class PeriodBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
     period: str = Field(pattern=r"^\d{4}-\d{2}$", examples=["2026-10"])
 
 
 class RollupBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
     start: date
     end: date | None = None
 
@@ -175,7 +179,7 @@ def finalize(*, _admin: AdminDep, session: SessionDep, body: PeriodBody) -> JSON
 @router.post("/rollups")
 def run_rollups(*, _admin: AdminDep, session: SessionDep, body: RollupBody) -> JSONResponse:
     try:
-        start, end = resolve_range(body.start, body.end or body.start)
+        start, end = resolve_rollup_range(body.start, body.end)
     except ValueError as exc:
         raise bad_request(str(exc), param="start") from exc
     rows = {d.isoformat(): rollup_day(session, d) for d in days_in(start, end)}

@@ -151,11 +151,11 @@ def finalize_cmd(period):
 @click.option("--end", type=click.DateTime(["%Y-%m-%d"]), default=None, help="last day of a range")
 def rollup_cmd(day, end):
     """Rebuild the daily usage rollups of DAY (or DAY..END); idempotent."""
-    from loraplex.platform.billing.periods import days_in, resolve_range
+    from loraplex.platform.billing.periods import days_in, resolve_rollup_range
     from loraplex.platform.billing.rollups import rollup_day
 
     try:
-        lo, hi = resolve_range(day.date(), (end or day).date())
+        lo, hi = resolve_rollup_range(day.date(), end.date() if end else None)
     except ValueError as exc:
         raise click.BadParameter(str(exc)) from exc
     with _session() as (session, _):

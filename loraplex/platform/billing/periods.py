@@ -55,8 +55,20 @@ def resolve_range(start: date | None, end: date | None, *, today: date | None = 
     start = start or end.replace(day=1)
     if start > end:
         raise ValueError(f"start {start} is after end {end}")
+    if end >= date.max:  # a day's range ends at the next day's start, which datetime.date cannot hold
+        raise ValueError(f"dates must be before {date.max}")
     if (end - start).days + 1 > MAX_REPORT_DAYS:
         raise ValueError(f"a report covers at most {MAX_REPORT_DAYS} days")
+    return start, end
+
+
+def resolve_rollup_range(start: date, end: date | None, *, today: date | None = None) -> tuple[date, date]:
+    """Inclusive [start, end] of days to roll up (end defaults to start). Days after today are refused: their
+    rollup would record no usage, and once the day had passed reports would read it instead of its records."""
+    today = today or today_utc()
+    start, end = resolve_range(start, end or start, today=today)
+    if end > today:
+        raise ValueError(f"{end} has not begun yet (today is {today}, UTC); a day can be rolled up once it has")
     return start, end
 
 

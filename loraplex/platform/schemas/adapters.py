@@ -46,4 +46,5 @@ class AdapterDeleted(BaseModel):
 
 
 class PrefetchRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
     pin: bool = False

@@ -32,7 +32,7 @@ class PlanBase(BaseModel):
 
 
 class PlanCreate(PlanBase):
-    pass
+    model_config = ConfigDict(extra="forbid")  # a misspelt field is refused, not silently dropped
 
 
 class PlanPublic(PlanBase):
@@ -47,6 +47,7 @@ class TenantBase(QuotaFields):
 
 class TenantCreate(TenantBase):
     plan: str | None = Field(default=None, description="name of an existing plan")
+    model_config = ConfigDict(extra="forbid")
 
 
 class TenantUpdate(QuotaFields):
@@ -72,6 +73,7 @@ class TenantPublic(TenantBase):
 
 
 class KeyCreate(BaseModel):
+    model_config = ConfigDict(extra="forbid")
     name: str = Field(default="default", max_length=64)
     scopes: list[str] = Field(default_factory=lambda: list(ALL_SCOPES))
 

@@ -1,0 +1,84 @@
+"""Admin request bodies: a misspelt or unknown field is refused by name instead of silently dropped; a missing
+one is named as missing; rollups refuse days that have not begun and dates at the end of the calendar."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+from click.testing import CliRunner
+
+from loraplex.cli import main
+from loraplex.platform.billing.periods import today_utc
+
+PLAN = {"name": "gold", "requests_per_minute": 10, "tokens_per_minute": 100, "max_concurrent": 2,
+        "monthly_token_budget": 1000}
+
+
+def _admin(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+@pytest.mark.parametrize(("method", "path", "body", "field"), [
+    ("post", "/admin/api/tenants", {"name": "acme", "plan_id": 1}, "plan_id"),
+    ("post", "/admin/api/plans", {**PLAN, "rpm": 5}, "rpm"),
+    ("post", "/admin/api/tenants/{tenant}/keys", {"name": "k", "scope": ["inference"]}, "scope"),
+    ("put", "/admin/api/billing/prices/default",
+     {"prompt_price": 1, "completion_price": 1, "adapter_surcharge_price": 0, "currncy": "EUR"}, "currncy"),
+    ("put", "/admin/api/billing/tenants/{tenant}/price-override", {"completion": 7}, "completion"),
+    ("post", "/admin/api/billing/statements/finalize", {"period": "2026-10", "force": True}, "force"),
+    ("post", "/admin/api/billing/rollups", {"start": "2026-10-01", "until": "2026-10-02"}, "until"),
+])
+def test_unknown_fields_are_refused_by_name(client, admin_key, make_tenant, method, path, body, field):
+    tenant = make_tenant()
+    r = getattr(client, method)(path.format(tenant=tenant.tenant_id), headers=_admin(admin_key), json=body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error" and err["param"] == field
+    assert err["message"] == f"Unrecognized request argument supplied: '{field}'"
+
+
+def test_nothing_is_created_by_a_refused_body(client, admin_key):
+    h = _admin(admin_key)
+    assert client.post("/admin/api/tenants", headers=h, json={"name": "acme", "plan_id": 1}).status_code == 400
+    assert [t["name"] for t in client.get("/admin/api/tenants", headers=h).json()] == []
+    # the same body with the field spelt right goes through
+    assert client.post("/admin/api/plans", headers=h, json=PLAN).status_code == 201
+    r = client.post("/admin/api/tenants", headers=h, json={"name": "acme", "plan": "gold"})
+    assert r.status_code == 201 and r.json()["plan"] == "gold"
+
+
+def test_a_missing_field_is_named_as_missing(client, admin_key, make_tenant):
+    r = client.post("/admin/api/plans", headers=_admin(admin_key), json={"name": "p"})
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] == "requests_per_minute"
+    assert err["message"].startswith("Missing required parameter: 'requests_per_minute'")
+    tenant = make_tenant()
+    r = client.post("/v1/chat/completions", headers=tenant.headers, json={"messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 400 and r.json()["error"]["message"] == "Missing required parameter: 'model'"
+
+
+def test_rollups_refuse_days_not_begun_and_the_last_date(client, admin_key):
+    h = _admin(admin_key)
+    tomorrow = (today_utc() + timedelta(days=1)).isoformat()
+    r = client.post("/admin/api/billing/rollups", headers=h, json={"start": tomorrow})
+    assert r.status_code == 400 and "has not begun yet" in r.json()["error"]["message"]
+    r = client.post("/admin/api/billing/rollups", headers=h,
+                    json={"start": today_utc().isoformat(), "end": tomorrow})
+    assert r.status_code == 400 and tomorrow in r.json()["error"]["message"]
+    r = client.post("/admin/api/billing/rollups", headers=h, json={"start": "9999-12-31"})
+    assert r.status_code == 400 and "before 9999-12-31" in r.json()["error"]["message"]
+    r = client.get("/admin/api/billing/report?start=9999-06-01&end=9999-12-31", headers=h)
+    assert r.status_code == 400 and "before 9999-12-31" in r.json()["error"]["message"]
+    today = today_utc().isoformat()
+    r = client.post("/admin/api/billing/rollups", headers=h, json={"start": today})
+    assert r.status_code == 200 and r.json() == {"days": {today: 0}}
+
+
+def test_rollup_command_refuses_a_day_not_begun(tmp_path):
+    env = {"LORAPLEX_DATA_DIR": str(tmp_path), "LORAPLEX_ENVIRONMENT": "test"}
+    tomorrow = (today_utc() + timedelta(days=1)).isoformat()
+    r = CliRunner().invoke(main, ["admin", "billing", "rollup", tomorrow], env=env)
+    assert r.exit_code == 2 and "has not begun yet" in r.output and "Traceback" not in r.output
+    r = CliRunner().invoke(main, ["admin", "billing", "rollup", "9999-12-31"], env=env)
+    assert r.exit_code == 2 and "before 9999-12-31" in r.output
