@@ -57,3 +57,36 @@ def test_assistant_turn_may_omit_content(client, make_tenant):
     messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None},
                 {"role": "user", "content": "again"}]
     assert _post(client, tenant, "/v1/chat/completions", messages=messages).status_code == 200
+
+
+TOOL = {"type": "function", "function": {"name": "lookup", "parameters": {"type": "object", "properties": {}}}}
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"tools": [TOOL]}, "tools"),
+    ({"tools": [TOOL], "tool_choice": "auto"}, "tools"),
+    ({"tools": [TOOL], "tool_choice": "required"}, "tool_choice"),
+    ({"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "lookup"}}}, "tool_choice"),
+    ({"functions": [{"name": "lookup"}]}, "functions"),
+    ({"functions": [{"name": "lookup"}], "function_call": {"name": "lookup"}}, "function_call"),
+    ({"modalities": ["text", "audio"]}, "modalities"),
+    ({"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
+])
+def test_tool_calls_and_audio_are_refused_not_ignored(client, make_tenant, fake_engine, body, param):
+    tenant = make_tenant()
+    before = len(fake_engine.requests)
+    message = _error(_post(client, tenant, "/v1/chat/completions", **body), 400, param)
+    assert "not supported" in message
+    assert len(fake_engine.requests) == before
+
+
+@pytest.mark.parametrize("body", [
+    {"tools": [TOOL], "tool_choice": "none"},
+    {"tools": []},
+    {"tool_choice": "auto"},
+    {"functions": [{"name": "lookup"}], "function_call": "none"},
+    {"modalities": ["text"]},
+    {"prediction": {"type": "content", "content": "x"}},
+])
+def test_what_leaves_the_text_answer_alone_is_accepted(client, make_tenant, body):
+    assert _post(client, make_tenant(), "/v1/chat/completions", **body).status_code == 200

@@ -32,8 +32,28 @@ def chat_sampling(req: ChatCompletionRequest) -> SamplingParams:
     if req.response_format is not None and req.response_format.get("type", "text") != "text":
         raise bad_request(f"response_format {req.response_format.get('type')!r} is not supported; only 'text' is",
                           param="response_format")
+    _refuse_tools_and_audio(req)
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     return _sampling(req, max_tokens=req.max_completion_tokens or req.max_tokens, logprobs=logprobs)
+
+
+def _refuse_tools_and_audio(req: ChatCompletionRequest) -> None:
+    """Tool calling and audio output are not served: a request that asks for them is refused. Tools sent
+    with tool_choice 'none' (the model answers in text either way) and empty lists are accepted."""
+    for tools, choice, name, choice_name in ((req.tools, req.tool_choice, "tools", "tool_choice"),
+                                             (req.functions, req.function_call, "functions", "function_call")):
+        if choice is not None and choice not in ("none", "auto"):
+            shown = choice if isinstance(choice, str) else "a named function"
+            raise bad_request(f"{choice_name} {shown!r} is not supported: this server does not make tool calls",
+                              param=choice_name)
+        if tools and choice != "none":
+            raise bad_request(f"{name} are not supported: this server does not make tool calls; leave {name} out "
+                              f"or send {choice_name} 'none' to have the model answer in text", param=name)
+    other = sorted({m for m in req.modalities or () if m != "text"})
+    if other:
+        raise bad_request(f"modalities {other} are not supported; only 'text' is", param="modalities")
+    if req.audio is not None:
+        raise bad_request("audio output is not supported", param="audio")
 
 
 def completion_sampling(req: CompletionRequest) -> SamplingParams:

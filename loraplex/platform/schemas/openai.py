@@ -61,6 +61,14 @@ class ChatCompletionRequest(_Sampling):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     response_format: dict[str, Any] | None = None
+    # Declared so that a request that needs them is refused (tool calls, audio) instead of answered as if
+    # they had not been sent.
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    functions: list[dict[str, Any]] | None = None
+    function_call: str | dict[str, Any] | None = None
+    modalities: list[str] | None = None
+    audio: dict[str, Any] | None = None
 
 
 class CompletionRequest(_Sampling):
