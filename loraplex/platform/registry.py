@@ -95,7 +95,8 @@ def resolve_latest_fast(db: Engine, tenant_id: int, model: str, base_model: str,
 
 def list_model_ids(session: Session, tenant_id: int) -> list[tuple[str, int, str]]:
     """(model id, created, adapter name) for each ready adapter: `name` for the newest version, and
-    `name@version` for every ready version."""
+    `name@version` for every ready version (once: the same content uploaded again, as another archive
+    say, is another version row with the same version)."""
     scope = TenantScope(session, tenant_id)
     stmt = (scope.select(AdapterVersion, AdapterVersion.status == VersionStatus.ready.value)
             .join(Adapter, Adapter.id == AdapterVersion.adapter_id)
@@ -104,8 +105,8 @@ def list_model_ids(session: Session, tenant_id: int) -> list[tuple[str, int, str
     seen: set[str] = set()
     for version, name in session.execute(stmt):
         created = int(version.created_at.timestamp())
-        if name not in seen:
-            seen.add(name)
-            out.append((name, created, name))
-        out.append((f"{name}@{version.version}", created, name))
+        for model_id in (name, f"{name}@{version.version}"):
+            if model_id not in seen:
+                seen.add(model_id)
+                out.append((model_id, created, name))
     return out

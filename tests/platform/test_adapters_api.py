@@ -232,3 +232,20 @@ def test_upload_tar_gz(client, make_tenant, peft_adapter_dir):
             tf.add(peft_adapter_dir / name, arcname=f"bot/{name}")
     r = upload(client, tenant, "tarred", [("bot.tar.gz", buf.getvalue())])
     assert r.status_code == 201 and r.json()["status"] == "ready", r.text
+
+
+def test_same_content_in_another_archive_is_listed_once(client, make_tenant, peft_adapter_zip, peft_adapter_dir):
+    tenant = make_tenant()
+    first = upload(client, tenant, "bot", [("adapter.zip", peft_adapter_zip.read_bytes())]).json()
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz") as tf:
+        for name in ("adapter_config.json", "adapter_model.safetensors"):
+            tf.add(peft_adapter_dir / name, arcname=name)
+    second = upload(client, tenant, "bot", [("adapter.tar.gz", buf.getvalue())]).json()
+    # different upload bytes, the same weights: the same version, recorded as a second upload
+    assert second["status"] == "ready" and second["version"] == first["version"] and second["id"] != first["id"]
+    models = [m["id"] for m in client.get("/v1/models", headers=tenant.headers).json()["data"]]
+    assert models == ["fake-base", "bot", f"bot@{first['version']}"]
+    r = client.post("/v1/chat/completions", headers=tenant.headers, json={
+        "model": f"bot@{first['version']}", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3})
+    assert r.status_code == 200, r.text
