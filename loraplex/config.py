@@ -35,6 +35,8 @@ class Settings(BaseSettings):
     lora_dtype: str = "auto"  # adapter weights in slots: auto (the model's) | float32 | float16 | bfloat16 (CPU)
     max_model_len: int | None = None  # default: the model's own context length
 
+    # request bodies other than uploads (JSON): larger ones get 413 before they are read
+    max_request_bytes: int = Field(default=16 * 1024 * 1024, ge=1024)
     # uploads
     max_upload_bytes: int = 512 * 1024 * 1024
     max_adapter_members: int = 64

@@ -1,0 +1,74 @@
+"""A size limit on request bodies other than uploads: a JSON body of gigabytes would otherwise be read into
+memory and parsed before any check could refuse it. Multipart bodies (adapter uploads) have their own
+limit, `max_upload_bytes`, enforced as they stream to disk."""
+
+from __future__ import annotations
+
+import json
+
+from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from loraplex.platform.errors import error_body
+
+
+def _too_large(limit: int) -> HTTPException:
+    return HTTPException(413, f"The request body is larger than the limit of {limit} bytes "
+                              "(LORAPLEX_MAX_REQUEST_BYTES).")
+
+
+class BodyLimitMiddleware:
+    """Plain ASGI, so streaming responses and disconnect detection pass through untouched. A declared
+    Content-Length over the limit is refused before the body is read; a body without one (chunked) is
+    counted as it arrives and refused once it passes the limit."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int):
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or self._is_multipart(scope):
+            await self.app(scope, receive, send)
+            return
+        declared = self._content_length(scope)
+        if declared is not None and declared > self.max_bytes:
+            await self._refuse(scope, send)
+            return
+        received = 0
+        limit = self.max_bytes
+
+        async def counting_receive() -> Message:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > limit:
+                    raise _too_large(limit)
+            return message
+
+        await self.app(scope, counting_receive, send)
+
+    @staticmethod
+    def _is_multipart(scope: Scope) -> bool:
+        for name, value in scope.get("headers", ()):
+            if name == b"content-type":
+                return value.lower().startswith(b"multipart/")
+        return False
+
+    @staticmethod
+    def _content_length(scope: Scope) -> int | None:
+        for name, value in scope.get("headers", ()):
+            if name == b"content-length":
+                try:
+                    return int(value)
+                except ValueError:
+                    return None
+        return None
+
+    async def _refuse(self, scope: Scope, send: Send) -> None:
+        exc = _too_large(self.max_bytes)
+        body = json.dumps(error_body(exc.detail, "invalid_request_error", code="request_too_large")).encode()
+        await send({"type": "http.response.start", "status": 413,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                                (b"connection", b"close")]})
+        await send({"type": "http.response.body", "body": body})
