@@ -9,12 +9,17 @@ import json
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from loraplex.platform.errors import error_body
+from loraplex.platform.errors import REQUEST_TOO_LARGE, APIError
+
+
+def _message(limit: int) -> str:
+    return f"The request body is larger than the limit of {limit} bytes (LORAPLEX_MAX_REQUEST_BYTES)."
 
 
 def _too_large(limit: int) -> HTTPException:
-    return HTTPException(413, f"The request body is larger than the limit of {limit} bytes "
-                              "(LORAPLEX_MAX_REQUEST_BYTES).")
+    # raised from inside the body read, where FastAPI passes an HTTPException through (any other error
+    # becomes "There was an error parsing the body"); the error handlers give 413 its code
+    return HTTPException(413, _message(limit))
 
 
 class BodyLimitMiddleware:
@@ -66,8 +71,7 @@ class BodyLimitMiddleware:
         return None
 
     async def _refuse(self, scope: Scope, send: Send) -> None:
-        exc = _too_large(self.max_bytes)
-        body = json.dumps(error_body(exc.detail, "invalid_request_error", code="request_too_large")).encode()
+        body = json.dumps(APIError(413, _message(self.max_bytes), code=REQUEST_TOO_LARGE).body()).encode()
         await send({"type": "http.response.start", "status": 413,
                     "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                                 (b"connection", b"close")]})

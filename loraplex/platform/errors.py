@@ -34,6 +34,9 @@ class APIError(Exception):
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
+REQUEST_TOO_LARGE = "request_too_large"
+
+
 def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
@@ -114,7 +117,8 @@ async def _http_error_handler(_request: Request, exc: StarletteHTTPException) ->
                                                                           if exc.status_code >= 500
                                                                           else "invalid_request_error")
     detail = exc.detail if isinstance(exc.detail, str) else json.dumps(exc.detail)
-    return JSONResponse(error_body(detail, kind), status_code=exc.status_code, headers=exc.headers)
+    code = REQUEST_TOO_LARGE if exc.status_code == 413 else None
+    return JSONResponse(error_body(detail, kind, code=code), status_code=exc.status_code, headers=exc.headers)
 
 
 def install_error_handlers(app: FastAPI) -> None:
