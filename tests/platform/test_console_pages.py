@@ -165,3 +165,22 @@ def test_billing_export_of_every_statement_for_a_period(console, make_tenant):
     text = console.client.get(f"/console/billing/export?period={period}&format=csv").text
     assert text.splitlines()[0].startswith("tenant_id,tenant,period,status,currency")
     assert console.client.get("/console/billing/export?period=2026-99").status_code == 400
+
+
+def test_exports_refuse_what_they_cannot_read(console, make_tenant):
+    tk = make_tenant("acme")
+    get = console.client.get
+    for url, words in [
+        ("/console/usage/export?format=xml", "format must be csv or json"),
+        ("/console/usage/export?group_by=day,nonsense", "group_by takes some of"),
+        ("/console/usage/export?tenant_id=abc", "tenant_id must be"),
+        ("/console/usage/export?start=2026-13-01", "Bad date range"),
+        ("/console/billing/export?format=pdf", "format must be csv or json"),
+        (f"/console/billing/statements/{tk.tenant_id}/2026-11?format=xml", "format must be csv or json"),
+    ]:
+        r = get(url)
+        assert r.status_code == 400 and words in r.text, (url, r.text)
+    # a tenant filter that cannot be read is shown as an error, never widened to every tenant
+    page = get("/console/usage?tenant_id=1x").text
+    assert "tenant_id must be a tenant&#39;s numeric id" in page or "tenant_id must be a tenant's numeric id" in page
+    assert get(f"/console/usage/export?group_by=tenant&tenant_id={tk.tenant_id}").status_code == 200

@@ -39,9 +39,22 @@ def _parse_date(value: str | None) -> date | None:
 
 def _filters(request: Request) -> tuple[date, date, int | None]:
     q = request.query_params
-    start, end = resolve_range(_parse_date(q.get("start")), _parse_date(q.get("end")))
+    try:
+        start, end = resolve_range(_parse_date(q.get("start")), _parse_date(q.get("end")))
+    except ValueError as exc:
+        raise ValueError(f"Bad date range: {exc}") from exc
     tenant = q.get("tenant_id")
-    return start, end, int(tenant) if tenant and tenant.isdigit() else None
+    if tenant and not (tenant.isascii() and tenant.isdigit()):
+        # never widen a filter that cannot be read to every tenant
+        raise ValueError(f"tenant_id must be a tenant's numeric id, got {tenant!r}")
+    return start, end, int(tenant) if tenant else None
+
+
+def _export_format(request: Request) -> Format:
+    fmt = request.query_params.get("format") or "json"
+    if fmt not in ("csv", "json"):
+        raise ValueError(f"format must be csv or json, got {fmt!r}")
+    return fmt
 
 
 @router.get("/usage", response_class=HTMLResponse)
@@ -50,7 +63,7 @@ def usage_page(request: Request, context: ConsoleDep, services: ServicesDep) -> 
     try:
         start, end, tenant_id = _filters(request)
     except ValueError as exc:
-        error = f"Bad date range: {exc}"
+        error = str(exc)
         start, end = resolve_range(None, None)
         tenant_id = None
     tenant_ids = [tenant_id] if tenant_id else None
@@ -87,10 +100,13 @@ def usage_export(request: Request, _context: ConsoleDep, services: ServicesDep) 
     q = request.query_params
     try:
         start, end, tenant_id = _filters(request)
+        fmt = _export_format(request)
+        dims = tuple(d.strip() for d in (q.get("group_by") or "day,tenant,adapter").split(",") if d.strip())
+        unknown = [d for d in dims if d not in DIMENSIONS]
+        if unknown or not dims:
+            raise ValueError(f"group_by takes some of {', '.join(DIMENSIONS)}, got {q.get('group_by')!r}")
     except ValueError as exc:
-        return Response(f"bad date range: {exc}", status_code=400)
-    dims = tuple(d for d in (q.get("group_by") or "day,tenant,adapter").split(",") if d in DIMENSIONS)
-    fmt: Format = "csv" if q.get("format") == "csv" else "json"
+        return Response(f"{exc}\n", status_code=400, media_type="text/plain; charset=utf-8")
     with services.sessions() as session:
         rows = usage_report(session, start, end, group_by=dims, tenant_ids=[tenant_id] if tenant_id else None)
     return report_response(rows, dims, start, end, fmt, "usage")
@@ -114,13 +130,17 @@ def billing_page(request: Request, context: ConsoleDep, services: ServicesDep) -
 @router.get("/billing/export")
 def billing_export(request: Request, _context: ConsoleDep, services: ServicesDep) -> Response:
     period = request.query_params.get("period") or period_of(today_utc())
+    try:
+        fmt = _export_format(request)
+    except ValueError as exc:
+        return Response(f"{exc}\n", status_code=400, media_type="text/plain; charset=utf-8")
     with services.sessions() as session:
         try:
             views = [get_statement(session, t, period)
                      for t in session.scalars(select(Tenant).order_by(Tenant.name))]
         except ValueError as exc:
-            return Response(f"bad period: {exc}", status_code=400)
-    if request.query_params.get("format") == "csv":
+            return Response(f"bad period: {exc}\n", status_code=400, media_type="text/plain; charset=utf-8")
+    if fmt == "csv":
         return Response(statements_summary_csv(views), media_type="text/csv; charset=utf-8",
                         headers={"content-disposition": f'attachment; filename="statements-{period}.csv"'})
     return JSONResponse({"object": "list", "period": period, "data": [statement_dict(v) for v in views]})
@@ -169,6 +189,9 @@ async def billing_finalize(request: Request, _context: ConsolePostDep, services:
 @router.get("/billing/statements/{tenant_id}/{period}")
 def statement_page(request: Request, context: ConsoleDep, services: ServicesDep, tenant_id: int, period: str):
     fmt = request.query_params.get("format")
+    if fmt and fmt not in ("csv", "json"):
+        return Response(f"format must be csv or json, got {fmt!r}\n", status_code=400,
+                        media_type="text/plain; charset=utf-8")
     with services.sessions() as session:
         try:
             tenant = get_tenant(session, tenant_id)
