@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -14,7 +15,7 @@ from loraplex.engine.outputs import RequestOutput
 from loraplex.engine.sampling_params import SamplingParams
 
 PromptType = str | dict[str, Any] | list[int]
-AdapterArg = LoRARequest | str | None
+AdapterArg = LoRARequest | str | os.PathLike | None
 
 
 class LLM:
@@ -32,6 +33,11 @@ class LLM:
         """A LoRARequest as is; a path or registered name is resolved by the engine's adapter cache."""
         if adapter is None or isinstance(adapter, LoRARequest):
             return adapter
+        if not isinstance(adapter, (str, os.PathLike)):
+            raise InvalidRequestError(
+                "adapter must be a path, a registered adapter name, a LoRARequest or None (or a list of "
+                f"those, one per prompt); got {type(adapter).__name__} {adapter!r}", param="adapter",
+            )
         resolver = getattr(self.engine.adapter_slots, "resolve", None)
         if resolver is None:
             raise InvalidRequestError(

@@ -87,3 +87,13 @@ def test_missing_weight_is_named(tiny_llama_dir, tmp_path):
     save_file(tensors, str(partial / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(ModelLoadError, match="down_proj"):
         LLM(str(partial))
+
+
+@pytest.mark.parametrize("adapter", [5, 1.5, {"path": "x"}, ["ok-len", 7]])
+def test_adapter_of_the_wrong_type_is_named(llm, adapter):
+    prompts = ["hello", "world"] if isinstance(adapter, list) else ["hello"]
+    if isinstance(adapter, list):
+        adapter = [None, adapter[1]]
+    with pytest.raises(InvalidRequestError, match="adapter must be a path, a registered adapter name"):
+        llm.generate(prompts, GREEDY, adapter=adapter, use_tqdm=False)
+    assert llm.generate(["hello"], GREEDY, use_tqdm=False)[0].outputs[0].token_ids  # still serving
