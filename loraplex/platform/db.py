@@ -24,8 +24,9 @@ class Base(DeclarativeBase):
 
 
 def normalize_url(url: str) -> str:
-    """`postgresql://` means psycopg 3 to SQLAlchemy 2.1; use psycopg2 when that is what is installed."""
-    if url.startswith(("postgresql://", "postgres://")):
+    """`postgresql://` means psycopg 3 to SQLAlchemy 2.1, and `postgresql+psycopg://` names it; use psycopg2
+    (what loraplex installs) when psycopg 3 is not installed. `postgres://` (Heroku-style) too."""
+    if url.startswith(("postgresql://", "postgres://", "postgresql+psycopg://")):
         import importlib.util
 
         if importlib.util.find_spec("psycopg") is None:
