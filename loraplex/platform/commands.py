@@ -51,6 +51,28 @@ def _refuse_busy_port(host: str, port: int) -> None:
                                    "pass --port (or --host), or stop what holds it") from exc
 
 
+def _masked(url: str) -> str:
+    """A URL fit for a message: its password, if any, replaced."""
+    import re
+
+    return re.sub(r"(://[^:/@]*:)[^@]*@", r"\1***@", url)
+
+
+def _refuse_unreachable_redis(url: str) -> None:
+    """Quotas, tasks and the engine registry all live in Redis: a server that cannot reach it would fail its
+    startup with a connection traceback (the API) or serve without being found (an engine)."""
+    import redis
+
+    try:
+        client = redis.Redis.from_url(url, socket_connect_timeout=3, socket_timeout=3)
+        try:
+            client.ping()
+        finally:
+            client.close()
+    except (redis.RedisError, OSError, ValueError) as exc:
+        raise click.ClickException(f"cannot reach Redis at {_masked(url)} (LORAPLEX_REDIS_URL): {exc}") from exc
+
+
 @click.command()
 @click.option("--model", default=None, help="base model: local HF folder, .gguf file, Hub id or 'smollm2-135m'")
 @click.option("--host", default=None, help="address to listen on (default 127.0.0.1)")
@@ -72,6 +94,8 @@ def serve(model, host, port, data_dir, no_engine):
     if no_engine and not settings.redis_url:
         raise click.ClickException("--no-engine needs LORAPLEX_REDIS_URL: engines register themselves in Redis")
     _refuse_busy_port(settings.host, settings.port)
+    if settings.redis_url:
+        _refuse_unreachable_redis(settings.redis_url)
     try:
         prepare_database(settings)
     except Exception as exc:
@@ -131,4 +155,5 @@ def engine(model, host, port, advertise):
     settings = _settings(model=model)
     if not settings.redis_url:
         raise click.ClickException("`loraplex engine` needs LORAPLEX_REDIS_URL to register itself with the API")
+    _refuse_unreachable_redis(settings.redis_url)
     run_engine_server(settings, host=host, port=port, advertise=advertise)

@@ -76,3 +76,27 @@ def test_idle_connections_outlive_client_pools(data_dir, monkeypatch):
     monkeypatch.setenv("LORAPLEX_KEEP_ALIVE_TIMEOUT", "0")
     r = CliRunner().invoke(serve, ["--port", "0"])
     assert r.exit_code == 1 and "keep_alive_timeout" in r.output, r.output
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_unreachable_redis_is_refused_before_anything_is_created(data_dir, monkeypatch):
+    port = _closed_port()
+    monkeypatch.setenv("LORAPLEX_REDIS_URL", f"redis://:hunter2@127.0.0.1:{port}/0")
+    r = CliRunner().invoke(serve, ["--no-engine", "--port", "0"])
+    assert r.exit_code == 1, r.output
+    assert f"cannot reach Redis at redis://:***@127.0.0.1:{port}/0 (LORAPLEX_REDIS_URL)" in r.output
+    assert "hunter2" not in r.output and "Traceback" not in r.output
+    assert not (data_dir / "loraplex.db").exists()
+
+
+def test_engine_refuses_unreachable_redis(data_dir, monkeypatch):
+    from loraplex.platform.commands import engine
+
+    monkeypatch.setenv("LORAPLEX_REDIS_URL", f"redis://127.0.0.1:{_closed_port()}/0")
+    r = CliRunner().invoke(engine, ["--port", "0"])
+    assert r.exit_code == 1 and "cannot reach Redis" in r.output, r.output

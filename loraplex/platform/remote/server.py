@@ -138,6 +138,7 @@ def build_engine_app(settings: Settings, engine: EngineClient, *, advertise: str
 
 async def _heartbeat(redis, settings: Settings, engine: EngineClient, engine_id: str, advertise: str) -> None:
     key = registry_key(settings.redis_prefix, engine_id)
+    failing = False
     while True:
         try:
             s = engine.stats()
@@ -146,10 +147,18 @@ async def _heartbeat(redis, settings: Settings, engine: EngineClient, engine_id:
                       "max_num_seqs": settings.max_num_seqs, "resident": list(s.lora_resident),
                       "host_cached": list(s.lora_host_cached), "updated": time.time()}
             await redis.set(key, json.dumps(record), ex=REGISTRATION_TTL)
+            if failing:
+                log.warning("engine heartbeat restored: registered in Redis again as %s", engine_id)
+                failing = False
         except asyncio.CancelledError:
             raise
-        except Exception:
-            log.exception("engine heartbeat failed")
+        except Exception as exc:
+            # one line when it starts failing (Redis down or restarting), not a traceback every few seconds
+            if not failing:
+                log.warning("engine heartbeat failed, API processes cannot find this engine until it is "
+                            "restored (retrying every %s s): %s", HEARTBEAT_SECONDS, exc)
+                failing = True
+            log.debug("engine heartbeat failed", exc_info=True)
         await asyncio.sleep(HEARTBEAT_SECONDS)
 
 

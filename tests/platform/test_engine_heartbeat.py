@@ -1,0 +1,48 @@
+"""An engine whose Redis goes away logs one line when its heartbeat starts failing and one when it is
+restored, not a traceback every two seconds, and registers again as soon as Redis is back."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+
+from fake_engine import FakeEngine
+
+from loraplex.config import Settings
+from loraplex.platform.remote import server
+
+
+class FlakyRedis:
+    def __init__(self, failures: int):
+        self.failures = failures
+        self.calls = 0
+        self.stored: dict[str, dict] = {}
+
+    async def set(self, key, value, ex=None):
+        self.calls += 1
+        if self.calls <= self.failures:
+            raise ConnectionError("Error 111 connecting to 127.0.0.1:6379. Connection refused.")
+        self.stored[key] = json.loads(value)
+
+
+def test_heartbeat_logs_the_outage_once_and_its_end(monkeypatch, caplog, tmp_path):
+    monkeypatch.setattr(server, "HEARTBEAT_SECONDS", 0)
+    redis = FlakyRedis(failures=5)
+    settings = Settings(data_dir=tmp_path, redis_prefix="hb-test")
+
+    async def run():
+        task = asyncio.create_task(server._heartbeat(redis, settings, FakeEngine(), "e1", "http://e1:1"))
+        while not redis.stored:
+            await asyncio.sleep(0)
+        task.cancel()
+
+    with caplog.at_level(logging.DEBUG, logger=server.log.name):
+        asyncio.run(run())
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 2, [r.getMessage() for r in warnings]
+    assert "heartbeat failed" in warnings[0].getMessage() and "Connection refused" in warnings[0].getMessage()
+    assert warnings[0].exc_info is None
+    assert "restored" in warnings[1].getMessage()
+    (record,) = redis.stored.values()
+    assert record["engine_id"] == "e1" and record["url"] == "http://e1:1"
