@@ -94,9 +94,10 @@ def test_unreachable_redis_is_refused_before_anything_is_created(data_dir, monke
     assert not (data_dir / "loraplex.db").exists()
 
 
-def test_engine_refuses_unreachable_redis(data_dir, monkeypatch):
+def test_engine_refuses_unreachable_redis(data_dir, monkeypatch, tmp_path):
     from loraplex.platform.commands import engine
 
     monkeypatch.setenv("LORAPLEX_REDIS_URL", f"redis://127.0.0.1:{_closed_port()}/0")
-    r = CliRunner().invoke(engine, ["--port", "0"])
+    # a model that does not exist: without the check the command would fail at the model load, not serve
+    r = CliRunner().invoke(engine, ["--port", "0", "--model", str(tmp_path / "no-model")])
     assert r.exit_code == 1 and "cannot reach Redis" in r.output, r.output
