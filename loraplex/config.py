@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import re
 from functools import lru_cache
 from pathlib import Path
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 DEFAULT_SECRET = "dev-insecure-secret-change-me"
@@ -66,6 +67,25 @@ class Settings(BaseSettings):
     # in the scrape config); unset, /metrics is open and belongs behind the network boundary
     metrics_token: str | None = None
 
+    @field_validator("database_url", "redis_url", mode="before")
+    @classmethod
+    def _empty_url_is_unset(cls, value):
+        return None if isinstance(value, str) and not value.strip() else value
+
+    @field_validator("database_url")
+    @classmethod
+    def _known_database(cls, value: str | None) -> str | None:
+        if value is not None and not _DATABASE_URL.match(value):
+            raise ValueError("must be a SQLite (sqlite:///PATH) or PostgreSQL (postgresql://USER@HOST:PORT/DB) URL")
+        return value
+
+    @field_validator("redis_url")
+    @classmethod
+    def _known_redis(cls, value: str | None) -> str | None:
+        if value is not None and not _REDIS_URL.match(value):
+            raise ValueError("must be a Redis URL: redis://HOST:PORT/DB, rediss://... (TLS) or unix:///PATH")
+        return value
+
     @model_validator(mode="after")
     def _refuse_insecure_defaults(self) -> Settings:
         if self.environment not in {"development", "test"} and self.secret_key == DEFAULT_SECRET:
@@ -90,6 +110,15 @@ class Settings(BaseSettings):
         if self.celery_task_always_eager is not None:
             return self.celery_task_always_eager
         return self.redis_url is None
+
+
+_DATABASE_URL = re.compile(r"^(sqlite|postgres|postgresql)(\+\w+)?://", re.IGNORECASE)
+_REDIS_URL = re.compile(r"^(redis|rediss|unix)://", re.IGNORECASE)
+
+
+def masked_url(url: str) -> str:
+    """A URL fit for messages and logs: its password, if any, replaced."""
+    return re.sub(r"(://[^:/@]*:)[^@]*@", r"\1***@", url)
 
 
 @lru_cache

@@ -16,15 +16,16 @@ def _session():
     from sqlalchemy.engine import make_url
     from sqlalchemy.exc import OperationalError
 
-    from loraplex.config import Settings
+    from loraplex.config import Settings, masked_url
     from loraplex.platform.bootstrap import prepare_database
+    from loraplex.platform.commands import _setting_error
     from loraplex.platform.db import make_engine, make_session_factory, session_scope
     from loraplex.platform.tenants import TenantError
 
     try:
         settings = Settings()
     except ValidationError as exc:
-        raise click.ClickException("; ".join(e["msg"] for e in exc.errors())) from exc
+        raise click.ClickException("; ".join(_setting_error(e) for e in exc.errors())) from exc
     # Run from another folder than the server, the embedded default would quietly start a second, empty
     # database there: tenants and keys made in it never reach the server. Say so when that happens.
     url = make_url(settings.resolved_database_url)
@@ -33,7 +34,8 @@ def _session():
     try:
         prepare_database(settings)
     except OperationalError as exc:
-        raise click.ClickException(f"cannot reach the database {settings.resolved_database_url}: {exc.orig}") from exc
+        raise click.ClickException(f"cannot reach the database {masked_url(settings.resolved_database_url)}: "
+                                   f"{exc.orig}") from exc
     if is_new:
         click.echo(f"loraplex admin: there was no database at {sqlite_file}, so a new, empty one was created. "
                    "`loraplex serve` uses the one under its data folder (LORAPLEX_DATA_DIR, by default "

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import click
 
+from loraplex.config import masked_url
 from loraplex.platform.admin_cli import admin
 
 __all__ = ["admin", "engine", "serve", "worker"]
@@ -26,7 +27,10 @@ def _setting_error(error: dict) -> str:
     if not error.get("loc"):
         return msg  # a check across settings: its message names them
     name = str(error["loc"][0])
-    return f"{name} (LORAPLEX_{name.upper()}): {msg}; got {error.get('input')!r}"
+    value = error.get("input")
+    if isinstance(value, str) and name.endswith("_url"):
+        value = masked_url(value)
+    return f"{name} (LORAPLEX_{name.upper()}): {msg}; got {value!r}"
 
 
 def _print_admin_key(secret: str) -> None:
@@ -51,13 +55,6 @@ def _refuse_busy_port(host: str, port: int) -> None:
                                    "pass --port (or --host), or stop what holds it") from exc
 
 
-def _masked(url: str) -> str:
-    """A URL fit for a message: its password, if any, replaced."""
-    import re
-
-    return re.sub(r"(://[^:/@]*:)[^@]*@", r"\1***@", url)
-
-
 def _refuse_unreachable_redis(url: str) -> None:
     """Quotas, tasks and the engine registry all live in Redis: a server that cannot reach it would fail its
     startup with a connection traceback (the API) or serve without being found (an engine)."""
@@ -70,7 +67,7 @@ def _refuse_unreachable_redis(url: str) -> None:
         finally:
             client.close()
     except (redis.RedisError, OSError, ValueError) as exc:
-        raise click.ClickException(f"cannot reach Redis at {_masked(url)} (LORAPLEX_REDIS_URL): {exc}") from exc
+        raise click.ClickException(f"cannot reach Redis at {masked_url(url)} (LORAPLEX_REDIS_URL): {exc}") from exc
 
 
 @click.command()
@@ -99,7 +96,8 @@ def serve(model, host, port, data_dir, no_engine):
     try:
         prepare_database(settings)
     except Exception as exc:
-        raise click.ClickException(f"cannot prepare the database {settings.resolved_database_url}: {exc}") from exc
+        raise click.ClickException(f"cannot prepare the database {masked_url(settings.resolved_database_url)}: "
+                                   f"{exc}") from exc
     secret = ensure_admin_key(settings)
     if secret:
         _print_admin_key(secret)
