@@ -6,7 +6,7 @@ import re
 from functools import lru_cache
 from pathlib import Path
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 DEFAULT_SECRET = "dev-insecure-secret-change-me"
@@ -72,18 +72,12 @@ class Settings(BaseSettings):
     def _empty_url_is_unset(cls, value):
         return None if isinstance(value, str) and not value.strip() else value
 
-    @field_validator("database_url")
+    @field_validator("database_url", "redis_url")
     @classmethod
-    def _known_database(cls, value: str | None) -> str | None:
-        if value is not None and not _DATABASE_URL.match(value):
-            raise ValueError("must be a SQLite (sqlite:///PATH) or PostgreSQL (postgresql://USER@HOST:PORT/DB) URL")
-        return value
-
-    @field_validator("redis_url")
-    @classmethod
-    def _known_redis(cls, value: str | None) -> str | None:
-        if value is not None and not _REDIS_URL.match(value):
-            raise ValueError("must be a Redis URL: redis://HOST:PORT/DB, rediss://... (TLS) or unix:///PATH")
+    def _known_url_kind(cls, value: str | None, info: ValidationInfo) -> str | None:
+        pattern, expected = _URL_KINDS[info.field_name]
+        if value is not None and not pattern.match(value):
+            raise ValueError(f"must be {expected}")
         return value
 
     @model_validator(mode="after")
@@ -112,8 +106,12 @@ class Settings(BaseSettings):
         return self.redis_url is None
 
 
-_DATABASE_URL = re.compile(r"^(sqlite|postgres|postgresql)(\+\w+)?://", re.IGNORECASE)
-_REDIS_URL = re.compile(r"^(redis|rediss|unix)://", re.IGNORECASE)
+_URL_KINDS = {
+    "database_url": (re.compile(r"^(sqlite|postgres|postgresql)(\+\w+)?://", re.IGNORECASE),
+                     "a SQLite (sqlite:///PATH) or PostgreSQL (postgresql://USER@HOST:PORT/DB) URL"),
+    "redis_url": (re.compile(r"^(redis|rediss|unix)://", re.IGNORECASE),
+                  "a Redis URL: redis://HOST:PORT/DB, rediss://... (TLS) or unix:///PATH"),
+}
 
 
 def masked_url(url: str) -> str:
