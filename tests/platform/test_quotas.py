@@ -116,3 +116,19 @@ async def test_a_lost_request_frees_its_slot_after_the_ttl(limiter):
     with pytest.raises(QuotaExceeded):
         await limiter.acquire(1, limits, "next", 1, now=T0 + 60)
     await limiter.acquire(1, limits, "later", 1, now=T0 + 601)
+
+
+async def test_a_budget_not_yet_used_up_says_what_is_left(limiter):
+    limits = QuotaLimits(requests_per_minute=100, tokens_per_minute=1000, max_concurrent=10,
+                         monthly_token_budget=250)
+    r = await limiter.acquire(1, limits, "a", 200, now=T0)
+    await limiter.settle(r, 200)
+    with pytest.raises(QuotaExceeded) as info:
+        await limiter.acquire(1, limits, "b", 80, now=T0 + 60)
+    message = str(info.value)
+    assert info.value.kind == "monthly_budget"
+    assert "200 used, 50 left" in message and "up to 80" in message and "max_tokens" in message
+    await limiter.acquire(1, limits, "c", 50, now=T0 + 60)  # what is left is still usable
+    with pytest.raises(QuotaExceeded) as info:
+        await limiter.acquire(1, limits, "d", 1, now=T0 + 120)
+    assert "is used up" in str(info.value)

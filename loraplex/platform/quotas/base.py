@@ -82,7 +82,7 @@ def seconds_to_next_month(now: float) -> float:
 
 
 def exceeded(kind: str, limits: QuotaLimits, used_requests: int, used_tokens: int, reset_in: float,
-             now: float, reserve_tokens: int) -> QuotaExceeded:
+             now: float, reserve_tokens: int, *, month_used: int | None = None) -> QuotaExceeded:
     headers = rate_headers(limits, used_requests, used_tokens, reset_in)
     retry_after = reset_in
     if kind == "requests":
@@ -96,7 +96,14 @@ def exceeded(kind: str, limits: QuotaLimits, used_requests: int, used_tokens: in
         msg = f"Too many concurrent requests: limit {limits.max_concurrent}."
         retry_after = 1.0
     else:
-        msg = f"Monthly token budget of {limits.monthly_token_budget} tokens is used up."
+        budget = limits.monthly_token_budget
+        if month_used is None or month_used >= budget:
+            msg = f"Monthly token budget of {budget} tokens is used up."
+        else:
+            # what is left would not cover this request's reservation (its prompt plus max_tokens)
+            msg = (f"Monthly token budget of {budget} tokens: {month_used} used, {budget - month_used} left, "
+                   f"and this request may use up to {reserve_tokens} (its prompt plus max_tokens). "
+                   "Lower max_tokens or shorten the prompt.")
         retry_after = seconds_to_next_month(now)
     headers["retry-after"] = str(max(1, math.ceil(retry_after)))
     return QuotaExceeded(msg, kind=kind, retry_after=retry_after, headers=headers)

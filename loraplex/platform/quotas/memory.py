@@ -51,7 +51,7 @@ class MemoryQuotaLimiter:
             elif spent + reserve_tokens > limits.monthly_token_budget:
                 kind = "monthly_budget"
             if kind is not None:
-                raise exceeded(kind, limits, reqs, toks, reset_in, t, reserve_tokens)
+                raise exceeded(kind, limits, reqs, toks, reset_in, t, reserve_tokens, month_used=spent)
             self._requests[(tenant_id, minute)] = reqs + 1
             self._tokens[(tenant_id, minute)] = toks + reserve_tokens
             self._monthly[(tenant_id, month)] = spent + reserve_tokens

@@ -23,10 +23,10 @@ local reqs = tonumber(redis.call('GET', KEYS[1]) or '0')
 local toks = tonumber(redis.call('GET', KEYS[2]) or '0')
 local spent = tonumber(redis.call('GET', KEYS[3]) or '0')
 local reserve = tonumber(ARGV[6])
-if inflight >= tonumber(ARGV[4]) then return {1, reqs, toks} end
-if reqs + 1 > tonumber(ARGV[2]) then return {2, reqs, toks} end
-if toks + reserve > tonumber(ARGV[3]) then return {3, reqs, toks} end
-if spent + reserve > tonumber(ARGV[5]) then return {4, reqs, toks} end
+if inflight >= tonumber(ARGV[4]) then return {1, reqs, toks, spent} end
+if reqs + 1 > tonumber(ARGV[2]) then return {2, reqs, toks, spent} end
+if toks + reserve > tonumber(ARGV[3]) then return {3, reqs, toks, spent} end
+if spent + reserve > tonumber(ARGV[5]) then return {4, reqs, toks, spent} end
 redis.call('INCR', KEYS[1])
 redis.call('EXPIRE', KEYS[1], ARGV[9])
 redis.call('INCRBY', KEYS[2], reserve)
@@ -35,7 +35,7 @@ redis.call('INCRBY', KEYS[3], reserve)
 redis.call('EXPIRE', KEYS[3], ARGV[10])
 redis.call('ZADD', KEYS[4], now + tonumber(ARGV[8]), ARGV[7])
 redis.call('PEXPIRE', KEYS[4], ARGV[8])
-return {0, reqs + 1, toks + reserve}
+return {0, reqs + 1, toks + reserve, spent + reserve}
 """
 
 # KEYS: tokens-window, monthly, in-flight zset. ARGV: delta, request_id.
@@ -73,14 +73,15 @@ class RedisQuotaLimiter:
                       reserve_tokens: int, *, now: float | None = None) -> Reservation:
         t, minute, month = now_parts(now)
         reset_in = (minute + 1) * WINDOW_SECONDS - t
-        code, reqs, toks = await self._acquire(
+        code, reqs, toks, spent = await self._acquire(
             keys=self._keys(tenant_id, minute, month),
             args=[int(t * 1000), limits.requests_per_minute, limits.tokens_per_minute, limits.max_concurrent,
                   limits.monthly_token_budget, reserve_tokens, request_id, INFLIGHT_TTL_MS,
                   2 * WINDOW_SECONDS, 40 * 24 * 3600],
         )
         if code:
-            raise exceeded(_KINDS[int(code)], limits, int(reqs), int(toks), reset_in, t, reserve_tokens)
+            raise exceeded(_KINDS[int(code)], limits, int(reqs), int(toks), reset_in, t, reserve_tokens,
+                           month_used=int(spent))
         return Reservation(tenant_id, request_id, reserve_tokens, minute, month,
                            headers=rate_headers(limits, int(reqs), int(toks), reset_in))
 
