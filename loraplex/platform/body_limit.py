@@ -1,15 +1,21 @@
 """A size limit on request bodies other than uploads: a JSON body of gigabytes would otherwise be read into
-memory and parsed before any check could refuse it. Multipart bodies (adapter uploads) have their own
-limit, `max_upload_bytes`, enforced as they stream to disk."""
+memory and parsed before any check could refuse it. Multipart bodies sent to the upload routes stream to
+disk under their own limit, `max_upload_bytes` (loraplex.platform.uploads); a multipart body sent anywhere
+else is read whole like any other, so it gets this limit too."""
 
 from __future__ import annotations
 
 import json
+import re
 
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from loraplex.platform.errors import REQUEST_TOO_LARGE, APIError
+
+# the routes that parse multipart uploads themselves: POST /v1/adapters, /admin/api/tenants/{id}/adapters and
+# the console's /console/api/tenants/{id}/adapters
+UPLOAD_PATHS = re.compile(r"^/(v1/adapters|admin/api/tenants/\d+/adapters|console/api/tenants/\d+/adapters)/?$")
 
 
 def _message(limit: int) -> str:
@@ -32,7 +38,7 @@ class BodyLimitMiddleware:
         self.max_bytes = max_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or self._is_multipart(scope):
+        if scope["type"] != "http" or (self._is_multipart(scope) and UPLOAD_PATHS.match(scope.get("path", ""))):
             await self.app(scope, receive, send)
             return
         declared = self._content_length(scope)

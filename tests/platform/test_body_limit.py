@@ -58,9 +58,32 @@ def test_admin_bodies_are_limited_too(client, admin_key):
     assert r.status_code == 413
 
 
-def test_uploads_keep_their_own_limit(client, make_tenant, peft_adapter_zip):
+def test_uploads_keep_their_own_limit(client, make_tenant, peft_adapter_zip, admin_key):
     tenant = make_tenant()
     data = peft_adapter_zip.read_bytes()
     assert len(data) > 4096
     r = upload(client, tenant, "bot", [("adapter.zip", data)])
     assert r.status_code == 201 and r.json()["status"] == "ready", r.text
+    r = client.post(f"/admin/api/tenants/{tenant.tenant_id}/adapters", params={"wait": "true"},
+                    headers={"Authorization": f"Bearer {admin_key}"}, data={"name": "by-admin"},
+                    files=[("file", ("adapter.zip", data))])
+    assert r.status_code == 201 and r.json()["status"] == "ready", r.text
+
+
+@pytest.mark.parametrize(("path", "exempt"), [
+    ("/v1/adapters", True), ("/v1/adapters/", True), ("/admin/api/tenants/12/adapters", True),
+    ("/console/api/tenants/3/adapters", True), ("/v1/chat/completions", False), ("/v1/adapters/x", False),
+    ("/admin/api/tenants/12/adapters/x", False), ("/console/tenants", False),
+])
+def test_only_the_upload_routes_take_multipart_bodies_past_the_limit(path, exempt):
+    from loraplex.platform.body_limit import UPLOAD_PATHS
+
+    assert bool(UPLOAD_PATHS.match(path)) is exempt
+
+
+def test_a_multipart_body_outside_the_upload_routes_is_limited(client, make_tenant, fake_engine):
+    tenant = make_tenant()
+    before = len(fake_engine.requests)
+    r = client.post("/v1/chat/completions", headers=tenant.headers, files={"file": ("x.bin", b"x" * 10_000)})
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+    assert len(fake_engine.requests) == before
