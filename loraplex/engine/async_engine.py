@@ -24,6 +24,7 @@ from loraplex.engine.sampling_params import SamplingParams
 from loraplex.engine.scheduler import fit_max_tokens
 
 log = logging.getLogger(__name__)
+IDLE_STEP_WAIT_S = 0.005  # how long the loop waits after a step in which nothing could run
 
 
 class _Stream:
@@ -203,6 +204,11 @@ class AsyncEngine:
                 stream = self._streams.get(out.request_id)
                 if stream is not None:
                     stream.put(out)
+            if not outputs and self.engine.last_step_idle:
+                # nothing could run (requests waiting on something outside the step): wait for a command
+                # (a new request, an abort) or a few milliseconds rather than spin on an idle step
+                self._wake.wait(timeout=IDLE_STEP_WAIT_S)
+                self._wake.clear()
         # Leave no request half-done: free every block on the way out.
         self._drain_commands()
         for request_id in list(self.engine.requests):

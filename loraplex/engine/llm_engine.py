@@ -120,6 +120,7 @@ def prepare_cpu_kernels(*, lora: bool) -> None:
 class LLMEngine:
     def __init__(self, config: EngineConfig, *, adapter_slots: AdapterSlots | None = None):
         self.config = config
+        self.last_step_idle = False  # set by each step: nothing was scheduled and no request changed
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.lora_dtype = resolve_lora_dtype(config.lora_dtype, self.dtype, self.device)
@@ -313,6 +314,7 @@ class LLMEngine:
         elif not touched and self.adapter_slots is not None and self.adapter_slots.loading:
             # Every request that could run waits for an adapter: let the loader have the interpreter.
             self.adapter_slots.wait_for_load(IDLE_LOAD_WAIT_S)
+        self.last_step_idle = batch.empty and not touched
         outputs = []
         for request_id, state in touched.items():
             outputs.append(state.make_output())

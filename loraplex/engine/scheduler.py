@@ -80,6 +80,13 @@ class Scheduler:
         run it with: the one given, or for an unset one (up to the context) None when the whole context fits
         and otherwise the most that the cache can hold for all n completions at once (they then finish with
         "length" there, as at the end of the context)."""
+        if n > self.max_num_seqs:
+            # the n completions of a request run together; more than the batch holds would wait forever
+            raise InvalidRequestError(
+                f"n={n} is more completions than this engine runs at once (max_num_seqs={self.max_num_seqs}); "
+                "lower n, or send the prompt in several requests",
+                param="n",
+            )
         if prompt_len >= self.max_model_len:
             raise InvalidRequestError(
                 f"prompt has {prompt_len} tokens but the model's context is {self.max_model_len} tokens "

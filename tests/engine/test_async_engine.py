@@ -106,3 +106,18 @@ async def test_unset_max_tokens_with_several_completions_fits_the_cache(tiny_lla
                 pass
     finally:
         await eng.shutdown()
+
+
+async def test_more_completions_than_max_num_seqs_are_refused_not_left_waiting(tiny_llama_dir):
+    eng = AsyncEngine(EngineConfig(str(tiny_llama_dir), num_kv_blocks=64, max_num_seqs=4))
+    await eng.start()
+    try:
+        with pytest.raises(InvalidRequestError, match="max_num_seqs=4"):
+            async for _ in eng.generate("Hello world", SamplingParams(n=5, max_tokens=3), "too-many"):
+                pass
+        assert eng.stats().num_waiting == 0
+        outs = [o async for o in eng.generate("Hello world", SamplingParams(n=4, max_tokens=3), "fits")]
+        assert outs[-1].finished and len(outs[-1].outputs) == 4
+        assert eng.engine.last_step_idle is False  # the last step ran the request
+    finally:
+        await eng.shutdown()

@@ -73,6 +73,15 @@ def test_request_that_can_never_fit_is_refused():
     s.check_fits(10, 6)
 
 
+def test_more_completions_than_the_batch_holds_are_refused():
+    # a request's n completions run together: n above max_num_seqs could never be admitted and waited forever
+    s = _scheduler(num_blocks=64, block_size=4, max_num_seqs=8)
+    with pytest.raises(InvalidRequestError, match="max_num_seqs=8") as info:
+        s.check_fits(4, 2, n=9)
+    assert info.value.param == "n"
+    assert s.check_fits(4, 2, n=8) == 2
+
+
 def test_unset_max_tokens_is_capped_to_what_the_cache_holds():
     # 4 blocks of 4 tokens, context 256: a 10-token prompt fills 2 full blocks and part of a third
     s = _scheduler(num_blocks=4, block_size=4)
