@@ -35,6 +35,7 @@ class FakeEngine:
         self.token_delay = token_delay
         self.eos_rate = eos_rate  # 1 in eos_rate steps emits EOS; 0: never
         self.fail_at_step: int | None = None  # raise at this step, as a failing device would
+        self.adapter_error: str | None = None  # when set, requests naming an adapter fail to load it
         self.started = False
         self.running: set[str] = set()
         self.aborted: list[str] = []
@@ -97,6 +98,12 @@ class FakeEngine:
         metrics = RequestMetrics(arrival_time=time.time())
         outs = [CompletionOutput(index=i, text="", token_ids=[], logprobs=[] if params.logprobs is not None
                                  else None) for i in range(params.n)]
+        if adapter is not None and self.adapter_error is not None:
+            # as the engine reports an adapter that failed to load: one finished output carrying the error
+            outs[0].finish_reason = "error"
+            yield RequestOutput(request_id=request_id, prompt=None, prompt_token_ids=prompt_ids, outputs=outs,
+                                finished=True, metrics=metrics, error=self.adapter_error)
+            return
         self.running.add(request_id)
         self.running_by_tenant[tenant] = self.running_by_tenant.get(tenant, 0) + 1
         self.max_running_by_tenant[tenant] = max(self.max_running_by_tenant.get(tenant, 0),

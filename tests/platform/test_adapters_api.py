@@ -249,3 +249,20 @@ def test_same_content_in_another_archive_is_listed_once(client, make_tenant, pef
     r = client.post("/v1/chat/completions", headers=tenant.headers, json={
         "model": f"bot@{first['version']}", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3})
     assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_adapter_that_fails_to_load_is_an_error_not_an_empty_answer(client, make_tenant, fake_engine,
+                                                                     peft_adapter_zip, stream):
+    tenant = make_tenant()
+    assert upload(client, tenant, "bot", [("adapter.zip", peft_adapter_zip.read_bytes())]).status_code == 201
+    fake_engine.adapter_error = "adapter 'bot' refused: adapter_model.safetensors does not exist"
+    r = client.post("/v1/chat/completions", headers=tenant.headers, json={
+        "model": "bot", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "stream": stream})
+    assert r.status_code == 500, r.text
+    err = r.json()["error"]
+    assert err["code"] == "adapter_load_failed" and "does not exist" in err["message"]
+    # the base model is unaffected
+    r = client.post("/v1/chat/completions", headers=tenant.headers, json={
+        "model": "fake-base", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3})
+    assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length"

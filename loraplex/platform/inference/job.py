@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import anyio
 
-from loraplex.engine.errors import EngineError
+from loraplex.engine.errors import AdapterLoadError, EngineError
 from loraplex.engine.outputs import RequestOutput
 from loraplex.engine.sampling_params import SamplingParams
 from loraplex.platform.auth import TenantContext
@@ -109,6 +109,12 @@ class InferenceJob:
                 await self._close(streams)
 
     def _observe(self, index: int, out: RequestOutput) -> None:
+        if out.error is not None:
+            # the engine ended the request with an error (today: its adapter failed to load) rather than an
+            # answer; an empty completion with finish_reason "stop" would pass for one
+            if self.target.adapter is not None:
+                raise AdapterLoadError(out.error)
+            raise EngineError(out.error)
         n = out.num_generated_tokens
         if n and self.first_token_at is None:
             self.first_token_at = time.perf_counter()
