@@ -43,7 +43,7 @@ class BodyLimitMiddleware:
             return
         declared = self._content_length(scope)
         if declared is not None and declared > self.max_bytes:
-            await self._refuse(scope, send)
+            await self._refuse(send)
             return
         received = 0
         limit = self.max_bytes
@@ -76,7 +76,7 @@ class BodyLimitMiddleware:
                     return None
         return None
 
-    async def _refuse(self, scope: Scope, send: Send) -> None:
+    async def _refuse(self, send: Send) -> None:
         body = json.dumps(APIError(413, _message(self.max_bytes), code=REQUEST_TOO_LARGE).body()).encode()
         await send({"type": "http.response.start", "status": 413,
                     "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
