@@ -20,7 +20,7 @@ from loraplex.engine.adapter_slots import AdapterSlots
 from loraplex.engine.block_manager import BlockManager
 from loraplex.engine.config import EngineConfig, EngineLimits
 from loraplex.engine.cpu_tuning import keep_freed_memory
-from loraplex.engine.errors import InvalidRequestError, ModelLoadError
+from loraplex.engine.errors import AdapterLoadError, InvalidRequestError, ModelLoadError
 from loraplex.engine.lora_request import LoRARequest
 from loraplex.engine.model_loader import iter_weights, load_model_config, resolve_model_dir
 from loraplex.engine.model_runner import ModelRunner, kv_block_bytes
@@ -290,6 +290,7 @@ class LLMEngine:
             state = self.requests.get(seq.request_id)
             if state is not None:
                 state.error = str(exc)
+                state.error_kind = "adapter_load" if isinstance(exc, AdapterLoadError) else "engine"
                 self.scheduler.abort([s for s in state.seqs if not s.is_finished])
                 for s in state.seqs:
                     s.finish_reason = "error"

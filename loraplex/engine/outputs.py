@@ -63,6 +63,7 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics | None = None
     error: str | None = None
+    error_kind: str | None = None  # with error: "adapter_load" (its adapter failed to load) | "engine"
 
     @property
     def num_prompt_tokens(self) -> int:

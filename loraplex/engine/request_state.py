@@ -54,6 +54,7 @@ class RequestState:
         self.completions = [CompletionState(s, tokenizer, prompt_token_ids) for s in seqs]
         self.metrics = RequestMetrics(arrival_time=time.time())
         self.error: str | None = None
+        self.error_kind: str | None = None
 
     @property
     def seqs(self) -> list[Sequence]:
@@ -140,4 +141,5 @@ class RequestState:
             finished=finished,
             metrics=self.metrics,
             error=self.error,
+            error_kind=self.error_kind,
         )

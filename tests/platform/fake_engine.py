@@ -102,7 +102,8 @@ class FakeEngine:
             # as the engine reports an adapter that failed to load: one finished output carrying the error
             outs[0].finish_reason = "error"
             yield RequestOutput(request_id=request_id, prompt=None, prompt_token_ids=prompt_ids, outputs=outs,
-                                finished=True, metrics=metrics, error=self.adapter_error)
+                                finished=True, metrics=metrics, error=self.adapter_error,
+                                error_kind="adapter_load")
             return
         self.running.add(request_id)
         self.running_by_tenant[tenant] = self.running_by_tenant.get(tenant, 0) + 1

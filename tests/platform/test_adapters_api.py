@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import logging
 import tarfile
 import zipfile
 from pathlib import Path
@@ -253,15 +254,20 @@ def test_same_content_in_another_archive_is_listed_once(client, make_tenant, pef
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_an_adapter_that_fails_to_load_is_an_error_not_an_empty_answer(client, make_tenant, fake_engine,
-                                                                     peft_adapter_zip, stream):
+                                                                     peft_adapter_zip, stream, caplog):
     tenant = make_tenant()
     assert upload(client, tenant, "bot", [("adapter.zip", peft_adapter_zip.read_bytes())]).status_code == 201
-    fake_engine.adapter_error = "adapter 'bot' refused: adapter_model.safetensors does not exist"
-    r = client.post("/v1/chat/completions", headers=tenant.headers, json={
-        "model": "bot", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "stream": stream})
+    fake_engine.adapter_error = "adapter 'bot' could not be loaded: /srv/lp-store/ab12.safetensors does not exist"
+    with caplog.at_level(logging.ERROR, logger="loraplex.platform.inference.job"):
+        r = client.post("/v1/chat/completions", headers=tenant.headers, json={
+            "model": "bot", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "stream": stream})
     assert r.status_code == 500, r.text
     err = r.json()["error"]
-    assert err["code"] == "adapter_load_failed" and "does not exist" in err["message"]
+    request_id = r.headers["x-request-id"]
+    assert err["code"] == "adapter_load_failed" and "'bot'" in err["message"] and request_id in err["message"]
+    # the server's store path stays in the server's log, under the request id the client was given
+    assert "/srv/lp-store" not in r.text
+    assert any(request_id in m and "/srv/lp-store/ab12.safetensors does not exist" in m for m in caplog.messages)
     # the base model is unaffected
     r = client.post("/v1/chat/completions", headers=tenant.headers, json={
         "model": "fake-base", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3})

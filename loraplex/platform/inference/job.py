@@ -110,11 +110,16 @@ class InferenceJob:
 
     def _observe(self, index: int, out: RequestOutput) -> None:
         if out.error is not None:
-            # the engine ended the request with an error (today: its adapter failed to load) rather than an
-            # answer; an empty completion with finish_reason "stop" would pass for one
-            if self.target.adapter is not None:
-                raise AdapterLoadError(out.error)
-            raise EngineError(out.error)
+            # the engine ended the request with an error rather than an answer; an empty completion with
+            # finish_reason "stop" would pass for one. The cause can name the server's files: it goes to the
+            # log, the client gets what failed and the request id to quote.
+            log.error("request %s (tenant %s, model %r) failed in the engine: %s", self.request_id,
+                      self.tenant.tenant_id, self.target.model, out.error)
+            if out.error_kind == "adapter_load":
+                raise AdapterLoadError(f"adapter {self.target.model!r} failed to load on the engine; "
+                                       f"the server log has the cause under request id {self.request_id}")
+            raise EngineError(f"the engine could not complete the request; the server log has the cause "
+                              f"under request id {self.request_id}")
         n = out.num_generated_tokens
         if n and self.first_token_at is None:
             self.first_token_at = time.perf_counter()

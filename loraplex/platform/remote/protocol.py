@@ -57,4 +57,5 @@ def output_from_json(data: dict[str, Any]) -> RequestOutput:
     metrics = RequestMetrics(**data["metrics"]) if data.get("metrics") else None
     return RequestOutput(request_id=data["request_id"], prompt=data.get("prompt"),
                          prompt_token_ids=data["prompt_token_ids"], outputs=outputs, finished=data["finished"],
-                         metrics=metrics, error=data.get("error"))
+                         metrics=metrics, error=data.get("error"),
+                         error_kind=data.get("error_kind"))
