@@ -6,6 +6,7 @@ import asyncio
 from collections.abc import Iterator
 from typing import Annotated
 
+from annotated_types import Interval
 from fastapi import Depends, Header, Path, Request
 from sqlalchemy.orm import Session
 
@@ -89,5 +90,8 @@ def get_admin(services: ServicesDep, authorization: AuthorizationHeader = None) 
 
 AdminDep = Annotated[AdminContext, Depends(get_admin)]
 
-# Row ids in paths: out-of-range numbers are a 400 here, not a database overflow later.
-IdPath = Annotated[int, Path(ge=1, le=2**31 - 1)]
+# Row ids (INTEGER columns: PostgreSQL's int4) in paths and queries: an out-of-range number is a 400 naming
+# the parameter, not a database overflow (a 500) later.
+MAX_ROW_ID = 2**31 - 1
+RowId = Annotated[int, Interval(ge=1, le=MAX_ROW_ID)]
+IdPath = Annotated[int, Path(ge=1, le=MAX_ROW_ID)]

@@ -1,5 +1,6 @@
 """Admin request bodies: a misspelt or unknown field is refused by name instead of silently dropped; a missing
-one is named as missing; rollups refuse days that have not begun and dates at the end of the calendar."""
+one is named as missing; rollups refuse days that have not begun and dates at the end of the calendar; ids
+past what the database holds and periods no statement can cover are refused by name."""
 
 from __future__ import annotations
 
@@ -82,3 +83,40 @@ def test_rollup_command_refuses_a_day_not_begun(tmp_path):
     assert r.exit_code == 2 and "has not begun yet" in r.output and "Traceback" not in r.output
     r = CliRunner().invoke(main, ["admin", "billing", "rollup", "9999-12-31"], env=env)
     assert r.exit_code == 2 and "before 9999-12-31" in r.output
+
+
+HUGE = 5083142211507275694080  # past SQLite's 64-bit integers
+
+
+@pytest.mark.parametrize(("method", "path", "body", "param"), [
+    ("put", "/admin/api/billing/prices/default",
+     {"prompt_price": 0, "completion_price": 0, "adapter_surcharge_price": 0, "effective_period": "0000-01"},
+     "effective_period"),
+    ("put", "/admin/api/billing/tenants/{tenant}/price-override", {"prompt_price": 0, "effective_period": "0000-01"},
+     "effective_period"),
+    ("post", "/admin/api/billing/statements/finalize", {"period": "0000-12"}, "period"),
+    ("put", f"/admin/api/billing/prices/plans/{HUGE}",
+     {"prompt_price": 0, "completion_price": 0, "adapter_surcharge_price": 0}, "plan_id"),
+    ("put", f"/admin/api/billing/tenants/{HUGE}/price-override", {"prompt_price": 0}, "tenant_id"),
+    ("get", f"/admin/api/billing/statements?tenant_id={HUGE}&format=csv", None, "tenant_id[0]"),
+    ("get", f"/admin/api/billing/report?api_key_id={HUGE}", None, "api_key_id"),
+    ("get", f"/admin/api/billing/statements/{HUGE}/2026-10", None, "tenant_id"),
+    ("get", f"/admin/api/adapters?tenant_id={HUGE}", None, "tenant_id"),
+    ("get", "/admin/api/adapters?tenant_id=0", None, "tenant_id"),
+])
+def test_ids_and_periods_out_of_range_are_refused_by_name(client, admin_key, make_tenant, method, path, body, param):
+    tenant = make_tenant()
+    kwargs = {"json": body} if body is not None else {}
+    r = getattr(client, method)(path.format(tenant=tenant.tenant_id), headers=_admin(admin_key), **kwargs)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error" and err["param"] == param, err
+    # nothing was priced
+    assert client.get("/admin/api/billing/prices", headers=_admin(admin_key)).json()["data"][0]["price"] is None
+
+
+@pytest.mark.parametrize("path", ["/v1/usage?api_key_id={huge}", "/v1/usage/report?api_key_id={huge}"])
+def test_a_tenant_usage_filter_past_the_database_ids_is_refused(client, make_tenant, path):
+    tenant = make_tenant()
+    r = client.get(path.format(huge=HUGE), headers=tenant.headers)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "api_key_id", r.text

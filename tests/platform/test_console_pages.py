@@ -174,6 +174,8 @@ def test_exports_refuse_what_they_cannot_read(console, make_tenant):
         ("/console/usage/export?format=xml", "format must be csv or json"),
         ("/console/usage/export?group_by=day,nonsense", "group_by takes some of"),
         ("/console/usage/export?tenant_id=abc", "tenant_id must be"),
+        ("/console/usage/export?tenant_id=0", "tenant_id must be"),
+        ("/console/usage/export?tenant_id=99999999999999999999999", "tenant_id must be"),
         ("/console/usage/export?start=2026-13-01", "Bad date range"),
         ("/console/billing/export?format=pdf", "format must be csv or json"),
         (f"/console/billing/statements/{tk.tenant_id}/2026-11?format=xml", "format must be csv or json"),
@@ -184,3 +186,7 @@ def test_exports_refuse_what_they_cannot_read(console, make_tenant):
     page = get("/console/usage?tenant_id=1x").text
     assert "tenant_id must be a tenant&#39;s numeric id" in page or "tenant_id must be a tenant's numeric id" in page
     assert get(f"/console/usage/export?group_by=tenant&tenant_id={tk.tenant_id}").status_code == 200
+    # ids past what the database holds are refused by name, in paths too
+    for url in ("/console/tenants/99999999999999999999999", "/console/billing/statements/5083142211507275694080/2026-11"):
+        r = get(url)
+        assert r.status_code == 400 and "tenant_id" in r.text, (url, r.text)

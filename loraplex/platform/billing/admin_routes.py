@@ -7,11 +7,11 @@ from typing import Annotated
 
 from fastapi import APIRouter, Query
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 from sqlalchemy import select
 
 from loraplex.platform.billing.export import statement_dict, statements_summary_csv
-from loraplex.platform.billing.periods import days_in, parse_period, resolve_rollup_range
+from loraplex.platform.billing.periods import checked_period, days_in, parse_period, resolve_rollup_range
 from loraplex.platform.billing.prices import price_lists, set_plan_price, set_tenant_override, tenant_override
 from loraplex.platform.billing.pricing import Price, PriceOverride
 from loraplex.platform.billing.reports import usage_report
@@ -27,13 +27,17 @@ from loraplex.platform.billing.responses import (
 )
 from loraplex.platform.billing.rollups import rollup_day
 from loraplex.platform.billing.statements import finalize_period, get_statement, list_statements
-from loraplex.platform.deps import AdminDep, SessionDep
+from loraplex.platform.deps import AdminDep, IdPath, RowId, SessionDep
 from loraplex.platform.errors import bad_request, not_found
 from loraplex.platform.models import Tenant
 from loraplex.platform.tenants import get_tenant
 
 router = APIRouter(prefix="/admin/api/billing", tags=["admin billing"])
 Micros = Annotated[int, Field(ge=0, le=10**15, description="micro-units of the currency per million tokens")]
+
+
+# a YYYY-MM that names a month a statement can cover (year 0001-9998), refused by name otherwise
+PeriodStr = Annotated[str, AfterValidator(checked_period)]
 
 
 def _effective_period():
@@ -47,7 +51,7 @@ class PriceBody(BaseModel):
     completion_price: Micros
     adapter_surcharge_price: Micros
     currency: str = Field(default="USD", pattern=r"^[A-Z]{3}$")
-    effective_period: str | None = _effective_period()
+    effective_period: PeriodStr | None = _effective_period()
 
 
 class OverrideBody(BaseModel):
@@ -55,12 +59,12 @@ class OverrideBody(BaseModel):
     prompt_price: Micros | None = None
     completion_price: Micros | None = None
     adapter_surcharge_price: Micros | None = None
-    effective_period: str | None = _effective_period()
+    effective_period: PeriodStr | None = _effective_period()
 
 
 class PeriodBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    period: str = Field(pattern=r"^\d{4}-\d{2}$", examples=["2026-10"])
+    period: PeriodStr = Field(pattern=r"^\d{4}-\d{2}$", examples=["2026-10"])
 
 
 class RollupBody(BaseModel):
@@ -93,7 +97,7 @@ def put_default_price(*, _admin: AdminDep, session: SessionDep, body: PriceBody)
 
 
 @router.put("/prices/plans/{plan_id}")
-def put_plan_price(*, _admin: AdminDep, session: SessionDep, plan_id: int, body: PriceBody) -> JSONResponse:
+def put_plan_price(*, _admin: AdminDep, session: SessionDep, plan_id: IdPath, body: PriceBody) -> JSONResponse:
     return _set_price(session, plan_id, body)
 
 
@@ -107,7 +111,7 @@ def _set_price(session, plan_id: int | None, body: PriceBody) -> JSONResponse:
 
 
 @router.get("/tenants/{tenant_id}/price-override")
-def get_override(*, _admin: AdminDep, session: SessionDep, tenant_id: int,
+def get_override(*, _admin: AdminDep, session: SessionDep, tenant_id: IdPath,
                  period: Annotated[str | None, Query()] = None) -> JSONResponse:
     if period is not None:
         _check_period(period)
@@ -118,7 +122,7 @@ def get_override(*, _admin: AdminDep, session: SessionDep, tenant_id: int,
 
 
 @router.put("/tenants/{tenant_id}/price-override")
-def put_override(*, _admin: AdminDep, session: SessionDep, tenant_id: int, body: OverrideBody) -> JSONResponse:
+def put_override(*, _admin: AdminDep, session: SessionDep, tenant_id: IdPath, body: OverrideBody) -> JSONResponse:
     tenant = get_tenant(session, tenant_id)
     set_tenant_override(session, tenant.id, PriceOverride(body.prompt_price, body.completion_price,
                                                           body.adapter_surcharge_price), body.effective_period)
@@ -128,9 +132,9 @@ def put_override(*, _admin: AdminDep, session: SessionDep, tenant_id: int, body:
 @router.get("/report")
 def report(
     *, _admin: AdminDep, session: SessionDep, start: StartQuery = None, end: EndQuery = None,
-    tenant_id: Annotated[list[int] | None, Query(description="repeat to select several tenants")] = None,
+    tenant_id: Annotated[list[RowId] | None, Query(description="repeat to select several tenants")] = None,
     group_by: GroupByQuery = "tenant", adapter: Annotated[str | None, Query()] = None,
-    api_key_id: Annotated[int | None, Query()] = None, format: FormatQuery = "json",
+    api_key_id: Annotated[RowId | None, Query()] = None, format: FormatQuery = "json",
 ) -> Response:
     start, end = date_range(start, end)
     dims = dimensions(group_by)
@@ -142,7 +146,7 @@ def report(
 @router.get("/statements")
 def statements(
     *, _admin: AdminDep, session: SessionDep, period: Annotated[str | None, Query()] = None,
-    tenant_id: Annotated[list[int] | None, Query()] = None, format: FormatQuery = "json",
+    tenant_id: Annotated[list[RowId] | None, Query()] = None, format: FormatQuery = "json",
 ) -> Response:
     """Final statements; with `period`, every selected tenant's statement for it (drafts where not final)."""
     if period is not None:
@@ -160,7 +164,7 @@ def statements(
 
 
 @router.get("/statements/{tenant_id}/{period}")
-def statement(*, _admin: AdminDep, session: SessionDep, tenant_id: int, period: str,
+def statement(*, _admin: AdminDep, session: SessionDep, tenant_id: IdPath, period: str,
               format: FormatQuery = "json") -> Response:
     _check_period(period)
     return statement_response(get_statement(session, get_tenant(session, tenant_id), period), format)

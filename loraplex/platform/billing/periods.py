@@ -28,6 +28,12 @@ def parse_period(period: str) -> tuple[int, int]:
     return year, int(match.group(2))
 
 
+def checked_period(period: str) -> str:
+    """The period itself if it is one parse_period reads; its ValueError otherwise (for validators)."""
+    parse_period(period)
+    return period
+
+
 def period_bounds(period: str) -> tuple[date, date]:
     """First day of the month and first day of the next month."""
     year, month = parse_period(period)

@@ -28,7 +28,7 @@ from loraplex.platform.billing.schemas import (
     UsageReportPublic,
 )
 from loraplex.platform.billing.statements import get_statement, list_statements
-from loraplex.platform.deps import SessionDep, UsageKeyDep
+from loraplex.platform.deps import RowId, SessionDep, UsageKeyDep
 from loraplex.platform.errors import bad_request
 from loraplex.platform.models import Tenant
 
@@ -52,7 +52,7 @@ def tenant_usage(
 def usage_report_route(
     *, caller: UsageKeyDep, session: SessionDep, start: StartQuery = None, end: EndQuery = None,
     group_by: GroupByQuery = "day,adapter", adapter: Annotated[str | None, Query()] = None,
-    api_key_id: Annotated[int | None, Query()] = None, format: FormatQuery = "json",
+    api_key_id: Annotated[RowId | None, Query()] = None, format: FormatQuery = "json",
 ) -> Response:
     return tenant_usage(session, caller.tenant_id, start=start, end=end, group_by=group_by, adapter=adapter,
                         api_key_id=api_key_id, fmt=format)

@@ -19,7 +19,7 @@ from loraplex.platform.adapter_registry import (
 from loraplex.platform.console.deps import ConsoleDep, ConsolePostDep
 from loraplex.platform.console.templating import redirect, render
 from loraplex.platform.db import session_scope
-from loraplex.platform.deps import ServicesDep
+from loraplex.platform.deps import IdPath, ServicesDep
 from loraplex.platform.errors import APIError
 from loraplex.platform.metrics import get_metrics
 from loraplex.platform.models import Adapter, AdapterVersion, Tenant, VersionStatus
@@ -55,7 +55,7 @@ def adapters_page(request: Request, context: ConsoleDep, services: ServicesDep) 
 
 
 @router.post("/api/tenants/{tenant_id}/adapters")
-async def upload(request: Request, _context: ConsolePostDep, services: ServicesDep, tenant_id: int) -> JSONResponse:
+async def upload(request: Request, _context: ConsolePostDep, services: ServicesDep, tenant_id: IdPath) -> JSONResponse:
     """The same streamed, size-limited upload as POST /v1/adapters, on behalf of the tenant."""
     with services.sessions() as session:
         try:
@@ -83,7 +83,7 @@ async def upload(request: Request, _context: ConsolePostDep, services: ServicesD
 
 
 @router.get("/api/tenants/{tenant_id}/versions/{version_id}")
-def version_status(_context: ConsoleDep, services: ServicesDep, tenant_id: int, version_id: int) -> JSONResponse:
+def version_status(_context: ConsoleDep, services: ServicesDep, tenant_id: IdPath, version_id: IdPath) -> JSONResponse:
     with services.sessions() as session:
         version = TenantScope(session, tenant_id).one_or_none(AdapterVersion, AdapterVersion.id == version_id)
         if version is None:
@@ -93,7 +93,7 @@ def version_status(_context: ConsoleDep, services: ServicesDep, tenant_id: int, 
 
 
 @router.post("/tenants/{tenant_id}/adapters/{name}/delete")
-async def delete(request: Request, _context: ConsolePostDep, services: ServicesDep, tenant_id: int,
+async def delete(request: Request, _context: ConsolePostDep, services: ServicesDep, tenant_id: IdPath,
                  name: str) -> RedirectResponse:
     back = f"/console/adapters?tenant_id={tenant_id}"
 
@@ -110,8 +110,8 @@ async def delete(request: Request, _context: ConsolePostDep, services: ServicesD
 
 
 @router.post("/tenants/{tenant_id}/versions/{version_id}/prefetch")
-async def prefetch(request: Request, _context: ConsolePostDep, services: ServicesDep, tenant_id: int,
-                   version_id: int) -> RedirectResponse:
+async def prefetch(request: Request, _context: ConsolePostDep, services: ServicesDep, tenant_id: IdPath,
+                   version_id: IdPath) -> RedirectResponse:
     form = await request.form()
     pin = form.get("pin") == "1"
     back = f"/console/adapters?tenant_id={tenant_id}"

@@ -16,7 +16,7 @@ from loraplex.platform.auth import TenantContext
 from loraplex.platform.billing.models import NO_KEY
 from loraplex.platform.console.deps import ConsoleDep, ConsolePostDep
 from loraplex.platform.console.templating import render
-from loraplex.platform.deps import ServicesDep
+from loraplex.platform.deps import RowId, ServicesDep
 from loraplex.platform.inference.service import chat_completion
 from loraplex.platform.models import ALL_SCOPES, Tenant, TenantStatus
 from loraplex.platform.registry import list_model_ids
@@ -33,7 +33,7 @@ class PlaygroundMessage(BaseModel):
 
 
 class PlaygroundChat(BaseModel):
-    tenant_id: int
+    tenant_id: RowId
     model: str = Field(min_length=1, max_length=200)
     messages: list[PlaygroundMessage] = Field(min_length=1, max_length=100)
     max_tokens: int = Field(default=64, ge=1, le=4096)
@@ -52,7 +52,7 @@ def playground_page(request: Request, context: ConsoleDep, services: ServicesDep
 
 
 @router.get("/api/models")
-def playground_models(_context: ConsoleDep, services: ServicesDep, tenant_id: int) -> JSONResponse:
+def playground_models(_context: ConsoleDep, services: ServicesDep, tenant_id: RowId) -> JSONResponse:
     with services.sessions() as session:
         try:
             tenant = get_tenant(session, tenant_id)

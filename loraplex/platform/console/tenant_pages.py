@@ -15,7 +15,7 @@ from loraplex.platform.billing.statements import get_statement
 from loraplex.platform.console import forms
 from loraplex.platform.console.deps import ConsoleDep, ConsolePostDep
 from loraplex.platform.console.templating import redirect, render
-from loraplex.platform.deps import ServicesDep
+from loraplex.platform.deps import IdPath, ServicesDep
 from loraplex.platform.models import ALL_SCOPES, ApiKey, Plan, Tenant
 from loraplex.platform.schemas.tenants import KeyCreate, PlanCreate, TenantCreate, TenantUpdate
 from loraplex.platform.tenants import (
@@ -117,13 +117,13 @@ def _tenant_page(request: Request, context, services, tenant_id: int, *, new_key
 
 
 @router.get("/tenants/{tenant_id}", response_class=HTMLResponse)
-def tenant_page(request: Request, context: ConsoleDep, services: ServicesDep, tenant_id: int) -> HTMLResponse:
+def tenant_page(request: Request, context: ConsoleDep, services: ServicesDep, tenant_id: IdPath) -> HTMLResponse:
     return _tenant_page(request, context, services, tenant_id)
 
 
 @router.post("/tenants/{tenant_id}")
 async def tenant_update(request: Request, _context: ConsolePostDep, services: ServicesDep,
-                        tenant_id: int) -> RedirectResponse:
+                        tenant_id: IdPath) -> RedirectResponse:
     form = await request.form()
     back = f"/console/tenants/{tenant_id}"
     try:
@@ -140,7 +140,7 @@ async def tenant_update(request: Request, _context: ConsolePostDep, services: Se
 
 @router.post("/tenants/{tenant_id}/status")
 async def tenant_status(request: Request, _context: ConsolePostDep, services: ServicesDep,
-                        tenant_id: int) -> RedirectResponse:
+                        tenant_id: IdPath) -> RedirectResponse:
     form = await request.form()
     back = f"/console/tenants/{tenant_id}"
     try:
@@ -157,7 +157,7 @@ async def tenant_status(request: Request, _context: ConsolePostDep, services: Se
 
 @router.post("/tenants/{tenant_id}/prices")
 async def tenant_prices(request: Request, _context: ConsolePostDep, services: ServicesDep,
-                        tenant_id: int) -> RedirectResponse:
+                        tenant_id: IdPath) -> RedirectResponse:
     form = await request.form()
     back = f"/console/tenants/{tenant_id}"
     try:
@@ -173,7 +173,7 @@ async def tenant_prices(request: Request, _context: ConsolePostDep, services: Se
 
 
 @router.post("/tenants/{tenant_id}/keys", response_class=HTMLResponse)
-async def key_create(request: Request, context: ConsolePostDep, services: ServicesDep, tenant_id: int):
+async def key_create(request: Request, context: ConsolePostDep, services: ServicesDep, tenant_id: IdPath):
     form = await request.form()
     back = f"/console/tenants/{tenant_id}"
     try:
@@ -190,7 +190,7 @@ async def key_create(request: Request, context: ConsolePostDep, services: Servic
 
 @router.post("/keys/{key_id}/revoke")
 async def key_revoke(request: Request, _context: ConsolePostDep, services: ServicesDep,
-                     key_id: int) -> RedirectResponse:
+                     key_id: IdPath) -> RedirectResponse:
     with services.sessions() as session:
         key = session.get(ApiKey, key_id)
         if key is None:

@@ -26,7 +26,7 @@ from loraplex.platform.billing.statements import finalize_period, get_statement,
 from loraplex.platform.console import forms
 from loraplex.platform.console.deps import ConsoleDep, ConsolePostDep
 from loraplex.platform.console.templating import redirect, render
-from loraplex.platform.deps import ServicesDep
+from loraplex.platform.deps import MAX_ROW_ID, IdPath, ServicesDep
 from loraplex.platform.models import Tenant
 from loraplex.platform.tenants import TenantError, get_tenant
 
@@ -44,8 +44,8 @@ def _filters(request: Request) -> tuple[date, date, int | None]:
     except ValueError as exc:
         raise ValueError(f"Bad date range: {exc}") from exc
     tenant = q.get("tenant_id")
-    if tenant and not (tenant.isascii() and tenant.isdigit()):
-        # never widen a filter that cannot be read to every tenant
+    if tenant and not (tenant.isascii() and tenant.isdigit() and 1 <= int(tenant) <= MAX_ROW_ID):
+        # never widen a filter that cannot be read (0 included) to every tenant
         raise ValueError(f"tenant_id must be a tenant's numeric id, got {tenant!r}")
     return start, end, int(tenant) if tenant else None
 
@@ -187,7 +187,7 @@ async def billing_finalize(request: Request, _context: ConsolePostDep, services:
 
 
 @router.get("/billing/statements/{tenant_id}/{period}")
-def statement_page(request: Request, context: ConsoleDep, services: ServicesDep, tenant_id: int, period: str):
+def statement_page(request: Request, context: ConsoleDep, services: ServicesDep, tenant_id: IdPath, period: str):
     fmt = request.query_params.get("format")
     if fmt and fmt not in ("csv", "json"):
         return Response(f"format must be csv or json, got {fmt!r}\n", status_code=400,

@@ -8,7 +8,7 @@ from pydantic import BaseModel
 from sqlalchemy import select
 
 from loraplex.platform.adapter_registry import adapter_public
-from loraplex.platform.deps import AdminDep, IdPath, ServicesDep, SessionDep
+from loraplex.platform.deps import AdminDep, IdPath, RowId, ServicesDep, SessionDep
 from loraplex.platform.errors import bad_request, not_found
 from loraplex.platform.models import Adapter, AdapterVersion, Tenant, VersionStatus
 from loraplex.platform.routes.adapters import handle_delete, handle_upload
@@ -27,7 +27,7 @@ class TenantAdapter(AdapterPublic):
 
 @router.get("/adapters", response_model=list[TenantAdapter])
 def list_all_adapters(*, _admin: AdminDep, session: SessionDep, services: ServicesDep,
-                      tenant_id: int | None = Query(default=None)) -> list[TenantAdapter]:
+                      tenant_id: RowId | None = Query(default=None)) -> list[TenantAdapter]:
     stmt = select(Adapter, Tenant.name).join(Tenant, Tenant.id == Adapter.tenant_id).order_by(Tenant.name, Adapter.name)
     if tenant_id is not None:
         stmt = stmt.where(Adapter.tenant_id == tenant_id)

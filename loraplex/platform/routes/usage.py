@@ -8,7 +8,7 @@ from typing import Literal
 from fastapi import APIRouter, Query
 from fastapi.responses import Response
 
-from loraplex.platform.deps import SessionDep, UsageKeyDep
+from loraplex.platform.deps import RowId, SessionDep, UsageKeyDep
 from loraplex.platform.errors import bad_request
 from loraplex.platform.schemas.usage import UsageReport
 from loraplex.platform.usage.report import usage_by_day
@@ -22,7 +22,7 @@ def read_usage(*, tenant: UsageKeyDep, session: SessionDep,
                start: date | None = Query(default=None, description="first UTC day (default: 30 days ago)"),
                end: date | None = Query(default=None, description="last UTC day, inclusive (default: today)"),
                adapter: str | None = Query(default=None, description="only this adapter (by name)"),
-               api_key_id: int | None = Query(default=None, description="only requests made with this key"),
+               api_key_id: RowId | None = Query(default=None, description="only requests made with this key"),
                format: Literal["json", "csv"] = Query(default="json"),
                ) -> UsageReport | Response:
     end = end or datetime.now(UTC).date()
