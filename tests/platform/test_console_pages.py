@@ -80,6 +80,18 @@ def test_tenant_price_override_round_trips_in_micro_units(console):
     assert "more than 6 decimals" in console.client.get(bad.headers["location"]).text
 
 
+@pytest.mark.parametrize(("plan_id", "words"), [
+    ("99999999999999999999999", "is not an id that can exist"),
+    ("abc", "plan id must be a whole number"),
+    ("7", "no plan with id 7"),
+])
+def test_a_plan_price_for_a_plan_that_cannot_exist_is_refused_on_the_page(console, plan_id, words):
+    r = console.post("/console/billing/prices", {"plan_id": plan_id, "prompt": "1", "completion": "2",
+                                                 "adapter_surcharge": "0", "currency": "USD"})
+    assert r.status_code == 303, r.text
+    assert words in console.client.get(r.headers["location"]).text
+
+
 def test_usage_and_billing_pages_show_inference_done_through_the_api(console, make_tenant):
     console.post("/console/billing/prices", {"plan_id": "", "prompt": "1", "completion": "2",
                                              "adapter_surcharge": "0", "currency": "USD"})

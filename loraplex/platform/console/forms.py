@@ -5,6 +5,7 @@ from __future__ import annotations
 from starlette.datastructures import FormData
 
 from loraplex.platform.billing.money import parse_money
+from loraplex.platform.deps import MAX_ROW_ID
 
 
 class FormError(ValueError):
@@ -29,6 +30,14 @@ def positive_int(form: FormData, name: str, *, required: bool = False) -> int | 
         raise FormError(f"{name.replace('_', ' ')} must be a whole number, got {value!r}") from exc
     if number < 1:
         raise FormError(f"{name.replace('_', ' ')} must be at least 1")
+    return number
+
+
+def row_id(form: FormData, name: str) -> int | None:
+    """The id of a row (a plan's, say): a whole number the database's ids can hold, or None when empty."""
+    number = positive_int(form, name)
+    if number is not None and number > MAX_ROW_ID:
+        raise FormError(f"{name.replace('_', ' ')} {number} is not an id that can exist")
     return number
 
 

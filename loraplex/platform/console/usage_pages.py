@@ -158,15 +158,15 @@ def _recent_periods(n: int) -> list[str]:
 @router.post("/billing/prices")
 async def billing_prices(request: Request, _context: ConsolePostDep, services: ServicesDep) -> RedirectResponse:
     form = await request.form()
-    plan = forms.text(form, "plan_id")
     try:
+        plan = forms.row_id(form, "plan_id")
         values = [forms.money(form, f) for f in ("prompt", "completion", "adapter_surcharge")]
         if any(v is None for v in values):
             raise forms.FormError("all three prices are needed (0 is a price)")
         price = Price(*values, currency=(forms.text(form, "currency") or "USD").upper())
         period = forms.text(form, "period") or period_of(today_utc())
         with services.sessions() as session:
-            set_plan_price(session, int(plan) if plan else None, price, period)
+            set_plan_price(session, plan, price, period)
             session.commit()
     except (forms.FormError, ValueError, LookupError) as exc:
         return redirect(request, "/console/billing", error=f"Prices not saved: {exc}")
