@@ -8,6 +8,7 @@ from pathlib import Path
 import click
 
 from loraplex.platform.billing.cli import billing
+from loraplex.platform.ids import MAX_ROW_ID
 
 
 @contextmanager
@@ -198,7 +199,7 @@ def list_keys_cmd(tenant):
 
 
 @admin.command("revoke-key")
-@click.argument("key_id", type=int)
+@click.argument("key_id", type=click.IntRange(1, MAX_ROW_ID))
 def revoke_key_cmd(key_id):
     """Revoke an API key by id; it stops working at once."""
     from loraplex.platform.models import ApiKey

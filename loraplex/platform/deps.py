@@ -17,7 +17,7 @@ from loraplex.platform.auth import (
     authenticate_tenant_fast,
     require_scope,
 )
-from loraplex.platform.models import Scope
+from loraplex.platform.models import MAX_ROW_ID, Scope
 from loraplex.platform.scoping import TenantScope
 from loraplex.platform.security import bearer_token
 from loraplex.platform.services import Services
@@ -90,8 +90,7 @@ def get_admin(services: ServicesDep, authorization: AuthorizationHeader = None) 
 
 AdminDep = Annotated[AdminContext, Depends(get_admin)]
 
-# Row ids (INTEGER columns: PostgreSQL's int4) in paths and queries: an out-of-range number is a 400 naming
-# the parameter, not a database overflow (a 500) later.
-MAX_ROW_ID = 2**31 - 1
+# Row ids in paths and queries: an out-of-range number is a 400 naming the parameter, not a database
+# overflow (a 500) later.
 RowId = Annotated[int, Interval(ge=1, le=MAX_ROW_ID)]
 IdPath = Annotated[int, Path(ge=1, le=MAX_ROW_ID)]

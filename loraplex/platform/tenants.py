@@ -7,7 +7,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from loraplex.config import Settings
-from loraplex.platform.models import AdminKey, ApiKey, Plan, Tenant, TenantStatus, utcnow
+from loraplex.platform.models import MAX_ROW_ID, AdminKey, ApiKey, Plan, Tenant, TenantStatus, utcnow
 from loraplex.platform.quotas import QuotaLimits
 from loraplex.platform.schemas.tenants import (
     EffectiveQuotas,
@@ -92,8 +92,9 @@ def create_tenant(session: Session, data: TenantCreate) -> Tenant:
 
 def get_tenant(session: Session, ref: int | str) -> Tenant:
     """By id, or by name (the CLI's way of naming tenants)."""
-    if isinstance(ref, int) or (isinstance(ref, str) and ref.isdigit()):
-        tenant = session.get(Tenant, int(ref))
+    if isinstance(ref, int) or (isinstance(ref, str) and ref.isascii() and ref.isdigit()):
+        # an id past what the column holds names no tenant (and would overflow SQLite's binding)
+        tenant = session.get(Tenant, int(ref)) if 1 <= int(ref) <= MAX_ROW_ID else None
     else:
         tenant = session.scalar(select(Tenant).where(Tenant.name == ref))
     if tenant is None:

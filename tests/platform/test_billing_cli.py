@@ -57,3 +57,19 @@ def test_prices_statement_report_and_finalize_from_the_command_line(tmp_path):
     rolled = _run(["billing", "rollup", "2026-10-03"], env)
     assert rolled.output.strip() == "2026-10-03: 2 rows"
     assert _run(["billing", "finalize", "2999-01"], env).exit_code != 0
+
+
+def test_a_month_not_yet_closed_is_refused_even_with_no_tenant(tmp_path):
+    env = {"LORAPLEX_DATA_DIR": str(tmp_path), "LORAPLEX_ENVIRONMENT": "test"}
+    r = _run(["billing", "finalize", "2999-01"], env)
+    assert r.exit_code != 0 and "not closed yet" in r.output, r.output
+
+
+def test_ids_past_the_database_and_odd_digits_name_no_tenant(tmp_path):
+    env = {"LORAPLEX_DATA_DIR": str(tmp_path), "LORAPLEX_ENVIRONMENT": "test"}
+    for args in (["list-keys", "99999999999999999999999"], ["create-key", "99999999999999999999999"],
+                 ["list-keys", "\u00b2"], ["billing", "statement", "99999999999999999999999", "2026-10"]):
+        r = _run(args, env)
+        assert r.exit_code != 0 and "no tenant" in r.output, (args, r.output)
+    r = _run(["revoke-key", "99999999999999999999999"], env)
+    assert r.exit_code != 0 and "not in the range" in r.output, r.output

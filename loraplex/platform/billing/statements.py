@@ -111,6 +111,8 @@ def finalize_period(session: Session, period: str, *, now: datetime | None = Non
     """Finalize `period` for every tenant that existed in it or has usage in it (tenants created later get no
     empty statement for a month before their time); returns how many statements it has afterwards."""
     first, nxt = period_bounds(period)
+    if not is_closed(period, now):  # refused whether or not any tenant existed in it
+        raise ValueError(f"period {period} is not closed yet; statements are final only after the month ends")
     used = select(UsageRecord.tenant_id).where(
         UsageRecord.created_at >= day_start(first), UsageRecord.created_at < day_start(nxt))
     tenants = list(session.scalars(

@@ -5,7 +5,7 @@ from __future__ import annotations
 from starlette.datastructures import FormData
 
 from loraplex.platform.billing.money import parse_money
-from loraplex.platform.deps import MAX_ROW_ID
+from loraplex.platform.models import MAX_ROW_ID
 
 
 class FormError(ValueError):

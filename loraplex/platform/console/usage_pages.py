@@ -26,8 +26,8 @@ from loraplex.platform.billing.statements import finalize_period, get_statement,
 from loraplex.platform.console import forms
 from loraplex.platform.console.deps import ConsoleDep, ConsolePostDep
 from loraplex.platform.console.templating import redirect, render
-from loraplex.platform.deps import MAX_ROW_ID, IdPath, ServicesDep
-from loraplex.platform.models import Tenant
+from loraplex.platform.deps import IdPath, ServicesDep
+from loraplex.platform.models import MAX_ROW_ID, Tenant
 from loraplex.platform.tenants import TenantError, get_tenant
 
 router = APIRouter()

@@ -4,6 +4,10 @@ from datetime import UTC, datetime
 
 from sqlalchemy import DateTime, TypeDecorator
 
+from loraplex.platform.ids import MAX_ROW_ID
+
+__all__ = ["MAX_ROW_ID", "UTCDateTime", "utcnow"]
+
 
 def utcnow() -> datetime:
     return datetime.now(UTC)
