@@ -124,7 +124,7 @@ class CanonicalAdapter:
         for key, tensor in tensors.items():
             parts = key.split(".")
             if len(parts) != 4 or parts[0] != "layers" or parts[2] not in _MODULE_ORDER \
-                    or parts[3] not in ("lora_a", "lora_b") or not parts[1].isdigit():
+                    or parts[3] not in ("lora_a", "lora_b") or not (parts[1].isascii() and parts[1].isdigit()):
                 raise AdapterValidationError(f"unexpected tensor {key!r} in a canonical entry", ErrorCode.STORE_CORRUPT)
             pairs.setdefault((int(parts[1]), parts[2]), {})[parts[3]] = tensor
         weights = {}

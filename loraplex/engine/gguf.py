@@ -49,7 +49,7 @@ def hf_tensor_name(gguf_name: str) -> str:
     if gguf_name in _GLOBAL_TENSORS:
         return _GLOBAL_TENSORS[gguf_name]
     parts = gguf_name.split(".", 2)
-    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER_TENSORS:
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isascii() and parts[1].isdigit() and parts[2] in _LAYER_TENSORS:
         return f"model.layers.{parts[1]}.{_LAYER_TENSORS[parts[2]]}"
     raise ModelLoadError(f"GGUF tensor {gguf_name!r} has no Hugging Face counterpart in a Llama-family model")
 

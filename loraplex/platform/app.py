@@ -16,6 +16,7 @@ from loraplex.platform.lifecycle import build_services, shutdown_services, start
 from loraplex.platform.quotas import QuotaLimiter
 from loraplex.platform.request_id import RequestIdMiddleware
 from loraplex.platform.tenants import TenantError
+from loraplex.platform.url_guard import NulInUrlMiddleware
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +52,7 @@ def create_app(settings: Settings | None = None, *, engine: EngineClient | None 
     install_error_handlers(app)
     app.add_exception_handler(TenantError, _tenant_error_handler)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_bytes)
+    app.add_middleware(NulInUrlMiddleware)
     app.add_middleware(RequestIdMiddleware)  # outermost: the body limit's refusals carry a request id too
 
     for name in ROUTERS:

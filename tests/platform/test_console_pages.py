@@ -202,3 +202,14 @@ def test_exports_refuse_what_they_cannot_read(console, make_tenant):
     for url in ("/console/tenants/99999999999999999999999", "/console/billing/statements/5083142211507275694080/2026-11"):
         r = get(url)
         assert r.status_code == 400 and "tenant_id" in r.text, (url, r.text)
+
+
+def test_nul_in_a_form_and_odd_digits_in_a_query_are_read_as_mistakes(console):
+    console.post("/console/tenants", {"name": "acme"})
+    tenant = _tenant(console, "acme")
+    r = console.post(f"/console/tenants/{tenant.id}/keys", {"name": "k\x00"})
+    assert r.status_code == 303 and "must not contain NUL" in console.client.get(r.headers["location"]).text
+    r = console.post(f"/console/tenants/{tenant.id}", {"plan": "gold\x00"})
+    assert r.status_code == 303 and "must not contain NUL" in console.client.get(r.headers["location"]).text
+    # "²" is a digit to str.isdigit() but not to int(): the page shows no tenant selected
+    assert console.client.get("/console/playground?tenant_id=%C2%B2").status_code == 200

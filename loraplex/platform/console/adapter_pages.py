@@ -64,7 +64,7 @@ async def upload(request: Request, _context: ConsolePostDep, services: ServicesD
             raise HTTPException(404, str(exc)) from exc
     limit = services.settings.max_upload_bytes
     declared = request.headers.get("content-length")
-    if declared and declared.isdigit() and int(declared) > limit + MULTIPART_OVERHEAD:
+    if declared and declared.isascii() and declared.isdigit() and int(declared) > limit + MULTIPART_OVERHEAD:
         raise too_large(limit)
     staging = uploads_root(services.settings) / f"incoming-{uuid.uuid4().hex}"
     parsed = await parse_upload(request.stream(), request.headers.get("content-type", ""), staging, limit)

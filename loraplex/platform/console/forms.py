@@ -15,6 +15,8 @@ class FormError(ValueError):
 def text(form: FormData, name: str, *, required: bool = False) -> str | None:
     value = form.get(name)
     value = value.strip() if isinstance(value, str) else ""
+    if "\x00" in value:  # never storable (PostgreSQL) nor part of any name or amount
+        raise FormError(f"{name.replace('_', ' ')} must not contain NUL characters")
     if required and not value:
         raise FormError(f"{name.replace('_', ' ')} is required")
     return value or None

@@ -21,6 +21,7 @@ from loraplex.platform.inference.service import chat_completion
 from loraplex.platform.models import ALL_SCOPES, Tenant, TenantStatus
 from loraplex.platform.registry import list_model_ids
 from loraplex.platform.schemas.openai import ChatCompletionRequest
+from loraplex.platform.schemas.text import DbText
 from loraplex.platform.tenants import TenantError, effective_limits, get_tenant
 
 router = APIRouter()
@@ -34,7 +35,7 @@ class PlaygroundMessage(BaseModel):
 
 class PlaygroundChat(BaseModel):
     tenant_id: RowId
-    model: str = Field(min_length=1, max_length=200)
+    model: DbText = Field(min_length=1, max_length=200)
     messages: list[PlaygroundMessage] = Field(min_length=1, max_length=100)
     max_tokens: int = Field(default=64, ge=1, le=4096)
     temperature: float = Field(default=0.0, ge=0.0, le=2.0)
@@ -47,7 +48,7 @@ def playground_page(request: Request, context: ConsoleDep, services: ServicesDep
                                        .order_by(Tenant.name)))
     selected = request.query_params.get("tenant_id")
     return render(request, "playground.html", context, tenants=tenants,
-                  selected=int(selected) if selected and selected.isdigit() else None,
+                  selected=int(selected) if selected and selected.isascii() and selected.isdigit() else None,
                   engine_ready=services.engine is not None)
 
 

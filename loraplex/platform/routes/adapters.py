@@ -47,7 +47,7 @@ async def handle_upload(services: Services, tenant_id: int, request: Request, wa
     """Upload for one tenant: 201 ready, 202 still validating, 422 refused (with wait), 413 too large."""
     limit = services.settings.max_upload_bytes
     declared = request.headers.get("content-length")
-    if declared and declared.isdigit() and int(declared) > limit + MULTIPART_OVERHEAD:
+    if declared and declared.isascii() and declared.isdigit() and int(declared) > limit + MULTIPART_OVERHEAD:
         raise too_large(limit)
     staging = uploads_root(services.settings) / f"incoming-{uuid.uuid4().hex}"
     upload = await parse_upload(request.stream(), request.headers.get("content-type", ""), staging, limit)

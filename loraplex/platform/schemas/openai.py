@@ -6,6 +6,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from loraplex.platform.schemas.text import DbText
+
 
 class ModelCard(BaseModel):
     id: str
@@ -28,7 +30,7 @@ class _Sampling(BaseModel):
     # Unknown fields are ignored, as OpenAI-compatible servers do for newer client options.
     model_config = ConfigDict(extra="ignore")
 
-    model: str
+    model: DbText
     n: int = Field(default=1, ge=1, le=128)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
@@ -39,7 +41,7 @@ class _Sampling(BaseModel):
     stream_options: StreamOptions | None = None
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
-    user: str | None = Field(default=None, max_length=256)
+    user: DbText | None = Field(default=None, max_length=256)
     # Declared only so that a request relying on it is refused instead of silently ignored.
     logit_bias: dict[str, float] | None = None
     # vLLM-style extras that are handy for tests and tools

@@ -6,6 +6,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from loraplex.platform.models import ALL_SCOPES
+from loraplex.platform.schemas.text import DbText
 
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
 
@@ -46,12 +47,12 @@ class TenantBase(QuotaFields):
 
 
 class TenantCreate(TenantBase):
-    plan: str | None = Field(default=None, description="name of an existing plan")
+    plan: DbText | None = Field(default=None, description="name of an existing plan")
     model_config = ConfigDict(extra="forbid")
 
 
 class TenantUpdate(QuotaFields):
-    plan: str | None = None
+    plan: DbText | None = None
     status: Literal["active", "suspended"] | None = None
     # explicit nulls clear an override back to the plan's value
     model_config = ConfigDict(extra="forbid")
@@ -74,7 +75,7 @@ class TenantPublic(TenantBase):
 
 class KeyCreate(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    name: str = Field(default="default", max_length=64)
+    name: DbText = Field(default="default", max_length=64)
     scopes: list[str] = Field(default_factory=lambda: list(ALL_SCOPES))
 
     @field_validator("scopes")

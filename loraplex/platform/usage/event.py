@@ -37,5 +37,10 @@ class UsageEvent:
 
     def to_row(self) -> dict:
         row = asdict(self)
+        for key, value in row.items():
+            # PostgreSQL cannot store NUL; a record must never be dropped for one (the API refuses them in
+            # what it stores, this is the last line)
+            if isinstance(value, str) and "\x00" in value:
+                row[key] = value.replace("\x00", "\ufffd")
         row["created_at"] = datetime.fromisoformat(self.created_at)
         return row

@@ -1,0 +1,23 @@
+"""Strings that reach the database.
+
+PostgreSQL's text types cannot hold NUL (U+0000): a value carrying one fails when it is stored or even
+compared in a query. Such values are refused where they enter, by name, on every database alike.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from pydantic import AfterValidator
+
+NUL = "\x00"
+
+
+def refuse_nul(value: str) -> str:
+    if NUL in value:
+        raise ValueError("must not contain NUL (\\u0000) characters")
+    return value
+
+
+# a string that may be stored or looked up in the database
+DbText = Annotated[str, AfterValidator(refuse_nul)]

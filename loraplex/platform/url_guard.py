@@ -1,0 +1,26 @@
+"""URLs carrying NUL (%00) are refused before routing: no id, name or filter holds one, and PostgreSQL
+cannot compare text with one (the lookup would fail as a 500 there while SQLite answered 404)."""
+
+from __future__ import annotations
+
+import json
+
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from loraplex.platform.errors import APIError
+
+
+class NulInUrlMiddleware:
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and ("\x00" in scope.get("path", "") or b"%00" in scope.get("query_string", b"")):
+            body = json.dumps(APIError(400, "The URL contains a NUL (%00) character, which no path or "
+                                       "query parameter may hold.").body()).encode()
+            await send({"type": "http.response.start", "status": 400,
+                        "headers": [(b"content-type", b"application/json"),
+                                    (b"content-length", str(len(body)).encode())]})
+            await send({"type": "http.response.body", "body": body})
+            return
+        await self.app(scope, receive, send)
