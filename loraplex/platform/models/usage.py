@@ -20,7 +20,7 @@ class UsageRecord(Base):
     tenant_id: Mapped[int] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"))
     # no foreign keys to keys/adapters: usage outlives a revoked key or a deleted adapter
     api_key_id: Mapped[int | None] = mapped_column(Integer, nullable=True)
-    model: Mapped[str] = mapped_column(String(128))
+    model: Mapped[str] = mapped_column(String(192))  # name@version, the version up to a whole hash
     adapter_name: Mapped[str | None] = mapped_column(String(64), nullable=True)
     adapter_version: Mapped[str | None] = mapped_column(String(64), nullable=True)  # content hash
     endpoint: Mapped[str] = mapped_column(String(32))

@@ -5,6 +5,12 @@ from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 
 
+def _column_widths() -> dict[str, int]:
+    from loraplex.platform.models import UsageRecord
+
+    return {c.name: c.type.length for c in UsageRecord.__table__.columns if getattr(c.type, "length", None)}
+
+
 @dataclass(frozen=True)
 class UsageEvent:
     request_id: str
@@ -38,9 +44,15 @@ class UsageEvent:
     def to_row(self) -> dict:
         row = asdict(self)
         for key, value in row.items():
-            # PostgreSQL cannot store NUL; a record must never be dropped for one (the API refuses them in
-            # what it stores, this is the last line)
-            if isinstance(value, str) and "\x00" in value:
-                row[key] = value.replace("\x00", "\ufffd")
+            # What PostgreSQL would refuse (NUL, a string past its column's width) must never drop the record:
+            # the API refuses such values where it can, this is the last line.
+            if isinstance(value, str):
+                if "\x00" in value:
+                    value = value.replace("\x00", "\ufffd")
+                width = _WIDTHS.get(key)
+                row[key] = value[:width] if width is not None else value
         row["created_at"] = datetime.fromisoformat(self.created_at)
         return row
+
+
+_WIDTHS = _column_widths()

@@ -1,6 +1,7 @@
-"""NUL (U+0000) in what a caller sends: PostgreSQL's text cannot hold or compare one, so a value that would
-reach the database with one is refused by name (400) on every database, instead of a 500 on PostgreSQL
-only, and a usage record is never dropped for one."""
+"""Strings that reach the database. NUL (U+0000) in what a caller sends: PostgreSQL's text cannot hold or
+compare one, so a value that would reach the database with one is refused by name (400) on every database,
+instead of a 500 on PostgreSQL only. A usage record is never dropped for what PostgreSQL refuses: NUL, or a
+model named by the longest adapter name and a whole content hash."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from datetime import UTC, datetime
 import pytest
 from fake_engine import FakeEngine
 from fastapi.testclient import TestClient
-from platform_helpers import make_settings
+from platform_helpers import TenantKey, make_settings, upload
 
 from loraplex.platform.usage.event import UsageEvent
 
@@ -76,7 +77,8 @@ def pg_url():
 
 
 @pytest.mark.integration
-def test_nul_is_refused_by_name_on_postgresql_and_usage_is_stored(pg_url, tmp_path, tiny_llama_dir):
+def test_nul_is_refused_by_name_on_postgresql_and_usage_is_stored(pg_url, tmp_path, tiny_llama_dir,
+                                                                   peft_adapter_zip):
     from loraplex.platform.app import create_app
     from loraplex.platform.db import session_scope
     from loraplex.platform.migrate import upgrade_to_head
@@ -105,3 +107,16 @@ def test_nul_is_refused_by_name_on_postgresql_and_usage_is_stored(pg_url, tmp_pa
         with services.sessions() as s:
             stored = s.query(UsageRecord).filter_by(request_id=event.request_id).one()
             assert stored.end_user == "a\ufffdb" and stored.completion_tokens == 2
+
+        # the longest adapter name with its whole content hash (129 characters) is served and billed
+        tk = TenantKey(tenant_id, "acme", key.id, key.key)
+        name = "n" * 64
+        version = upload(client, tk, name, [("adapter.zip", peft_adapter_zip.read_bytes())]).json()
+        assert version["status"] == "ready", version
+        model = f"{name}@{version['content_hash']}"
+        r = client.post("/v1/chat/completions", headers=tk.headers, json=_chat(model=model))
+        assert r.status_code == 200, r.text
+        client.portal.call(services.usage.flush)
+        with services.sessions() as s:
+            stored = s.query(UsageRecord).filter_by(request_id=r.headers["x-request-id"]).one()
+            assert stored.model == model and stored.adapter_version == version["content_hash"]
