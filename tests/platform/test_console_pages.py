@@ -211,5 +211,7 @@ def test_nul_in_a_form_and_odd_digits_in_a_query_are_read_as_mistakes(console):
     assert r.status_code == 303 and "must not contain NUL" in console.client.get(r.headers["location"]).text
     r = console.post(f"/console/tenants/{tenant.id}", {"plan": "gold\x00"})
     assert r.status_code == 303 and "must not contain NUL" in console.client.get(r.headers["location"]).text
+    r = console.post("/console/billing/finalize", {"period": "2026-1\x00"})
+    assert r.status_code == 303 and "must not contain NUL" in console.client.get(r.headers["location"]).text
     # "²" is a digit to str.isdigit() but not to int(): the page shows no tenant selected
     assert console.client.get("/console/playground?tenant_id=%C2%B2").status_code == 200

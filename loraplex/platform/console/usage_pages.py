@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from datetime import date
+from urllib.parse import quote
 
 from fastapi import APIRouter, Request
 from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse, Response
@@ -176,13 +177,16 @@ async def billing_prices(request: Request, _context: ConsolePostDep, services: S
 @router.post("/billing/finalize")
 async def billing_finalize(request: Request, _context: ConsolePostDep, services: ServicesDep) -> RedirectResponse:
     form = await request.form()
-    period = forms.text(form, "period") or previous_period(today_utc())
+    try:
+        period = forms.text(form, "period") or previous_period(today_utc())
+    except forms.FormError as exc:
+        return redirect(request, "/console/billing", error=str(exc))
     try:
         with services.sessions() as session:
             count = finalize_period(session, period)
             session.commit()
     except ValueError as exc:
-        return redirect(request, f"/console/billing?period={period}", error=str(exc))
+        return redirect(request, f"/console/billing?period={quote(period)}", error=str(exc))
     return redirect(request, f"/console/billing?period={period}", flash=f"{count} statements for {period} are final.")
 
 
