@@ -25,6 +25,9 @@ import torch
 
 # (part, substrings of cProfile function labels whose own time belongs to it)
 PARTS = [
+    # where the C++ decoder stack runs, the 30 layers are this one call and the parts below it hold only what
+    # runs outside it (the LM head) or, without the stack, the layers' pieces one by one
+    ("decoder layers in one C++ call (projections, attention, norms, LoRA)", ("decoder_stack",)),
     ("projections + LM head (packed GEMM / F.linear)", ("_linear_pointwise", "_nn.linear", "_mkl_linear", "_linear_cpu_v")),
     ("paged attention", ("paged_decode_attention", "scaled_dot_product_attention", "index_select")),
     ("norms, activation, rotary (fused)", ("fused_add_rms_norm_", "rms_norm", "silu_and_mul", "rotary_")),
