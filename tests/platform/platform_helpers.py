@@ -2,12 +2,37 @@
 
 from __future__ import annotations
 
+import os
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 from loraplex.config import Settings
 
 TEST_SECRET = "test-secret-0123456789abcdef"
+PG_URL = os.environ.get("LORAPLEX_TEST_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/test")
+
+
+@contextmanager
+def postgres_schema(prefix: str) -> Iterator[str]:
+    """A fresh schema on the machine's PostgreSQL, dropped afterwards; yields a URL that works in it."""
+    import psycopg2
+    import pytest
+
+    try:
+        conn = psycopg2.connect(PG_URL, connect_timeout=3)
+    except Exception as exc:
+        pytest.fail(f"integration tests need PostgreSQL at {PG_URL}: {exc}")
+    conn.autocommit = True
+    schema = f"{prefix}_{uuid.uuid4().hex[:10]}"
+    conn.cursor().execute(f"CREATE SCHEMA {schema}")
+    try:
+        yield f"{PG_URL}?options=-csearch_path%3D{schema}"
+    finally:
+        conn.cursor().execute(f"DROP SCHEMA {schema} CASCADE")
+        conn.close()
 
 
 def make_settings(data_dir: Path, **overrides) -> Settings:

@@ -2,40 +2,25 @@
 
 from __future__ import annotations
 
-import os
 import uuid
 
 import pytest
 import test_billing_statements as on_sqlite
+from platform_helpers import postgres_schema
 
 pytestmark = pytest.mark.integration
-
-PG_URL = os.environ.get("LORAPLEX_TEST_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/test")
 
 
 @pytest.fixture(scope="module")
 def pg_sessions():
-    import psycopg2
-
     from loraplex.platform.db import make_engine, make_session_factory
     from loraplex.platform.migrate import upgrade_to_head
 
-    try:
-        conn = psycopg2.connect(PG_URL, connect_timeout=3)
-    except Exception as exc:
-        pytest.fail(f"integration tests need PostgreSQL at {PG_URL}: {exc}")
-    conn.autocommit = True
-    schema = f"lpx_bill_{uuid.uuid4().hex[:10]}"
-    conn.cursor().execute(f"CREATE SCHEMA {schema}")
-    url = f"{PG_URL}?options=-csearch_path%3D{schema}"
-    try:
+    with postgres_schema("lpx_bill") as url:
         upgrade_to_head(url)
         engine = make_engine(url)
         yield make_session_factory(engine)
         engine.dispose()
-    finally:
-        conn.cursor().execute(f"DROP SCHEMA {schema} CASCADE")
-        conn.close()
 
 
 @pytest.fixture

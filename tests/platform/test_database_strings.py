@@ -5,18 +5,16 @@ model named by the longest adapter name and a whole content hash."""
 
 from __future__ import annotations
 
-import os
 import uuid
 from datetime import UTC, datetime
 
 import pytest
 from fake_engine import FakeEngine
 from fastapi.testclient import TestClient
-from platform_helpers import TenantKey, make_settings, upload
+from platform_helpers import TenantKey, make_settings, postgres_schema, upload
 
 from loraplex.platform.usage.event import UsageEvent
 
-PG_URL = os.environ.get("LORAPLEX_TEST_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/test")
 URLS = ["/v1/adapters/a%00b", "/v1/models/a%00b", "/v1/usage?adapter=a%00b", "/v1/usage/report?adapter=%00"]
 
 
@@ -60,20 +58,8 @@ def test_a_usage_record_with_nul_is_kept():
 
 @pytest.fixture
 def pg_url():
-    import psycopg2
-
-    try:
-        conn = psycopg2.connect(PG_URL, connect_timeout=3)
-    except Exception as exc:
-        pytest.fail(f"integration tests need PostgreSQL at {PG_URL}: {exc}")
-    conn.autocommit = True
-    schema = f"lpx_nul_{uuid.uuid4().hex[:10]}"
-    conn.cursor().execute(f"CREATE SCHEMA {schema}")
-    try:
-        yield f"{PG_URL}?options=-csearch_path%3D{schema}"
-    finally:
-        conn.cursor().execute(f"DROP SCHEMA {schema} CASCADE")
-        conn.close()
+    with postgres_schema("lpx_strings") as url:
+        yield url
 
 
 @pytest.mark.integration
