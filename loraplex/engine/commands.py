@@ -54,14 +54,18 @@ def generate(prompt, model_name, chat, system, adapter, max_tokens, temperature,
 
 @click.command()
 @click.option("--model", "model_name", default="smollm2-135m", show_default=True)
-@click.option("--num-requests", default=32, show_default=True, type=int)
-@click.option("--max-tokens", default=64, show_default=True, type=int)
+@click.option("--num-requests", default=32, show_default=True, type=click.IntRange(1, 100_000))
+@click.option("--max-tokens", default=64, show_default=True, type=click.IntRange(min=1))
 @click.option("--seed", default=0, show_default=True, type=int)
 def bench(model_name, num_requests, max_tokens, seed) -> None:
     """Measure offline throughput (32 prompts of 20-60 words, greedy, EOS ignored)."""
     from loraplex.engine.benchmark import run_engine_benchmark
+    from loraplex.engine.errors import EngineError
 
-    result = run_engine_benchmark(model_name, num_requests=num_requests, max_tokens=max_tokens, seed=seed)
+    try:
+        result = run_engine_benchmark(model_name, num_requests=num_requests, max_tokens=max_tokens, seed=seed)
+    except (EngineError, ValueError) as exc:
+        raise click.ClickException(str(exc)) from exc
     click.echo(
         f"{result['generated_tokens']} tokens in {result['seconds']:.2f}s: "
         f"{result['tokens_per_s']:.1f} tok/s ({result['prompt_tokens']} prompt tokens)"
