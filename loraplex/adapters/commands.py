@@ -21,13 +21,22 @@ def adapter() -> None:
 
 @adapter.command()
 @click.argument("path", type=click.Path(path_type=Path))
-@click.option("--model", "model_dir", required=True, type=click.Path(exists=True, file_okay=False, path_type=Path),
-              help="Base model folder (its config.json decides the shapes an adapter must fit).")
-@click.option("--max-rank", default=AdapterLimits.max_rank, show_default=True, help="Largest accepted rank.")
+@click.option("--model", "model", required=True,
+              help="Base model, as `generate` takes it: a folder, a .gguf file, a Hub id or a built-in name "
+                   "(its config decides the shapes an adapter must fit).")
+@click.option("--max-rank", default=AdapterLimits.max_rank, show_default=True, type=click.IntRange(min=1),
+              help="Largest accepted rank.")
 @click.option("--store", "store_dir", type=click.Path(file_okay=False, path_type=Path),
               help="Also put the canonical weights into this local store.")
-def validate(path: Path, model_dir: Path, max_rank: int, store_dir: Path | None) -> None:
+def validate(path: Path, model: str, max_rank: int, store_dir: Path | None) -> None:
     """Validate the adapter at PATH (folder, file pair, .zip, .tar.gz); print its version as JSON."""
+    from loraplex.engine.errors import ModelLoadError
+    from loraplex.engine.model_loader import resolve_model_dir
+
+    try:
+        model_dir = resolve_model_dir(model)
+    except ModelLoadError as exc:
+        raise click.ClickException(str(exc)) from exc
     try:
         spec = BaseModelSpec.from_model_dir(model_dir)
         canonical = load_adapter(path, spec, AdapterLimits(max_rank=max_rank))

@@ -117,7 +117,7 @@ def serve(model, host, port, data_dir, no_engine):
 
 @click.command()
 @click.option("--queues", default=None, help="comma-separated Celery queues (default: LORAPLEX_TASK_QUEUE)")
-@click.option("--concurrency", default=2, show_default=True, type=int)
+@click.option("--concurrency", default=2, show_default=True, type=click.IntRange(min=1))
 @click.option("--pool", default="prefork", show_default=True, type=click.Choice(["prefork", "threads", "solo"]))
 @click.option("--beat/--no-beat", default=True, show_default=True, help="also run the periodic tasks")
 @click.option("--loglevel", default="info", show_default=True)

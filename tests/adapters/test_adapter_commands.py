@@ -26,3 +26,17 @@ def test_validate_refusal_names_the_problem(llama_adapter_dir, tiny_llama_dir):
                                        str(tiny_llama_dir), "--max-rank", "4"])
     assert result.exit_code == 1
     assert "refused (rank_too_large)" in result.output and "limit of 4" in result.output
+
+
+def test_validate_takes_the_model_as_generate_does_and_names_a_bad_one(llama_adapter_dir, tiny_llama_dir, tmp_path):
+    def run(*args):
+        return CliRunner().invoke(main, ["adapter", "validate", str(llama_adapter_dir), *args])
+
+    missing = run("--model", "no-such-model")
+    assert missing.exit_code == 1 and "model 'no-such-model' not found" in missing.output, missing.output
+    assert "built-in model (smollm2-135m)" in missing.output  # the names --model also takes
+    not_a_model = run("--model", str(tmp_path))
+    assert not_a_model.exit_code == 1 and "config.json is missing" in not_a_model.output, not_a_model.output
+    zero = run("--model", str(tiny_llama_dir), "--max-rank", "0")
+    assert zero.exit_code == 2 and "--max-rank" in zero.output
+    assert run("--model", str(tiny_llama_dir)).exit_code == 0
