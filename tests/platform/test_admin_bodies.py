@@ -120,3 +120,11 @@ def test_a_tenant_usage_filter_past_the_database_ids_is_refused(client, make_ten
     tenant = make_tenant()
     r = client.get(path.format(huge=HUGE), headers=tenant.headers)
     assert r.status_code == 400 and r.json()["error"]["param"] == "api_key_id", r.text
+
+
+def test_an_empty_key_name_is_refused(client, admin_key, make_tenant):
+    tenant = make_tenant()
+    r = client.post(f"/admin/api/tenants/{tenant.tenant_id}/keys", headers=_admin(admin_key), json={"name": ""})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "name", r.text
+    r = client.post(f"/admin/api/tenants/{tenant.tenant_id}/keys", headers=_admin(admin_key), json={})
+    assert r.status_code == 201 and r.json()["name"] == "default", r.text

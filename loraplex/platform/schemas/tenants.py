@@ -75,7 +75,7 @@ class TenantPublic(TenantBase):
 
 class KeyCreate(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    name: DbText = Field(default="default", max_length=64)
+    name: DbText = Field(default="default", min_length=1, max_length=64)
     scopes: list[str] = Field(default_factory=lambda: list(ALL_SCOPES))
 
     @field_validator("scopes")
