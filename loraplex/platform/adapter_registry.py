@@ -39,6 +39,9 @@ def upload_source(settings: Settings, version: AdapterVersion) -> Path:
     return folder / version.upload_filename
 
 
+MAX_DESCRIPTION_CHARS = Adapter.__table__.c.description.type.length  # what the column holds (512)
+
+
 def check_form(upload: ParsedUpload) -> tuple[str, str | None, str, str]:
     """(name, description, upload filename, upload sha256) from a parsed form, or a 400 naming the field."""
     name = upload.fields.get("name", "").strip()
@@ -47,7 +50,12 @@ def check_form(upload: ParsedUpload) -> tuple[str, str | None, str, str]:
     if not ADAPTER_NAME.match(name):
         raise bad_request("An adapter name is 1-64 letters, digits, '.', '_' or '-' (no '@'), starting with a "
                           "letter or digit.", param="name")
-    description = upload.fields.get("description") or None
+    description = upload.fields.get("description", "").strip() or None
+    if description is not None and len(description) > MAX_DESCRIPTION_CHARS:
+        raise bad_request(f"The description is {len(description)} characters; at most {MAX_DESCRIPTION_CHARS} "
+                          "are kept.", param="description")
+    if description is not None and "\x00" in description:
+        raise bad_request("The description must not contain NUL (\\u0000) characters.", param="description")
     files = upload.files
     if not files:
         raise bad_request("No file was uploaded: send a .zip or .tar.gz archive, or adapter_config.json and "

@@ -272,3 +272,25 @@ def test_an_adapter_that_fails_to_load_is_an_error_not_an_empty_answer(client, m
     r = client.post("/v1/chat/completions", headers=tenant.headers, json={
         "model": "fake-base", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3})
     assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length"
+
+
+
+@pytest.mark.parametrize(("description", "words"), [("d" * 513, "at most 512"), ("a\x00b", "NUL")])
+def test_a_description_the_database_cannot_hold_is_refused_by_name(client, make_tenant, peft_adapter_zip,
+                                                                   description, words):
+    tenant = make_tenant()
+
+    def post(desc):
+        return client.post("/v1/adapters", params={"wait": "true"}, headers=tenant.headers,
+                           data={"name": "bot", "description": desc},
+                           files=[("file", ("adapter.zip", peft_adapter_zip.read_bytes()))])
+
+    r = post(description)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "description" and words in err["message"]
+    # nothing was registered; the longest description that fits is kept
+    assert client.get("/v1/adapters", headers=tenant.headers).json()["data"] == []
+    r = post("d" * 512)
+    assert r.status_code == 201 and r.json()["status"] == "ready", r.text
+    assert client.get("/v1/adapters/bot", headers=tenant.headers).json()["description"] == "d" * 512
