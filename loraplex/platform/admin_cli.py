@@ -213,8 +213,15 @@ def revoke_key_cmd(key_id):
         click.echo(f"key {key_id} ({key.prefix}...) revoked")
 
 
+def _key_name(_ctx, _param, value: str) -> str:
+    # what the column holds (64 characters; PostgreSQL refuses more)
+    if not value or len(value) > 64:
+        raise click.BadParameter(f"a key name is 1-64 characters, got {len(value)}")
+    return value
+
+
 @admin.command("create-admin-key")
-@click.option("--name", default="admin", show_default=True)
+@click.option("--name", default="admin", show_default=True, callback=_key_name, help="1-64 characters")
 def create_admin_key_cmd(name):
     """Create another admin key (for /admin/api and the console). Printed once."""
     from loraplex.platform.tenants import create_admin_key

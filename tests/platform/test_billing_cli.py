@@ -73,3 +73,11 @@ def test_ids_past_the_database_and_odd_digits_name_no_tenant(tmp_path):
         assert r.exit_code != 0 and "no tenant" in r.output, (args, r.output)
     r = _run(["revoke-key", "99999999999999999999999"], env)
     assert r.exit_code != 0 and "not in the range" in r.output, r.output
+
+
+def test_an_admin_key_name_the_column_cannot_hold_is_a_usage_error(tmp_path):
+    env = {"LORAPLEX_DATA_DIR": str(tmp_path), "LORAPLEX_ENVIRONMENT": "test"}
+    for name in ("n" * 65, ""):
+        r = _run(["create-admin-key", "--name", name], env)
+        assert r.exit_code == 2 and "a key name is 1-64 characters" in r.output, r.output
+    assert _run(["create-admin-key", "--name", "n" * 64], env).output.startswith("lpx_admin_")
