@@ -93,4 +93,4 @@ AdminDep = Annotated[AdminContext, Depends(get_admin)]
 # Row ids in paths and queries: an out-of-range number is a 400 naming the parameter, not a database
 # overflow (a 500) later.
 RowId = Annotated[int, Interval(ge=1, le=MAX_ROW_ID)]
-IdPath = Annotated[int, Path(ge=1, le=MAX_ROW_ID)]
+IdPath = Annotated[RowId, Path()]

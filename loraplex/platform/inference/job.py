@@ -116,8 +116,8 @@ class InferenceJob:
             log.error("request %s (tenant %s, model %r) failed in the engine: %s", self.request_id,
                       self.tenant.tenant_id, self.target.model, out.error)
             if out.error_kind == "adapter_load":
-                raise AdapterLoadError(f"adapter {self.target.model!r} failed to load on the engine; "
-                                       f"the server log has the cause under request id {self.request_id}")
+                raise AdapterLoadError(f"{self.target.model!r} (the server log has the cause under request id "
+                                       f"{self.request_id})")
             raise EngineError(f"the engine could not complete the request; the server log has the cause "
                               f"under request id {self.request_id}")
         n = out.num_generated_tokens
