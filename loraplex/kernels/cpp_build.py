@@ -1,14 +1,55 @@
 """C++ extensions compiled on first use with the system compiler (torch's `load_inline`) and cached under
-`~/.cache/torch_extensions`; their functions run with Python's interpreter lock released. When no compiler
-or headers exist, `load()` returns None once, with a warning, and the caller's torch path serves."""
+`~/.cache/torch_extensions` (or `TORCH_EXTENSIONS_DIR`); their functions run with Python's interpreter lock
+released. When no compiler or headers exist, `load()` returns None once, with a warning, and the caller's
+torch path serves.
+
+Each build goes in a folder of its own per Python environment, torch version and processor (`build_key`).
+The code is compiled with `-march=native`, so a build made on one processor may use instructions another
+lacks: under a home folder shared by machines of different kinds, a build found in one shared folder would
+stop the process with an illegal instruction. And two environments (a checkout and an install) sharing one
+folder would each rebuild the kernels, a minute or two, every time the other had run."""
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import os
+import platform
+import sys
 import threading
 from collections.abc import Sequence
 
 log = logging.getLogger(__name__)
+
+
+def processor_identity() -> str:
+    """What `-march=native` compiles for: the processor's model and instruction-set flags, as the operating
+    system reports them (Linux: /proc/cpuinfo), else the platform's description."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            keep = []
+            for line in f:
+                key = line.split(":", 1)[0].strip().lower()
+                if key in ("vendor_id", "cpu family", "model", "model name", "flags", "features",
+                           "cpu implementer", "cpu architecture", "cpu variant", "cpu part", "isa"):
+                    keep.append(line.strip())
+                elif not line.strip() and keep:  # the first processor's block is enough
+                    break
+            if keep:
+                return "\n".join(keep)
+    except OSError:
+        pass
+    return f"{platform.system()} {platform.machine()} {platform.processor()}"
+
+
+def build_key(extra: Sequence[str] = ()) -> str:
+    """A short hash of what a cached build depends on beyond its source and flags: this Python
+    environment, the torch it compiles against, and the processor."""
+    import torch
+
+    parts = [sys.prefix, sys.version, torch.__version__, os.path.dirname(torch.__file__), processor_identity(),
+             *extra]
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:12]
 
 
 class InlineExtension:
@@ -34,6 +75,15 @@ class InlineExtension:
         )
         return f"\nPYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {{\n{defs}}}\n"
 
+    def build_directory(self) -> str:
+        """Where this extension is built and cached: torch's extension root (`TORCH_EXTENSIONS_DIR` where
+        set), then a folder per environment and processor (`build_key`)."""
+        from torch.utils.cpp_extension import get_default_build_root
+
+        root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
+        return os.path.join(root, f"py{sys.version_info[0]}{sys.version_info[1]}_cpu",
+                            f"{self.name}-{build_key(self.extra_cflags)}")
+
     def load(self):
         """The compiled module, or None when it cannot be built (tried once per process)."""
         if self._module is not None or self._failed:
@@ -43,9 +93,12 @@ class InlineExtension:
                 try:
                     from torch.utils.cpp_extension import load_inline
 
+                    directory = self.build_directory()
+                    os.makedirs(directory, exist_ok=True)
                     self._module = load_inline(
                         name=self.name, cpp_sources=[self.source + self._bindings()],
                         extra_cflags=self.extra_cflags, extra_ldflags=["-fopenmp"], verbose=False,
+                        build_directory=directory,
                     )
                 except Exception as exc:  # no compiler, no headers: the torch path still works
                     log.warning("%s unavailable, using the torch path: %s", self.what, exc)

@@ -51,3 +51,49 @@ def test_functions_release_the_interpreter_lock(tmp_path, monkeypatch):
     # Holding the lock, the call would leave the counter a few thousand steps at most (one 5 ms switch
     # interval before the call); released, the thread counts freely for the whole 300 ms.
     assert counted[0] > 1_000_000
+
+
+def test_builds_are_kept_apart_per_processor_and_environment(tmp_path, monkeypatch):
+    """A build compiled with -march=native on one processor must never be loaded on another (a home folder
+    shared by different machines), and two Python environments must not keep rebuilding over each other."""
+    from loraplex.kernels import cpp_build
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    ext = InlineExtension("loraplex_test_where_v1", "", [], what="test kernel")
+    here = ext.build_directory()
+    assert here.startswith(str(tmp_path)) and "loraplex_test_where_v1-" in here
+    assert ext.build_directory() == here  # stable: the cache is found again
+    monkeypatch.setattr(cpp_build, "processor_identity", lambda: "vendor_id : AuthenticAMD\nflags : fpu sse2 avx2")
+    other_cpu = ext.build_directory()
+    monkeypatch.setattr(cpp_build, "processor_identity", lambda: "vendor_id : AuthenticAMD\nflags : fpu sse2 avx2 avx512f")
+    avx512 = ext.build_directory()
+    assert len({here, other_cpu, avx512}) == 3
+    monkeypatch.setattr(cpp_build.sys, "prefix", "/somewhere/else/venv")
+    assert ext.build_directory() != avx512
+    flags = InlineExtension("loraplex_test_where_v1", "", [], what="test kernel", extra_cflags=["-mno-avx512f"])
+    assert flags.build_directory() != ext.build_directory()
+
+
+def test_processor_identity_names_the_instruction_sets():
+    import platform
+
+    from loraplex.kernels.cpp_build import processor_identity
+
+    ident = processor_identity()
+    assert ident
+    if platform.system() == "Linux" and platform.machine() in ("x86_64", "AMD64"):
+        assert "flags" in ident and "sse2" in ident
+
+
+def test_a_build_lands_in_its_own_folder(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    ext = InlineExtension("loraplex_test_folder_v1", "int64_t twice(int64_t v) { return 2 * v; }\n", ["twice"],
+                          what="test kernel")
+    mod = ext.load()
+    if mod is None:
+        import pytest
+
+        pytest.skip("no C++ compiler")
+    assert mod.twice(21) == 42
+    built = list((tmp_path).rglob("loraplex_test_folder_v1*.so"))
+    assert built and all(str(p).startswith(ext.build_directory()) for p in built)
