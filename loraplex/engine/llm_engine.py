@@ -93,15 +93,8 @@ def prepare_cpu_kernels(*, lora: bool) -> None:
 
     from loraplex.kernels import lora_cpu, ops_cpu
 
-    try:
-        from torch.utils.cpp_extension import _get_build_directory
-
-        names = [ops_cpu.EXTENSION_NAME] + ([lora_cpu.EXTENSION_NAME] if lora else [])
-        built = all(
-            any(p.suffix == ".so" for p in Path(_get_build_directory(n, verbose=False)).glob("*")) for n in names
-        )
-    except Exception:  # a private helper of torch's; only the message depends on it
-        built = True
+    extensions = [ops_cpu._EXTENSION] + ([lora_cpu._EXTENSION] if lora else [])
+    built = all(any(p.suffix == ".so" for p in Path(e.build_directory()).glob("*")) for e in extensions)
     if not built:
         log.warning("building the CPU kernels for this machine (once; one to two minutes)")
     start = time.perf_counter()

@@ -97,3 +97,22 @@ def test_a_build_lands_in_its_own_folder(tmp_path, monkeypatch):
     assert mod.twice(21) == 42
     built = list((tmp_path).rglob("loraplex_test_folder_v1*.so"))
     assert built and all(str(p).startswith(ext.build_directory()) for p in built)
+
+
+def test_start_up_says_when_it_must_build_the_kernels(tmp_path, monkeypatch, caplog):
+    """The engine's start-up warns that it is compiling only when this machine's build is not cached."""
+    from loraplex.engine.llm_engine import prepare_cpu_kernels
+    from loraplex.kernels import lora_cpu, ops_cpu
+
+    if not (ops_cpu.available() and lora_cpu.available()):  # builds them into the usual cache if needed
+        import pytest
+
+        pytest.skip("no C++ compiler")
+    with caplog.at_level(logging.WARNING, logger="loraplex.engine.llm_engine"):
+        prepare_cpu_kernels(lora=True)
+    assert not [r for r in caplog.records if "building the CPU kernels" in r.getMessage()]
+    caplog.clear()
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))  # an empty cache: nothing built yet
+    with caplog.at_level(logging.WARNING, logger="loraplex.engine.llm_engine"):
+        prepare_cpu_kernels(lora=True)  # the modules are already loaded in this process: nothing compiles
+    assert [r for r in caplog.records if "building the CPU kernels" in r.getMessage()]
