@@ -11,6 +11,7 @@ folder would each rebuild the kernels, a minute or two, every time the other had
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -85,7 +86,8 @@ class InlineExtension:
                             f"{self.name}-{build_key(self.extra_cflags)}")
 
     def load(self):
-        """The compiled module, or None when it cannot be built (tried once per process)."""
+        """The compiled module, or None when it cannot be built (tried once per process). A build stopped by
+        Ctrl-C raises KeyboardInterrupt rather than falling back to the torch path."""
         if self._module is not None or self._failed:
             return self._module
         with self._lock:
@@ -95,12 +97,42 @@ class InlineExtension:
 
                     directory = self.build_directory()
                     os.makedirs(directory, exist_ok=True)
-                    self._module = load_inline(
-                        name=self.name, cpp_sources=[self.source + self._bindings()],
-                        extra_cflags=self.extra_cflags, extra_ldflags=["-fopenmp"], verbose=False,
-                        build_directory=directory,
-                    )
+                    with _exclusive_build(directory, self.what):
+                        self._module = load_inline(
+                            name=self.name, cpp_sources=[self.source + self._bindings()],
+                            extra_cflags=self.extra_cflags, extra_ldflags=["-fopenmp"], verbose=False,
+                            build_directory=directory,
+                        )
                 except Exception as exc:  # no compiler, no headers: the torch path still works
+                    if "interrupted by user" in str(exc):  # Ctrl-C reached the compiler first
+                        raise KeyboardInterrupt from exc
                     log.warning("%s unavailable, using the torch path: %s", self.what, exc)
                     self._failed = True
         return self._module
+
+
+@contextlib.contextmanager
+def _exclusive_build(directory: str, what: str):
+    """Hold this build folder for one process at a time, with a lock the operating system drops when its
+    holder exits however it exits. torch's own lock is a file that a process killed mid-build leaves behind,
+    after which every later start would wait for it forever; holding ours, any such file is known stale
+    and is removed."""
+    try:
+        import fcntl
+    except ImportError:  # not a Unix: torch's lock alone
+        yield
+        return
+    with open(os.path.join(directory, ".loraplex-build.lock"), "a+") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.warning("waiting for another process that is building the %s", what)
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            stale = os.path.join(directory, "lock")
+            if os.path.exists(stale):
+                log.warning("removing %s, left by a build of the %s that was stopped", stale, what)
+                os.remove(stale)
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)

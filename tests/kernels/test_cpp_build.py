@@ -116,3 +116,45 @@ def test_start_up_says_when_it_must_build_the_kernels(tmp_path, monkeypatch, cap
     with caplog.at_level(logging.WARNING, logger="loraplex.engine.llm_engine"):
         prepare_cpu_kernels(lora=True)  # the modules are already loaded in this process: nothing compiles
     assert [r for r in caplog.records if "building the CPU kernels" in r.getMessage()]
+
+
+def test_a_lock_left_by_a_killed_build_does_not_block_later_starts(tmp_path, monkeypatch):
+    """torch's build lock is a plain file; a process killed mid-build leaves it, and torch alone would wait
+    for it forever. The load removes it (nothing else can be building: the folder's own lock says so)."""
+    import threading
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    ext = InlineExtension("loraplex_test_stale_v1", "int64_t one() { return 1; }\n", ["one"], what="test kernel")
+    import os
+
+    os.makedirs(ext.build_directory())
+    open(os.path.join(ext.build_directory(), "lock"), "w").close()  # what a killed build leaves
+    result = []
+    worker = threading.Thread(target=lambda: result.append(ext.load()), daemon=True)
+    worker.start()
+    worker.join(timeout=900)  # a hang guard, not a speed check: the load is otherwise stuck for good
+    assert not worker.is_alive(), "the load waited on the stale lock"
+    if result[0] is None:
+        import pytest
+
+        pytest.skip("no C++ compiler")
+    assert result[0].one() == 1
+    assert not os.path.exists(os.path.join(ext.build_directory(), "lock"))
+
+
+def test_ctrl_c_during_a_build_stops_the_process(monkeypatch, tmp_path):
+    """Ctrl-C reaches the compiler too (same process group); torch reports that as a failed build, which must
+    not be taken for 'no compiler' and served on the slow path."""
+    import pytest
+    import torch.utils.cpp_extension
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+
+    def interrupted(**kwargs):
+        raise RuntimeError("Error building extension 'x': [1/2] c++ ... ninja: build stopped: interrupted by user.")
+
+    monkeypatch.setattr(torch.utils.cpp_extension, "load_inline", interrupted)
+    ext = InlineExtension("loraplex_test_interrupted_v1", "", [], what="test kernel")
+    with pytest.raises(KeyboardInterrupt):
+        ext.load()
+    assert not ext._failed  # a later call may still build it
