@@ -25,15 +25,26 @@ def test_unset_max_tokens_fits_the_token_rate(client, make_tenant, fake_engine):
     assert r.status_code == 429 and r.json()["error"]["code"] == "rate_limit_exceeded"
 
 
-def test_unset_max_tokens_with_n_and_prompts_splits_the_budget(client, make_tenant, fake_engine):
+def test_unset_max_tokens_with_n_splits_the_budget(client, make_tenant, fake_engine):
     tenant = make_tenant(tokens_per_minute=120)
-    r = client.post("/v1/completions", headers=tenant.headers,
-                    json={"model": "fake-base", "prompt": ["one two", "three four"], "n": 2, "max_tokens": None})
+    r = _chat(client, tenant, n=3, max_tokens=None)
     assert r.status_code == 200, r.text
-    prompts = sum(len(q["prompt_ids"]) for q in fake_engine.requests[-2:])
+    prompt = len(fake_engine.requests[-1]["prompt_ids"])
     usage = r.json()["usage"]
     assert usage["total_tokens"] <= 120
-    assert usage["completion_tokens"] == 4 * ((120 - prompts) // 4)
+    assert usage["completion_tokens"] == 3 * ((120 - prompt) // 3)
+
+
+def test_text_completions_with_max_tokens_null_get_the_default(client, make_tenant, fake_engine):
+    """OpenAI treats an explicit null as the default (16); running to the end of the context instead would
+    bill a client that sends null for 'not set' for thousands of tokens."""
+    tenant = make_tenant()
+    for stream in (False, True):
+        r = client.post("/v1/completions", headers=tenant.headers,
+                        json={"model": "fake-base", "prompt": ["one two", "three four"], "n": 2,
+                              "max_tokens": None, "stream": stream})
+        assert r.status_code == 200, r.text
+        assert all(q["params"].max_tokens == 16 for q in fake_engine.requests[-2:])
 
 
 def test_explicit_max_tokens_is_not_rewritten(client, make_tenant, fake_engine):

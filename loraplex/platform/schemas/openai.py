@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from loraplex.platform.schemas.text import DbText
 
@@ -75,9 +75,15 @@ class ChatCompletionRequest(_Sampling):
 
 class CompletionRequest(_Sampling):
     prompt: str | list[int] | list[str] | list[list[int]]
-    # OpenAI's (and vLLM's) default for text completions; an explicit null runs up to the context
+    # OpenAI's (and vLLM's) default for text completions. An explicit null means the same, as it does for
+    # OpenAI's API (vLLM would run up to the end of the context, and bill for it).
     max_tokens: int | None = Field(default=16, ge=1)
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False
     best_of: int | None = Field(default=None, ge=1)
     suffix: str | None = None
+
+    @field_validator("max_tokens", mode="before")
+    @classmethod
+    def _null_is_the_default(cls, value):
+        return 16 if value is None else value
