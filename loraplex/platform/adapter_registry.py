@@ -77,11 +77,15 @@ def check_form(upload: ParsedUpload) -> tuple[str, str | None, str, str]:
     return name, description, "peft-files", combined
 
 
-def register_upload(session: Session, scope: TenantScope, settings: Settings, upload: ParsedUpload
-                    ) -> tuple[AdapterVersion, bool]:
+def register_upload(session: Session, scope: TenantScope, settings: Settings, upload: ParsedUpload,
+                    base_model: str | None = None) -> tuple[AdapterVersion, bool]:
     """Create the version row (and the adapter on first upload) and move the files under its id.
-    Returns (version, created); an identical re-upload returns the existing live version."""
+    Returns (version, created); an identical re-upload returns the existing live version. A name that is
+    the base model's (in any case) is refused: requests naming it reach the base model."""
     name, description, filename, sha = check_form(upload)
+    if base_model is not None and name.casefold() == base_model.casefold():
+        raise bad_request(f"'{name}' is the base model's name; requests naming it reach the base model. "
+                          "Choose another name for the adapter.", param="name")
     adapter = scope.one_or_none(Adapter, Adapter.name == name)
     if adapter is None:
         adapter = scope.add(Adapter(name=name, description=description))

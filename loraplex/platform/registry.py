@@ -93,10 +93,11 @@ def resolve_latest_fast(db: Engine, tenant_id: int, model: str, base_model: str,
         return resolve_model(session, tenant_id, model, base_model, store_dir)
 
 
-def list_model_ids(session: Session, tenant_id: int) -> list[tuple[str, int, str]]:
+def list_model_ids(session: Session, tenant_id: int, base_model: str | None = None) -> list[tuple[str, int, str]]:
     """(model id, created, adapter name) for each ready adapter: `name` for the newest version, and
     `name@version` for every ready version (once: the same content uploaded again, as another archive
-    say, is another version row with the same version)."""
+    say, is another version row with the same version). An adapter named like the base model (stored before
+    the base model changed, say) is listed only as `name@version`: its plain name reaches the base model."""
     scope = TenantScope(session, tenant_id)
     stmt = (scope.select(AdapterVersion, AdapterVersion.status == VersionStatus.ready.value)
             .join(Adapter, Adapter.id == AdapterVersion.adapter_id)
@@ -106,7 +107,7 @@ def list_model_ids(session: Session, tenant_id: int) -> list[tuple[str, int, str
     for version, name in session.execute(stmt):
         created = int(version.created_at.timestamp())
         for model_id in (name, f"{name}@{version.version}"):
-            if model_id not in seen:
+            if model_id not in seen and model_id != base_model:
                 seen.add(model_id)
                 out.append((model_id, created, name))
     return out

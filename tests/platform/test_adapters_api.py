@@ -294,3 +294,31 @@ def test_a_description_the_database_cannot_hold_is_refused_by_name(client, make_
     r = post("d" * 512)
     assert r.status_code == 201 and r.json()["status"] == "ready", r.text
     assert client.get("/v1/adapters/bot", headers=tenant.headers).json()["description"] == "d" * 512
+
+
+@pytest.mark.parametrize("name", ["fake-base", "FAKE-BASE"])
+def test_an_adapter_cannot_take_the_base_models_name(app, client, make_tenant, peft_adapter_zip, name):
+    """Requests naming the base model reach the base model, so an adapter of that name could never be used
+    by its name: the upload is refused, and nothing is stored."""
+    tenant = make_tenant()
+    r = upload(client, tenant, name, [("adapter.zip", peft_adapter_zip.read_bytes())])
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "name" and "base model" in err["message"]
+    assert client.get("/v1/adapters", headers=tenant.headers).json()["data"] == []
+    assert [m["id"] for m in client.get("/v1/models", headers=tenant.headers).json()["data"]] == ["fake-base"]
+    incoming = list((app.state.services.settings.data_dir / "uploads").glob("*"))
+    assert incoming == []
+
+
+def test_an_adapter_stored_under_the_base_models_name_is_listed_by_version_only(
+        app, client, make_tenant, peft_adapter_zip):
+    """One already stored under that name (before the base model changed, say) is listed once, as
+    name@version; the plain name stays the base model's."""
+    from loraplex.platform import registry
+
+    tenant = make_tenant()
+    first = upload(client, tenant, "bot", [("adapter.zip", peft_adapter_zip.read_bytes())]).json()
+    with app.state.services.sessions() as session:
+        ids = [m for m, _c, _n in registry.list_model_ids(session, tenant.tenant_id, "bot")]
+    assert ids == [f"bot@{first['version']}"]

@@ -24,11 +24,11 @@ def lose_one_race(monkeypatch):
     real = adapter_routes.register_upload
     calls = []
 
-    def racing(session, scope, settings, parsed):
+    def racing(session, scope, settings, parsed, *rest):
         calls.append(parsed)
         if len(calls) == 1:
             raise IntegrityError("INSERT INTO adapters", {}, Exception("UNIQUE constraint failed"))
-        return real(session, scope, settings, parsed)
+        return real(session, scope, settings, parsed, *rest)
 
     monkeypatch.setattr(adapter_routes, "register_upload", racing)
     return calls

@@ -59,7 +59,7 @@ def playground_models(_context: ConsoleDep, services: ServicesDep, tenant_id: Ro
             tenant = get_tenant(session, tenant_id)
         except TenantError as exc:
             raise HTTPException(404, str(exc)) from exc
-        adapters = list_model_ids(session, tenant.id)
+        adapters = list_model_ids(session, tenant.id, services.base_model_name)
     base = services.base_model_name
     models = [{"id": base, "label": f"{base} (base model)"}]
     models += [{"id": model_id, "label": model_id} for model_id, _created, _name in adapters if "@" not in model_id]

@@ -75,7 +75,7 @@ def register_with_retry(services: Services, tenant_id: int, upload) -> tuple[int
         try:
             with session_scope(services.sessions) as session:
                 version, created = register_upload(session, TenantScope(session, tenant_id), services.settings,
-                                                   upload)
+                                                   upload, services.base_model_name)
                 return version.id, created, version.adapter.name
         except IntegrityError:
             # two first uploads of one name raced to create the adapter; the second now finds it

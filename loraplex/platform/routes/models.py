@@ -16,7 +16,7 @@ router = APIRouter(prefix="/v1", tags=["openai"])
 @router.get("/models", response_model=ModelList)
 def list_models(*, tenant: InferenceKeyDep, services: ServicesDep, session: SessionDep) -> ModelList:
     cards = [ModelCard(id=services.base_model_name, created=0, owned_by="loraplex")]
-    for model_id, created, _parent in list_model_ids(session, tenant.tenant_id):
+    for model_id, created, _parent in list_model_ids(session, tenant.tenant_id, services.base_model_name):
         cards.append(ModelCard(id=model_id, created=created, owned_by=tenant.tenant_name,
                                parent=services.base_model_name))
     return ModelList(data=cards)
