@@ -74,6 +74,17 @@ def resolve_lora_dtype(name: str, model_dtype: torch.dtype, device: torch.device
     return dtype
 
 
+def check_model(model: str) -> tuple[Path, ModelArch]:
+    """The model's local folder (fetched or converted first where needed) and its architecture, without
+    loading the weights; ModelLoadError names what is wrong (commands call it before they start a server)."""
+    model_dir = resolve_model_dir(model)
+    hf_config = load_model_config(model_dir)
+    try:
+        return model_dir, ModelArch.from_hf_config(hf_config)
+    except (ValueError, KeyError) as exc:
+        raise ModelLoadError(f"{model_dir}: {exc}") from exc
+
+
 def load_model(model_dir, arch: ModelArch, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
     with torch.device(device):
         model = LlamaForCausalLM(arch, dtype)
@@ -120,12 +131,7 @@ class LLMEngine:
         if self.device.type == "cpu":
             keep_freed_memory()
         torch.manual_seed(config.seed)
-        self.model_dir = resolve_model_dir(config.model)
-        hf_config = load_model_config(self.model_dir)
-        try:
-            self.arch = ModelArch.from_hf_config(hf_config)
-        except (ValueError, KeyError) as exc:
-            raise ModelLoadError(f"{self.model_dir}: {exc}") from exc
+        self.model_dir, self.arch = check_model(config.model)
         self.tokenizer = Tokenizer.from_pretrained(self.model_dir)
         self.model = load_model(self.model_dir, self.arch, self.dtype, self.device)
         if self.device.type == "cpu" and self.dtype == torch.float32:

@@ -98,6 +98,8 @@ def serve(model, host, port, data_dir, no_engine):
     except Exception as exc:
         raise click.ClickException(f"cannot prepare the database {masked_url(settings.resolved_database_url)}: "
                                    f"{exc}") from exc
+    if settings.embedded_engine:
+        _refuse_bad_model(settings.model)
     secret = ensure_admin_key(settings)
     if secret:
         _print_admin_key(secret)
@@ -113,6 +115,17 @@ def serve(model, host, port, data_dir, no_engine):
         consume_engine_queue_with_app(app)
     uvicorn.run(app, host=settings.host, port=settings.port, log_level="info",
                 timeout_keep_alive=settings.keep_alive_timeout)
+
+
+def _refuse_bad_model(model: str) -> None:
+    """A model that cannot be served is a one-line error before any server starts (not a start-up traceback)."""
+    from loraplex.engine.errors import ModelLoadError
+    from loraplex.engine.llm_engine import check_model
+
+    try:
+        check_model(model)
+    except ModelLoadError as exc:
+        raise click.ClickException(f"cannot serve the model: {exc}") from exc
 
 
 @click.command()
@@ -154,4 +167,5 @@ def engine(model, host, port, advertise):
     if not settings.redis_url:
         raise click.ClickException("`loraplex engine` needs LORAPLEX_REDIS_URL to register itself with the API")
     _refuse_unreachable_redis(settings.redis_url)
+    _refuse_bad_model(settings.model)
     run_engine_server(settings, host=host, port=port, advertise=advertise)

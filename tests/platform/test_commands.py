@@ -104,3 +104,21 @@ def test_worker_and_engine_need_redis(cli_env):
     for command in (worker, engine):
         r = CliRunner().invoke(command, [])
         assert r.exit_code == 1 and "LORAPLEX_REDIS_URL" in r.output
+
+
+def test_serve_and_engine_name_a_model_they_cannot_serve_in_one_line(cli_env, tmp_path, monkeypatch):
+    """A missing model, or a folder that holds none, is an `Error:` line before any server starts (it was a
+    start-up traceback from the server's lifespan)."""
+    from loraplex.platform.commands import engine, serve
+
+    empty = tmp_path / "not-a-model"
+    empty.mkdir()
+    for model, message in [(str(tmp_path / "nowhere"), "not found"), (str(empty), "config.json")]:
+        r = CliRunner().invoke(serve, ["--model", model, "--port", str(free_port())])
+        assert r.exit_code == 1, r.output
+        assert "Error: cannot serve the model" in r.output and message in r.output, r.output
+        assert "Traceback" not in r.output
+    monkeypatch.setenv("LORAPLEX_REDIS_URL", "redis://127.0.0.1:6379/0")
+    monkeypatch.setattr("loraplex.platform.commands._refuse_unreachable_redis", lambda url: None)
+    r = CliRunner().invoke(engine, ["--model", str(empty), "--port", str(free_port())])
+    assert r.exit_code == 1 and "Error: cannot serve the model" in r.output and "config.json" in r.output, r.output
