@@ -100,6 +100,11 @@ async def _validation_handler(_request: Request, exc: RequestValidationError) ->
         return bad_request("We could not parse the JSON body of your request: "
                            f"{first.get('ctx', {}).get('error', 'invalid JSON')}").response()
     msg = first.get("msg", "invalid value")
+    if tuple(first.get("loc", ())) == ("body",):  # no body at all, or JSON that is not an object
+        if first.get("type") == "missing":
+            return bad_request("The request has no body: send a JSON object "
+                               "(Content-Type: application/json).").response()
+        return bad_request(f"The request body must be a JSON object: {msg}").response()
     if first.get("type") == "missing" and param:
         message = f"Missing required parameter: '{param}'"
     elif first.get("type") == "extra_forbidden" and param:

@@ -46,7 +46,7 @@ def _effective_period():
 
 
 class PriceBody(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     prompt_price: Micros
     completion_price: Micros
     adapter_surcharge_price: Micros
@@ -55,7 +55,7 @@ class PriceBody(BaseModel):
 
 
 class OverrideBody(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     prompt_price: Micros | None = None
     completion_price: Micros | None = None
     adapter_surcharge_price: Micros | None = None
@@ -63,7 +63,7 @@ class OverrideBody(BaseModel):
 
 
 class PeriodBody(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     period: PeriodStr = Field(pattern=r"^\d{4}-\d{2}$", examples=["2026-10"])
 
 

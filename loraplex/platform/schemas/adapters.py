@@ -46,5 +46,5 @@ class AdapterDeleted(BaseModel):
 
 
 class PrefetchRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     pin: bool = False

@@ -22,13 +22,19 @@ class ModelList(BaseModel):
     data: list[ModelCard]
 
 
+# Request bodies are strict about types, as OpenAI's API is: "stream": "yes" or "max_tokens": true is a 400
+# naming the field, not read as true or as 1 (numbers may still be given as integers where a float is asked).
+STRICT = ConfigDict(strict=True)
+
+
 class StreamOptions(BaseModel):
+    model_config = STRICT
     include_usage: bool = False
 
 
 class _Sampling(BaseModel):
     # Unknown fields are ignored, as OpenAI-compatible servers do for newer client options.
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     model: DbText
     n: int = Field(default=1, ge=1, le=128)
@@ -51,7 +57,7 @@ class _Sampling(BaseModel):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
     role: str
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None

@@ -33,7 +33,8 @@ class PlanBase(BaseModel):
 
 
 class PlanCreate(PlanBase):
-    model_config = ConfigDict(extra="forbid")  # a misspelt field is refused, not silently dropped
+    # a misspelt field is refused, not silently dropped; "600" or true for a number is refused, not converted
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class PlanPublic(PlanBase):
@@ -48,14 +49,14 @@ class TenantBase(QuotaFields):
 
 class TenantCreate(TenantBase):
     plan: DbText | None = Field(default=None, description="name of an existing plan")
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class TenantUpdate(QuotaFields):
     plan: DbText | None = None
     status: Literal["active", "suspended"] | None = None
     # explicit nulls clear an override back to the plan's value
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class EffectiveQuotas(BaseModel):
@@ -74,7 +75,7 @@ class TenantPublic(TenantBase):
 
 
 class KeyCreate(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     name: DbText = Field(default="default", min_length=1, max_length=64)
     scopes: list[str] = Field(default_factory=lambda: list(ALL_SCOPES))
 

@@ -1,0 +1,74 @@
+"""Request bodies are strict about types, as OpenAI's API is: a string or a boolean where a number or a
+boolean is asked for is a 400 naming the field, not read as something else ("stream": "yes" as true,
+"max_tokens": true as 1). A missing or non-object body says so."""
+
+from __future__ import annotations
+
+import pytest
+
+CHAT = {"model": "fake-base", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+COMPLETION = {"model": "fake-base", "prompt": "one two", "max_tokens": 3}
+
+
+@pytest.mark.parametrize(("path", "base", "field", "value"), [
+    ("/v1/chat/completions", CHAT, "stream", "yes"),
+    ("/v1/chat/completions", CHAT, "stream", 1),
+    ("/v1/chat/completions", CHAT, "max_tokens", True),
+    ("/v1/chat/completions", CHAT, "max_tokens", "5"),
+    ("/v1/chat/completions", CHAT, "max_tokens", 5.5),
+    ("/v1/chat/completions", CHAT, "n", "2"),
+    ("/v1/chat/completions", CHAT, "temperature", "0.5"),
+    ("/v1/chat/completions", CHAT, "temperature", True),
+    ("/v1/chat/completions", CHAT, "logprobs", 1),
+    ("/v1/chat/completions", CHAT, "seed", "7"),
+    ("/v1/chat/completions", CHAT, "stream_options", {"include_usage": "yes"}),
+    ("/v1/completions", COMPLETION, "echo", "false"),
+    ("/v1/completions", COMPLETION, "logprobs", True),
+    ("/v1/completions", COMPLETION, "max_tokens", False),
+])
+def test_a_value_of_the_wrong_type_is_refused_by_name(client, make_tenant, fake_engine, path, base, field, value):
+    tenant = make_tenant()
+    before = len(fake_engine.requests)
+    r = client.post(path, headers=tenant.headers, json={**base, field: value})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error"
+    assert err["param"] == field or err["param"].startswith(f"{field}."), err
+    assert len(fake_engine.requests) == before  # nothing reached the engine
+
+
+@pytest.mark.parametrize(("field", "value"), [("temperature", 1), ("top_p", 1), ("stream", False),
+                                              ("max_tokens", 2), ("seed", None), ("presence_penalty", 0)])
+def test_values_of_the_right_type_still_pass(client, make_tenant, field, value):
+    tenant = make_tenant()
+    r = client.post("/v1/chat/completions", headers=tenant.headers, json={**CHAT, field: value})
+    assert r.status_code == 200, r.text
+
+
+def test_a_missing_or_non_object_body_says_so(client, make_tenant):
+    tenant = make_tenant()
+    r = client.post("/v1/chat/completions", headers={**tenant.headers, "content-type": "application/json"})
+    assert r.status_code == 400
+    assert "no body" in r.json()["error"]["message"]
+    for body in ("[]", "5", '"text"'):
+        r = client.post("/v1/chat/completions", headers={**tenant.headers, "content-type": "application/json"},
+                        content=body)
+        assert r.status_code == 400, body
+        assert "must be a JSON object" in r.json()["error"]["message"], r.text
+
+
+@pytest.mark.parametrize(("method", "path", "body", "field"), [
+    ("post", "/admin/api/plans", {"name": "gold", "requests_per_minute": "10", "tokens_per_minute": 100,
+                                  "max_concurrent": 2, "monthly_token_budget": 1000}, "requests_per_minute"),
+    ("post", "/admin/api/tenants", {"name": "acme2", "max_concurrent": True}, "max_concurrent"),
+    ("patch", "/admin/api/tenants/{tenant}", {"tokens_per_minute": "100"}, "tokens_per_minute"),
+    ("put", "/admin/api/billing/prices/default",
+     {"prompt_price": True, "completion_price": 1, "adapter_surcharge_price": 0}, "prompt_price"),
+    ("post", "/admin/api/billing/statements/finalize", {"period": 202610}, "period"),
+])
+def test_admin_bodies_are_strict_too(client, admin_key, make_tenant, method, path, body, field):
+    tenant = make_tenant()
+    r = getattr(client, method)(path.format(tenant=tenant.tenant_id),
+                                headers={"Authorization": f"Bearer {admin_key}"}, json=body)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == field
