@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from loraplex.engine.errors import AdapterLoadError, EngineOverloadedError, InvalidRequestError
@@ -87,11 +88,39 @@ def _loc_to_param(loc: tuple[Any, ...]) -> str | None:
     return out
 
 
-async def _api_error_handler(_request: Request, exc: APIError) -> JSONResponse:
-    return exc.response()
+async def _api_error_handler(request: Request, exc: APIError) -> Response:
+    return _as_page(request, exc.response())
 
 
-async def _validation_handler(_request: Request, exc: RequestValidationError) -> JSONResponse:
+# Areas whose pages answer their errors in HTML (the console registers itself): prefix -> (renderer, prefixes
+# under it that stay JSON). A renderer takes (request, status, message) and returns the page.
+_html_pages: dict[str, tuple[Callable[[Request, int, str], Response], tuple[str, ...]]] = {}
+
+
+def answer_errors_in_html(prefix: str, renderer: Callable[[Request, int, str], Response],
+                          json_under: tuple[str, ...] = ()) -> None:
+    _html_pages[prefix] = (renderer, json_under)
+
+
+def _as_page(request: Request, response: JSONResponse) -> Response:
+    """The JSON error response, or the page that stands for it where the path is an HTML area's."""
+    path = request.url.path
+    for prefix, (renderer, json_under) in _html_pages.items():
+        if (path == prefix or path.startswith(prefix + "/")) and not path.startswith(json_under):
+            message = json.loads(response.body)["error"]["message"]
+            page = renderer(request, response.status_code, message)
+            for name, value in response.headers.items():
+                if name.lower() not in ("content-type", "content-length"):
+                    page.headers.setdefault(name, value)
+            return page
+    return response
+
+
+async def _validation_handler(request: Request, exc: RequestValidationError) -> Response:
+    return _as_page(request, _validation_response(exc))
+
+
+def _validation_response(exc: RequestValidationError) -> JSONResponse:
     # OpenAI answers malformed parameters with 400 invalid_request_error naming the parameter.
     errors = exc.errors()
     first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
@@ -116,7 +145,11 @@ async def _validation_handler(_request: Request, exc: RequestValidationError) ->
     return bad_request(message, param=param).response()
 
 
-async def _http_error_handler(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
+async def _http_error_handler(request: Request, exc: StarletteHTTPException) -> Response:
+    return _as_page(request, _http_error_response(exc))
+
+
+def _http_error_response(exc: StarletteHTTPException) -> JSONResponse:
     kind = {401: "authentication_error", 403: "permission_error", 404: "invalid_request_error",
             405: "invalid_request_error", 413: "invalid_request_error"}.get(exc.status_code, "server_error"
                                                                           if exc.status_code >= 500

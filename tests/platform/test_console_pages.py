@@ -215,3 +215,23 @@ def test_nul_in_a_form_and_odd_digits_in_a_query_are_read_as_mistakes(console):
     assert r.status_code == 303 and "must not contain NUL" in console.client.get(r.headers["location"]).text
     # "²" is a digit to str.isdigit() but not to int(): the page shows no tenant selected
     assert console.client.get("/console/playground?tenant_id=%C2%B2").status_code == 200
+
+
+def test_console_errors_are_pages_and_its_json_helpers_stay_json(console):
+    """A console URL with an id that is not a number, or one that does not exist, answers with a console page
+    (it was the API's JSON); the console's own JSON endpoints keep answering in JSON."""
+    get = console.client.get
+    for url, status, words in [("/console/tenants/abc", 400, "tenant_id"),
+                               ("/console/adapters/1", 404, "Not Found"),
+                               ("/console/no-such-page", 404, "Not Found")]:
+        r = get(url)
+        assert r.status_code == status, (url, r.text)
+        assert r.headers["content-type"].startswith("text/html"), (url, r.headers)
+        assert "<html" in r.text and words in r.text and "Back to the dashboard" in r.text, (url, r.text)
+        assert "x-request-id" in r.headers
+    r = get("/console/api/models?tenant_id=abc")
+    assert r.status_code == 400 and r.headers["content-type"].startswith("application/json")
+    assert r.json()["error"]["param"] == "tenant_id"
+    # the API itself is unchanged
+    r = get("/v1/no-such-route")
+    assert r.status_code == 404 and r.headers["content-type"].startswith("application/json")

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import mimetypes
 
-from fastapi import APIRouter, HTTPException
-from fastapi.responses import FileResponse, RedirectResponse
+from fastapi import APIRouter, HTTPException, Request
+from fastapi.responses import FileResponse, HTMLResponse, RedirectResponse
 
 from loraplex.platform.console import (
     adapter_pages,
@@ -15,7 +15,8 @@ from loraplex.platform.console import (
     tenant_pages,
     usage_pages,
 )
-from loraplex.platform.console.templating import WEB_DIR
+from loraplex.platform.console.templating import WEB_DIR, render
+from loraplex.platform.errors import answer_errors_in_html
 
 router = APIRouter(prefix="/console", include_in_schema=False)
 STATIC_DIR = (WEB_DIR / "static").resolve()
@@ -37,6 +38,18 @@ def static_asset(path: str) -> FileResponse:
         "cache-control": "no-cache", "x-content-type-options": "nosniff",
     })
 
+
+def _error_page(request: Request, status: int, message: str) -> HTMLResponse:
+    titles = {400: "Not a valid request", 401: "Sign in needed", 403: "Not allowed", 404: "Not found",
+              405: "Not allowed here", 413: "Too large"}
+    return render(request, "error.html", None, status_code=status,
+                  title=titles.get(status, "Something went wrong" if status >= 500 else "Not a valid request"),
+                  message=message)
+
+
+# The console's pages answer errors (an id that is not a number, a page that does not exist) as pages; its
+# JSON helpers under /console/api answer in JSON, like the API.
+answer_errors_in_html("/console", _error_page, json_under=("/console/api/",))
 
 PAGE_MODULES = (auth_routes, dashboard, tenant_pages, adapter_pages, usage_pages, playground)
 for module in PAGE_MODULES:
