@@ -23,3 +23,8 @@ class AdapterLoadError(EngineError):
 
 class EngineOverloadedError(EngineError):
     """The engine cannot accept more work right now (queue full or shutting down)."""
+
+
+class EngineUnreachableError(EngineOverloadedError):
+    """An engine process could not be reached, or went away before the request's first output: nothing of
+    the request was served, so another engine may take it."""

@@ -63,15 +63,18 @@ def conflict(message: str, param: str | None = None) -> APIError:
     return APIError(409, message, param=param, code="conflict")
 
 
-def unavailable(message: str) -> APIError:
-    return APIError(503, message, type="server_error", code="service_unavailable")
+def unavailable(message: str, retry_after: int | None = None) -> APIError:
+    headers = {"Retry-After": str(retry_after)} if retry_after is not None else None
+    return APIError(503, message, type="server_error", code="service_unavailable", headers=headers)
 
 
 def from_engine_error(exc: Exception) -> APIError:
     if isinstance(exc, InvalidRequestError):
         return bad_request(str(exc), param=exc.param)
     if isinstance(exc, EngineOverloadedError):
-        return unavailable(f"the engine is overloaded, retry later: {exc}")
+        # the cause (which engine, at which internal address) is for the server log, not for tenants
+        return unavailable("No engine can take the request right now (busy, restarting or unreachable); "
+                           "retry shortly.", retry_after=1)
     if isinstance(exc, AdapterLoadError):
         return APIError(500, f"the adapter could not be loaded: {exc}", type="server_error",
                         code="adapter_load_failed")

@@ -52,5 +52,5 @@ class Services:
         if self.engine is None:
             raise unavailable("The inference engine is not available in this process.")
         if not getattr(self.engine, "available", True):
-            raise unavailable("No engine process is serving right now; retry shortly.")
+            raise unavailable("No engine process is serving right now; retry shortly.", retry_after=2)
         return self.engine

@@ -46,3 +46,30 @@ def test_heartbeat_logs_the_outage_once_and_its_end(monkeypatch, caplog, tmp_pat
     assert "restored" in warnings[1].getMessage()
     (record,) = redis.stored.values()
     assert record["engine_id"] == "e1" and record["url"] == "http://e1:1"
+
+
+def test_a_draining_engine_withdraws_its_registration_at_once(tmp_path):
+    """Told to stop, the engine leaves the registry before it drains (API processes then send new requests
+    elsewhere) rather than staying listed until its running requests finish."""
+    import threading
+
+    deleted = []
+
+    class Redis(FlakyRedis):
+        async def delete(self, key):
+            deleted.append(key)
+            self.stored.pop(key, None)
+
+    redis = Redis(failures=0)
+    settings = Settings(data_dir=tmp_path, redis_prefix="hb-test")
+    draining = threading.Event()
+
+    async def run():
+        task = asyncio.create_task(server._heartbeat(redis, settings, FakeEngine(), "e1", "http://e1:1", draining))
+        while not redis.stored:
+            await asyncio.sleep(0)
+        draining.set()
+        await asyncio.wait_for(task, timeout=60)  # returns by itself, well before the next beat is due
+
+    asyncio.run(run())
+    assert deleted == [server.registry_key("hb-test", "e1")] and not redis.stored

@@ -49,3 +49,114 @@ def test_no_engine_means_unavailable():
     assert not router.available
     with pytest.raises(EngineOverloadedError):
         router.choose(None)
+
+
+class _Stub:
+    """An engine process as the router sees it: `fail_before` raises before any output, `fail_after` after
+    the first one."""
+
+    def __init__(self, url: str, *, fail_before: bool = False, fail_after: bool = False):
+        self.url, self.inflight, self.calls = url, 0, 0
+        self.fail_before, self.fail_after = fail_before, fail_after
+
+    async def generate(self, prompt, params, request_id, *, adapter=None, tenant=None):
+        from loraplex.engine.errors import EngineUnreachableError
+
+        self.calls += 1
+        if self.fail_before:
+            raise EngineUnreachableError(f"engine {self.url} is unreachable: connection refused")
+        yield f"{self.url}:1"
+        if self.fail_after:
+            raise EngineOverloadedError(f"engine {self.url} went away mid-request")
+        yield f"{self.url}:2"
+
+
+def _collect(router, adapter=None):
+    import asyncio
+
+    async def run():
+        return [out async for out in router.generate("hi", None, "r1", adapter=adapter)]
+
+    return asyncio.run(run())
+
+
+def test_a_dead_engine_is_passed_over_for_a_live_one():
+    """An engine killed (or draining) stays registered for a few seconds; a request that cannot reach it is
+    served by another, and later requests skip it until its registration lapses."""
+    router = _router({"a": {"resident": [ADAPTER.content_hash]}, "b": {"running": 3}})
+    router.engines["a"], router.engines["b"] = _Stub("http://a", fail_before=True), _Stub("http://b")
+    assert _collect(router, ADAPTER) == ["http://b:1", "http://b:2"]
+    assert router.engines["a"].calls == 1
+    assert _collect(router, ADAPTER) == ["http://b:1", "http://b:2"]  # not tried again meanwhile
+    assert router.engines["a"].calls == 1
+    assert router.choose(None).url == "http://b"  # although a is the less loaded one
+
+
+def test_an_engine_lost_mid_request_is_an_error_not_a_second_answer():
+    router = _router({"a": {}, "b": {"running": 3}})
+    router.engines["a"], router.engines["b"] = _Stub("http://a", fail_after=True), _Stub("http://b")
+    with pytest.raises(EngineOverloadedError, match="mid-request"):
+        _collect(router)
+    assert router.engines["b"].calls == 0
+
+
+def test_when_no_engine_can_be_reached_the_request_is_unavailable():
+    from loraplex.engine.errors import EngineUnreachableError
+
+    router = _router({"a": {}, "b": {}})
+    router.engines["a"], router.engines["b"] = (_Stub("http://a", fail_before=True),
+                                                _Stub("http://b", fail_before=True))
+    with pytest.raises(EngineUnreachableError):
+        _collect(router)
+    assert router.engines["a"].calls == 1 and router.engines["b"].calls == 1
+
+
+def test_the_remote_client_tells_unreachable_from_lost_mid_request():
+    import asyncio
+
+    import httpx
+
+    from loraplex.engine.errors import EngineUnreachableError
+    from loraplex.engine.sampling_params import SamplingParams
+    from loraplex.platform.remote.client import RemoteEngine
+
+    def refuse(request):
+        raise httpx.ConnectError("connection refused", request=request)
+
+    def draining(request):
+        return httpx.Response(503, text="shutting down")
+
+    async def run(transport):
+        engine = RemoteEngine("http://e", "s", model_name="m", max_model_len=64, tokenizer=None,
+                              http=httpx.AsyncClient(transport=httpx.MockTransport(transport)))
+        return [o async for o in engine.generate("hi", SamplingParams(max_tokens=2), "r1")]
+
+    for transport in (refuse, draining):
+        with pytest.raises(EngineUnreachableError):
+            asyncio.run(run(transport))
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_tenants_see_an_engine_outage_as_503_without_internal_addresses(client, make_tenant, fake_engine,
+                                                                        monkeypatch, stream, caplog):
+    import logging
+
+    from loraplex.engine.errors import EngineUnreachableError
+
+    async def unreachable(*args, **kwargs):
+        raise EngineUnreachableError("engine http://10.1.2.3:8120 is unreachable: All connection attempts failed")
+        yield  # an async generator, as an engine's generate is
+
+    monkeypatch.setattr(fake_engine, "generate", unreachable)
+    tenant = make_tenant()
+    with caplog.at_level(logging.WARNING, logger="loraplex.platform.inference.job"):
+        r = client.post("/v1/chat/completions", headers=tenant.headers,
+                        json={"model": "fake-base", "messages": [{"role": "user", "content": "hi"}],
+                              "max_tokens": 3, "stream": stream})
+    assert "10.1.2.3" not in r.text and "overloaded" not in r.text
+    if not stream:
+        assert r.status_code == 503, r.text
+        assert r.json()["error"]["code"] == "service_unavailable" and r.headers["retry-after"] == "1"
+    else:
+        assert "service_unavailable" in r.text or r.status_code == 503, r.text
+    assert any("10.1.2.3" in rec.getMessage() for rec in caplog.records)  # the cause is in the server log

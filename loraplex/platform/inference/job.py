@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import anyio
 
-from loraplex.engine.errors import AdapterLoadError, EngineError
+from loraplex.engine.errors import AdapterLoadError, EngineError, EngineOverloadedError
 from loraplex.engine.outputs import RequestOutput
 from loraplex.engine.sampling_params import SamplingParams
 from loraplex.platform.auth import TenantContext
@@ -100,6 +100,8 @@ class InferenceJob:
             self.finished_ok = True
         except EngineError as exc:
             self.failed = True
+            if isinstance(exc, EngineOverloadedError):
+                log.warning("request %s (tenant %s) not served: %s", self.request_id, self.tenant.tenant_id, exc)
             raise from_engine_error(exc) from exc
         except Exception:
             self.failed = True

@@ -9,7 +9,7 @@ from typing import Any
 import httpx
 
 from loraplex.engine.client import EngineStats
-from loraplex.engine.errors import EngineOverloadedError, InvalidRequestError
+from loraplex.engine.errors import EngineOverloadedError, EngineUnreachableError, InvalidRequestError
 from loraplex.engine.lora_request import LoRARequest
 from loraplex.engine.outputs import RequestOutput
 from loraplex.engine.sampling_params import SamplingParams
@@ -45,6 +45,7 @@ class RemoteEngine:
         body = {"prompt": prompt, "params": params_to_json(params), "request_id": request_id,
                 "adapter": adapter_to_json(adapter), "tenant": tenant}
         self.inflight += 1
+        started = False
         try:
             try:
                 async with self._http.stream("POST", f"{self.url}/engine/generate", json=body,
@@ -52,13 +53,19 @@ class RemoteEngine:
                     if response.status_code == 400:
                         detail = json.loads(await response.aread())
                         raise InvalidRequestError(detail.get("message", "invalid request"), param=detail.get("param"))
+                    if response.status_code in (502, 503, 504):  # shutting down, or a proxy without it
+                        raise EngineUnreachableError(f"engine {self.url} answered {response.status_code}")
                     if response.status_code != 200:
                         raise EngineOverloadedError(f"engine {self.url} answered {response.status_code}")
                     async for line in response.aiter_lines():
                         if line:
-                            yield output_from_json(json.loads(line))
+                            output = output_from_json(json.loads(line))
+                            started = True
+                            yield output
             except httpx.TransportError as exc:
-                raise EngineOverloadedError(f"engine {self.url} is unreachable: {exc}") from exc
+                if not started:  # nothing was served: another engine may take the request
+                    raise EngineUnreachableError(f"engine {self.url} is unreachable: {exc}") from exc
+                raise EngineOverloadedError(f"engine {self.url} went away mid-request: {exc}") from exc
         finally:
             self.inflight -= 1
 

@@ -16,7 +16,7 @@ from typing import Any
 
 from loraplex.config import Settings
 from loraplex.engine.client import EngineStats
-from loraplex.engine.errors import EngineOverloadedError
+from loraplex.engine.errors import EngineOverloadedError, EngineUnreachableError
 from loraplex.engine.lora_request import LoRARequest
 from loraplex.engine.outputs import RequestOutput
 from loraplex.engine.sampling_params import SamplingParams
@@ -39,6 +39,9 @@ class EngineRouter:
         self.records: dict[str, dict] = {}
         self._refresher: asyncio.Task | None = None
         self._owner: dict[str, RemoteEngine] = {}  # request id -> engine serving it
+        # engines found unreachable, passed over until this time (monotonic) unless nothing else is left:
+        # their registrations live on in Redis for up to REGISTRATION_TTL after they die
+        self._down: dict[str, float] = {}
 
     @property
     def available(self) -> bool:
@@ -80,14 +83,25 @@ class EngineRouter:
                                                        max_model_len=rec["max_model_len"], tokenizer=self.tokenizer)
             self.max_model_len = self.max_model_len or rec["max_model_len"]
         for engine_id in set(self.engines) - set(records):
+            self._down.pop(engine_id, None)
             engine = self.engines.pop(engine_id)
             if not engine.inflight:
                 await engine.shutdown()
         self.records = records
 
-    def choose(self, adapter: LoRARequest | None) -> RemoteEngine:
+    def choose(self, adapter: LoRARequest | None, exclude: frozenset[str] = frozenset()) -> RemoteEngine:
         if not self.records:
             raise EngineOverloadedError("no engine process is registered; start `loraplex engine`")
+        return self.engines[self._choose_id(adapter, exclude)]
+
+    def _choose_id(self, adapter: LoRARequest | None, exclude: frozenset[str] = frozenset()) -> str:
+        """The engine for a request: not one in `exclude` (tried already for it), and one recently found
+        unreachable only when no other is left."""
+        now = time.monotonic()
+        registered = [e for e in self.records if e in self.engines and e not in exclude]
+        if not registered:
+            raise EngineOverloadedError("no engine process could be reached")
+        candidates = [e for e in registered if self._down.get(e, 0.0) <= now] or registered
 
         def load(engine_id: str) -> float:
             rec = self.records[engine_id]
@@ -96,25 +110,38 @@ class EngineRouter:
         def overloaded(engine_id: str) -> bool:
             return load(engine_id) >= OVERLOAD_FACTOR * self.records[engine_id].get("max_num_seqs", 64)
 
-        candidates = [e for e in self.records if e in self.engines]
         if adapter is not None:
             for where in ("resident", "host_cached"):
                 holding = [e for e in candidates if adapter.content_hash in self.records[e].get(where, ())
                            and not overloaded(e)]
                 if holding:
-                    return self.engines[min(holding, key=load)]
-        return self.engines[min(candidates, key=load)]
+                    return min(holding, key=load)
+        return min(candidates, key=load)
 
     async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str, *,
                        adapter: LoRARequest | None = None, tenant: str | None = None
                        ) -> AsyncIterator[RequestOutput]:
-        engine = self.choose(adapter)
-        self._owner[request_id] = engine
-        try:
-            async for out in engine.generate(prompt, params, request_id, adapter=adapter, tenant=tenant):
-                yield out
-        finally:
-            self._owner.pop(request_id, None)
+        """The request on the engine `choose` picks; if that engine cannot be reached, or goes away before the
+        first output (killed, or shutting down), on the next one, until every registered engine was tried."""
+        tried: set[str] = set()
+        while True:
+            if not self.records:
+                raise EngineOverloadedError("no engine process is registered; start `loraplex engine`")
+            engine_id = self._choose_id(adapter, frozenset(tried))
+            engine = self.engines[engine_id]
+            self._owner[request_id] = engine
+            try:
+                async for out in engine.generate(prompt, params, request_id, adapter=adapter, tenant=tenant):
+                    yield out
+                return
+            except EngineUnreachableError as exc:
+                tried.add(engine_id)
+                self._down[engine_id] = time.monotonic() + REGISTRATION_TTL
+                log.warning("request %s: %s; trying another engine", request_id, exc)
+                if not [e for e in self.records if e in self.engines and e not in tried]:
+                    raise
+            finally:
+                self._owner.pop(request_id, None)
 
     async def abort(self, request_id: str) -> None:
         engine = self._owner.get(request_id)

@@ -6,6 +6,7 @@ import asyncio
 import json
 import logging
 import socket
+import threading
 import time
 import uuid
 from contextlib import asynccontextmanager
@@ -47,8 +48,11 @@ class _NDJSONStream(StreamingResponse):
 
 
 def build_engine_app(settings: Settings, engine: EngineClient, *, advertise: str, redis=None,
-                     engine_id: str | None = None) -> FastAPI:
+                     engine_id: str | None = None, draining: threading.Event | None = None) -> FastAPI:
+    """`draining`: set when the process is told to stop; the heartbeat then withdraws the registration at
+    once, so API processes stop sending new requests while the running ones finish."""
     engine_id = engine_id or f"{socket.gethostname()}-{uuid.uuid4().hex[:8]}"
+    draining = draining or threading.Event()
     token = engine_token(settings.secret_key)
 
     def check(x_loraplex_engine_token: str | None = Header(default=None, alias=SECRET_HEADER)) -> None:
@@ -67,7 +71,8 @@ def build_engine_app(settings: Settings, engine: EngineClient, *, advertise: str
         consumer = EngineQueueConsumer(settings) if settings.redis_url else None
         if consumer:
             await asyncio.to_thread(consumer.start)
-        beat = asyncio.create_task(_heartbeat(redis, settings, engine, engine_id, advertise)) if redis else None
+        beat = (asyncio.create_task(_heartbeat(redis, settings, engine, engine_id, advertise, draining))
+                if redis else None)
         try:
             yield
         finally:
@@ -136,10 +141,21 @@ def build_engine_app(settings: Settings, engine: EngineClient, *, advertise: str
     return app
 
 
-async def _heartbeat(redis, settings: Settings, engine: EngineClient, engine_id: str, advertise: str) -> None:
+DRAIN_POLL_SECONDS = 0.1
+
+
+async def _heartbeat(redis, settings: Settings, engine: EngineClient, engine_id: str, advertise: str,
+                     draining: threading.Event | None = None) -> None:
     key = registry_key(settings.redis_prefix, engine_id)
     failing = False
     while True:
+        if draining is not None and draining.is_set():
+            try:
+                await redis.delete(key)
+                log.info("draining: registration withdrawn, finishing the running requests")
+            except Exception as exc:  # it lapses after REGISTRATION_TTL anyway
+                log.warning("draining: could not withdraw the registration: %s", exc)
+            return
         try:
             s = engine.stats()
             record = {"engine_id": engine_id, "url": advertise, "model_name": engine.model_name,
@@ -159,7 +175,11 @@ async def _heartbeat(redis, settings: Settings, engine: EngineClient, engine_id:
                             "restored (retrying every %s s): %s", HEARTBEAT_SECONDS, exc)
                 failing = True
             log.debug("engine heartbeat failed", exc_info=True)
-        await asyncio.sleep(HEARTBEAT_SECONDS)
+        deadline = time.monotonic() + HEARTBEAT_SECONDS
+        while True:  # the next beat, or sooner when the drain begins
+            await asyncio.sleep(min(DRAIN_POLL_SECONDS, max(0.0, deadline - time.monotonic())))
+            if time.monotonic() >= deadline or (draining is not None and draining.is_set()):
+                break
 
 
 def run_engine_server(settings: Settings, *, host: str, port: int, advertise: str | None = None) -> None:
@@ -174,5 +194,14 @@ def run_engine_server(settings: Settings, *, host: str, port: int, advertise: st
         advertise = f"http://{reachable}:{port}"
     engine = build_engine(settings)
     redis = aioredis.from_url(settings.redis_url)
-    app = build_engine_app(settings, engine, advertise=advertise, redis=redis)
-    uvicorn.run(app, host=host, port=port, log_level="info", timeout_keep_alive=settings.keep_alive_timeout)
+    draining = threading.Event()
+    app = build_engine_app(settings, engine, advertise=advertise, redis=redis, draining=draining)
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            draining.set()  # SIGTERM / Ctrl-C: leave the registry first, then drain
+            super().handle_exit(sig, frame)
+
+    config = uvicorn.Config(app, host=host, port=port, log_level="info",
+                            timeout_keep_alive=settings.keep_alive_timeout)
+    Server(config).run()
