@@ -28,6 +28,21 @@ def remove_stale_staging(services: Services, *, older_than: float = STALE_STAGIN
     return removed
 
 
+STUCK_VALIDATION_SECONDS = 600  # pending or validating this long: its task was lost (or its worker died)
+
+
+def stuck_validations(sessions, *, older_than: float = STUCK_VALIDATION_SECONDS) -> list[int]:
+    """Versions still pending or validating `older_than` seconds after their upload: a task lost on the way
+    (the broker unreachable when it was sent), or one that failed on a database outage after its retries."""
+    from datetime import UTC, datetime, timedelta
+
+    cutoff = datetime.now(UTC) - timedelta(seconds=older_than)
+    with sessions() as session:
+        return list(session.scalars(select(AdapterVersion.id).where(
+            AdapterVersion.status.in_([VersionStatus.pending.value, VersionStatus.validating.value]),
+            AdapterVersion.created_at < cutoff)))
+
+
 def resume_validations(services: Services) -> int:
     """In-process tasks die with their process; the embedded default sends unfinished ones again (the task
     is idempotent). With a broker, Celery redelivers them itself (acks late)."""

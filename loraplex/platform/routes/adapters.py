@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 
@@ -32,6 +33,7 @@ from loraplex.platform.scoping import TenantScope
 from loraplex.platform.services import Services
 from loraplex.platform.uploads import parse_upload, too_large
 
+log = logging.getLogger(__name__)
 router = APIRouter(prefix="/v1/adapters", tags=["adapters"])
 MULTIPART_OVERHEAD = 64 * 1024  # boundaries and part headers on top of the file bytes
 
@@ -56,8 +58,13 @@ async def handle_upload(services: Services, tenant_id: int, request: Request, wa
     except BaseException:
         upload.discard()
         raise
-    if created:
-        await services.tasks.send_async("loraplex.validate_adapter", version_id)
+    if created or await asyncio.to_thread(_still_pending, services, version_id):
+        # (sent again for the same upload of a version still pending: its first task may have been lost)
+        try:
+            await services.tasks.send_async("loraplex.validate_adapter", version_id)
+        except Exception as exc:  # the task queue is unreachable: the upload is kept, pending
+            log.warning("adapter version %s is stored but its validation could not be queued (%s); the "
+                        "worker's sweep of pending versions will validate it", version_id, exc)
     version = await _wait_for(services, version_id, services.settings.upload_wait_seconds if wait else 0.0)
     if version.status == VersionStatus.failed.value:
         if wait:
@@ -82,6 +89,12 @@ def register_with_retry(services: Services, tenant_id: int, upload) -> tuple[int
             if attempt:
                 raise
     raise AssertionError("unreachable")
+
+
+def _still_pending(services: Services, version_id: int) -> bool:
+    with services.sessions() as session:
+        version = session.get(AdapterVersion, version_id)
+        return version is not None and version.status == VersionStatus.pending.value
 
 
 async def _wait_for(services: Services, version_id: int, timeout: float) -> AdapterVersionPublic:

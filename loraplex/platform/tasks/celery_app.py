@@ -6,6 +6,7 @@ prefetch/remove go to the engine's own queue: only the process holding the engin
 from __future__ import annotations
 
 from celery import Celery
+from sqlalchemy.exc import InterfaceError, OperationalError
 
 from loraplex.config import Settings
 from loraplex.platform.tasks import jobs
@@ -39,6 +40,7 @@ def configure(settings: Settings) -> Celery:
                                       "schedule": settings.warm_adapters_interval},
             "rollup-usage": {"task": "loraplex.rollup_usage", "schedule": 3600.0},
             "finalize-statements": {"task": "loraplex.finalize_statements", "schedule": 6 * 3600.0},
+            "resume-stuck-validations": {"task": "loraplex.resume_stuck_validations", "schedule": 300.0},
         },
     )
     if previous != (app.conf.broker_url, app.conf.task_default_queue, dict(app.conf.task_routes or {})):
@@ -59,7 +61,13 @@ def _forget_connections() -> None:
     app.__dict__.pop("amqp", None)
 
 
-@app.task(name="loraplex.validate_adapter", bind=True, max_retries=3, **_COMMON)
+# A database or broker outage is retried with backoff (about 20 minutes in all); what still fails is picked
+# up by the sweep below.
+_TRANSIENT = (OperationalError, InterfaceError, ConnectionError, TimeoutError)
+
+
+@app.task(name="loraplex.validate_adapter", bind=True, autoretry_for=_TRANSIENT, max_retries=8, retry_backoff=5,
+          retry_backoff_max=300, retry_jitter=True, **_COMMON)
 def validate_adapter(self, version_id: int) -> str:
     status = jobs.validate_adapter(get_context(), version_id)
     if status == "ready":
@@ -89,6 +97,17 @@ def warm_popular_adapters() -> int:
 @app.task(name="loraplex.rollup_usage", **_COMMON)
 def rollup_usage(day: str | None = None) -> int:
     return jobs.rollup_usage(get_context(), day)
+
+
+@app.task(name="loraplex.resume_stuck_validations", **_COMMON)
+def resume_stuck_validations() -> int:
+    """Validation sent again for uploads left pending (a lost task, a worker that died on an outage)."""
+    from loraplex.platform.recovery import stuck_validations
+
+    ids = stuck_validations(get_context().sessions)
+    for version_id in ids:
+        validate_adapter.apply_async(args=[version_id])
+    return len(ids)
 
 
 @app.task(name="loraplex.finalize_statements", **_COMMON)
