@@ -99,11 +99,12 @@ def test_statements_equal_the_sum_of_their_usage_records_for_random_usage(sessio
             UsageRecord.created_at < datetime(2026, 12, 1, tzinfo=UTC),
         )).all()
         assert view.requests == len(records)
-        assert view.prompt_tokens == sum(r.prompt_tokens for r in records)
-        assert view.completion_tokens == sum(r.completion_tokens for r in records)
+        billed = [r for r in records if r.status != "error"]  # server-side failures are not billed
+        assert view.prompt_tokens == sum(r.prompt_tokens for r in billed)
+        assert view.completion_tokens == sum(r.completion_tokens for r in billed)
         # every line recomputes from the records behind it, and the total is the sum of the lines
         by_adapter: dict[str, list[int]] = {}
-        for r in records:
+        for r in billed:
             label = adapter_label(r.adapter_name or "", r.adapter_version or "")
             acc = by_adapter.setdefault(label, [0, 0])
             acc[0] += r.prompt_tokens
@@ -163,7 +164,7 @@ def test_rollups_are_idempotent_and_match_records(session):
         UsageRecord.created_at >= datetime(2026, 11, 2, tzinfo=UTC),
         UsageRecord.created_at < datetime(2026, 11, 3, tzinfo=UTC))).all()
     assert sum(r[4] for r in first) == len(records)
-    assert sum(r[6] for r in first) == sum(r.prompt_tokens for r in records)
+    assert sum(r[6] for r in first) == sum(r.prompt_tokens for r in records if r.status != "error")
     assert sum(r[5] for r in first) == sum(r.status == "error" for r in records)
     # a late record is picked up by the next run, replacing rather than adding rows
     _record(session, tenants[0], at=datetime(2026, 11, 2, 12, tzinfo=UTC), prompt=5, completion=5)
@@ -253,3 +254,19 @@ def test_tenants_created_after_a_month_get_no_statement_for_it(session):
     session.flush()
     assert finalize_period(session, "2026-11", now=datetime(2026, 12, 20, tzinfo=UTC)) == 1
     assert [s.tenant_id for s in list_statements(session, period="2026-11")] == [old.id]
+
+
+def test_requests_that_failed_on_the_server_are_counted_but_not_billed(session):
+    """A request the server failed (the engine lost mid-request, say) is a failed request in the reports; its
+    tokens are not billed: the client got no answer, or one cut short by the server."""
+    tenant = _tenant(session, "acme")
+    _record(session, tenant, at=NOV + timedelta(days=1), prompt=100, completion=50)
+    _record(session, tenant, at=NOV + timedelta(days=1, hours=1), prompt=39, completion=123, status="error")
+    _record(session, tenant, at=NOV + timedelta(days=1, hours=2), prompt=10, completion=4, status="cancelled")
+    session.flush()
+    view = compute_statement(session, tenant, "2026-11")
+    assert view.requests == 3
+    assert (view.prompt_tokens, view.completion_tokens) == (110, 54)  # the cancelled one's delivered tokens count
+    rows = usage_report(session, date(2026, 11, 1), date(2026, 11, 30), tenant_ids=[tenant.id])
+    assert sum(r.failed_requests for r in rows) == 1 and sum(r.requests for r in rows) == 3
+    assert sum(r.prompt_tokens for r in rows) == 110

@@ -11,6 +11,9 @@ from sqlalchemy.orm import Session
 from loraplex.platform.billing.models import BASE_ADAPTER, NO_KEY
 from loraplex.platform.models import UsageRecord
 
+# Requests that failed on the server's side (the engine lost, an adapter that would not load): counted as
+# requests and as failed, but their tokens are neither counted nor billed; the client got no answer, or an
+# answer cut short by the server.
 FAILED_STATUSES = ("error",)
 
 
@@ -46,8 +49,8 @@ def aggregate_records(
             *group,
             func.count(r.id),
             func.sum(case((r.status.in_(FAILED_STATUSES), 1), else_=0)),
-            func.sum(r.prompt_tokens),
-            func.sum(r.completion_tokens),
+            func.sum(case((r.status.in_(FAILED_STATUSES), 0), else_=r.prompt_tokens)),
+            func.sum(case((r.status.in_(FAILED_STATUSES), 0), else_=r.completion_tokens)),
             func.sum(r.latency_ms),
         )
         .where(r.created_at >= start, r.created_at < end)
