@@ -1,12 +1,48 @@
+"""Liveness (/healthz: the process answers) and readiness (/readyz: it can serve inference now)."""
+
 from __future__ import annotations
 
+import asyncio
+
 from fastapi import APIRouter
+from fastapi.responses import JSONResponse
+from sqlalchemy import text
 
 from loraplex.platform.deps import ServicesDep
+from loraplex.platform.services import Services
 
 router = APIRouter(tags=["health"])
 
 
+def _engine_ready(services: Services) -> bool:
+    """An engine in this process, or at least one registered engine process (`serve --no-engine`)."""
+    return services.engine is not None and bool(getattr(services.engine, "available", True))
+
+
 @router.get("/healthz")
 async def healthz(*, services: ServicesDep) -> dict:
-    return {"status": "ok", "model": services.base_model_name, "engine": services.engine is not None}
+    return {"status": "ok", "model": services.base_model_name, "engine": _engine_ready(services)}
+
+
+def _database_ready(services: Services) -> str | None:
+    try:
+        with services.sessions() as session:
+            session.execute(text("SELECT 1"))
+    except Exception as exc:
+        return f"database: {type(exc).__name__}"
+    return None
+
+
+@router.get("/readyz")
+async def readyz(*, services: ServicesDep) -> JSONResponse:
+    """200 when a request could be served now: the database answers and an engine is there; else 503 with
+    the reasons (for a load balancer's or an orchestrator's readiness check)."""
+    problems = []
+    if not _engine_ready(services):
+        problems.append("engine: none available" if services.engine is not None else "engine: not in this process")
+    database = await asyncio.to_thread(_database_ready, services)
+    if database:
+        problems.append(database)
+    if problems:
+        return JSONResponse({"status": "not ready", "problems": problems}, status_code=503)
+    return JSONResponse({"status": "ready", "model": services.base_model_name})

@@ -1,0 +1,27 @@
+"""/healthz says whether the process answers and whether an engine is there; /readyz is 503 until a request
+could be served (an API process with no engine registered, a database that does not answer)."""
+
+from __future__ import annotations
+
+
+def test_ready_with_an_engine(client):
+    r = client.get("/readyz")
+    assert r.status_code == 200 and r.json()["status"] == "ready"
+    assert client.get("/healthz").json()["engine"] is True
+
+
+def test_not_ready_without_an_engine_process(client, fake_engine, monkeypatch):
+    monkeypatch.setattr(type(fake_engine), "available", False, raising=False)
+    health = client.get("/healthz")
+    assert health.status_code == 200 and health.json()["engine"] is False  # alive, but nothing to serve with
+    r = client.get("/readyz")
+    assert r.status_code == 503 and r.json()["problems"] == ["engine: none available"]
+
+
+def test_not_ready_when_the_database_does_not_answer(client, app, monkeypatch):
+    def broken():
+        raise ConnectionRefusedError("database down")
+
+    monkeypatch.setattr(app.state.services, "sessions", broken)
+    r = client.get("/readyz")
+    assert r.status_code == 503 and r.json()["problems"] == ["database: ConnectionRefusedError"]
