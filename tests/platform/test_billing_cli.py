@@ -82,3 +82,21 @@ def test_an_admin_key_name_the_column_cannot_hold_is_a_usage_error(tmp_path):
         assert r.exit_code == 2 and "a key name is 1-64 characters" in r.output, r.output
     made = _run(["create-admin-key", "--name", "n" * 64], env)
     assert made.exit_code == 0 and made.output.strip().splitlines()[-1].startswith("lpx_admin_"), made.output
+
+
+def test_an_empty_report_still_has_its_header(tmp_path):
+    """No usage in the range: the CSV is its header line, which scripts and spreadsheets read as empty, not a
+    file with nothing in it."""
+    env = {"LORAPLEX_DATA_DIR": str(tmp_path), "LORAPLEX_ENVIRONMENT": "test"}
+    r = _run(["billing", "report", "--start", "2026-01-01", "--end", "2026-01-31", "--group-by", "tenant,adapter"],
+             env)
+    assert r.exit_code == 0, r.output
+    assert r.stdout.strip() == ("tenant_id,tenant,adapter,requests,failed_requests,prompt_tokens,completion_tokens,"
+                                "total_tokens,avg_latency_ms,amount,currency")
+
+
+def test_an_empty_usage_csv_still_has_its_header(client, make_tenant):
+    tenant = make_tenant()
+    r = client.get("/v1/usage", headers=tenant.headers, params={"format": "csv"})
+    assert r.status_code == 200
+    assert r.text.strip().startswith("date,") and len(r.text.strip().splitlines()) == 1

@@ -112,7 +112,10 @@ def report_cmd(start, end, tenants, group_by, fmt):
             rows = [r.as_dict(dims) for r in usage_report(session, lo, hi, group_by=dims, tenant_ids=ids)]
         except ValueError as exc:
             raise click.BadParameter(str(exc), param_hint="--group-by") from exc
-    click.echo(rows_to_csv(rows) if fmt == "csv" else to_json([with_decimal_amounts(r) for r in rows]), nl=False)
+    from loraplex.platform.billing.reports import ReportRow
+
+    click.echo(rows_to_csv(rows, ReportRow.columns(dims)) if fmt == "csv"
+               else to_json([with_decimal_amounts(r) for r in rows]), nl=False)
 
 
 @billing.command("statement")

@@ -13,12 +13,14 @@ from loraplex.platform.billing.statements import StatementView
 AMOUNT_FIELDS = ("amount", "total_amount", "unit_price")
 
 
-def rows_to_csv(rows: Iterable[dict]) -> str:
+def rows_to_csv(rows: Iterable[dict], columns: Iterable[str] | None = None) -> str:
+    """CSV with a header line; with no rows, the header of `columns` alone (a file a spreadsheet or a script
+    reads as empty, rather than no file at all)."""
     rows = list(rows)
     buf = io.StringIO()
-    if not rows:
+    if not rows and columns is None:
         return ""
-    writer = csv.DictWriter(buf, fieldnames=list(rows[0]), lineterminator="\n")
+    writer = csv.DictWriter(buf, fieldnames=list(rows[0]) if rows else list(columns), lineterminator="\n")
     writer.writeheader()
     for row in rows:
         writer.writerow({k: _cell(k, v) for k, v in row.items()})

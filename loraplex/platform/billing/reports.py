@@ -55,6 +55,11 @@ class ReportRow:
     def avg_latency_ms(self) -> int | None:
         return self.latency_ms_total // self.requests if self.requests else None
 
+    @classmethod
+    def columns(cls, dims: Iterable[str]) -> list[str]:
+        """The keys of `as_dict(dims)`, for a report with no rows."""
+        return list(cls(None, None, None, None, None, None).as_dict(dims))
+
     def as_dict(self, dims: Iterable[str]) -> dict:
         dims = set(dims)
         out: dict = {}

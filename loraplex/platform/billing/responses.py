@@ -42,7 +42,7 @@ def report_response(
 ) -> Response:
     data = [r.as_dict(dims) for r in rows]
     if fmt == "csv":
-        return Response(rows_to_csv(data), media_type="text/csv; charset=utf-8", headers={
+        return Response(rows_to_csv(data, ReportRow.columns(dims)), media_type="text/csv; charset=utf-8", headers={
             "content-disposition": f'attachment; filename="{filename}-{start}-{end}.csv"',
         })
     totals = {

@@ -10,7 +10,7 @@ from fastapi.responses import Response
 
 from loraplex.platform.deps import RowId, SessionDep, UsageKeyDep
 from loraplex.platform.errors import bad_request
-from loraplex.platform.schemas.usage import UsageReport
+from loraplex.platform.schemas.usage import UsageBucket, UsageReport
 from loraplex.platform.usage.report import usage_by_day
 
 router = APIRouter(prefix="/v1", tags=["usage"])
@@ -37,6 +37,7 @@ def read_usage(*, tenant: UsageKeyDep, session: SessionDep,
     if format == "csv":
         from loraplex.platform.billing.export import rows_to_csv
 
-        return Response(rows_to_csv(b.model_dump(mode="json") for b in data), media_type="text/csv; charset=utf-8",
+        return Response(rows_to_csv((b.model_dump(mode="json") for b in data), list(UsageBucket.model_fields)),
+                        media_type="text/csv; charset=utf-8",
                         headers={"content-disposition": f'attachment; filename="usage-{start}-{end}.csv"'})
     return UsageReport(start=start, end=end, data=data)
