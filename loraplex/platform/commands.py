@@ -117,6 +117,26 @@ def serve(model, host, port, data_dir, no_engine):
                 timeout_keep_alive=settings.keep_alive_timeout)
 
 
+def _refuse_unreachable_database(settings) -> None:
+    """Every task reads or writes the database: a worker that cannot reach it would take tasks off the queue
+    only to fail them."""
+    from sqlalchemy import text
+
+    from loraplex.platform.db import make_engine
+
+    url = settings.resolved_database_url
+    try:
+        engine = make_engine(url, pooled=False)
+        try:
+            with engine.connect() as connection:
+                connection.execute(text("SELECT 1"))
+        finally:
+            engine.dispose()
+    except Exception as exc:
+        raise click.ClickException(f"cannot reach the database {masked_url(url)} (LORAPLEX_DATABASE_URL): "
+                                   f"{str(exc).splitlines()[0]}") from exc
+
+
 def _refuse_bad_model(model: str) -> None:
     """A model that cannot be served is a one-line error before any server starts (not a start-up traceback)."""
     from loraplex.engine.errors import ModelLoadError
@@ -140,6 +160,7 @@ def worker(queues, concurrency, pool, beat, loglevel):
     if not settings.redis_url:
         raise click.ClickException("`loraplex worker` needs LORAPLEX_REDIS_URL (Redis is the task broker); "
                                    "the embedded `loraplex serve` runs tasks in-process without it")
+    _refuse_unreachable_database(settings)
     from loraplex.platform.tasks.celery_app import configure
 
     app = configure(settings)

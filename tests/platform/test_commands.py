@@ -122,3 +122,18 @@ def test_serve_and_engine_name_a_model_they_cannot_serve_in_one_line(cli_env, tm
     monkeypatch.setattr("loraplex.platform.commands._refuse_unreachable_redis", lambda url: None)
     r = CliRunner().invoke(engine, ["--model", str(empty), "--port", str(free_port())])
     assert r.exit_code == 1 and "Error: cannot serve the model" in r.output and "config.json" in r.output, r.output
+
+
+def test_a_worker_that_cannot_reach_its_database_says_so_before_taking_tasks(cli_env, monkeypatch):
+    """A worker with a wrong database URL used to start, take validation tasks off the queue and fail them,
+    leaving uploads pending."""
+    from loraplex.platform.commands import worker
+
+    monkeypatch.setenv("LORAPLEX_REDIS_URL", "redis://127.0.0.1:6379/0")
+    monkeypatch.setenv("LORAPLEX_DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/loraplex_no_such_db")
+    started = []
+    monkeypatch.setattr("celery.Celery.worker_main", lambda self, argv: started.append(argv))
+    r = CliRunner().invoke(worker, [])
+    assert r.exit_code == 1, r.output
+    assert "cannot reach the database" in r.output and "loraplex_no_such_db" in r.output
+    assert "Traceback" not in r.output and not started
