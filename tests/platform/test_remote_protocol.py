@@ -29,3 +29,73 @@ def test_an_adapter_load_failure_keeps_its_kind_across_the_wire():
                         finished=True, error="adapter 'bot' could not be loaded: gone", error_kind="adapter_load")
     back = _round_trip(out)
     assert back == out and back.error_kind == "adapter_load"
+
+
+def _engine_client(engine, monkeypatch, heartbeat: float):
+    """A RemoteEngine talking to an engine app in this process (no Redis, no sockets)."""
+    import httpx
+    from fake_engine import FakeEngine  # noqa: F401  (the same fake the API tests use)
+
+    from loraplex.config import Settings
+    from loraplex.platform.remote import server
+    from loraplex.platform.remote.client import RemoteEngine
+
+    monkeypatch.setattr(server, "STREAM_HEARTBEAT_SECONDS", heartbeat)
+    settings = Settings(environment="test", secret_key="wire-secret-0123456789")
+    app = server.build_engine_app(settings, engine, advertise="http://engine")
+    http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://engine")
+    return RemoteEngine("http://engine", settings.secret_key, model_name="fake-base", max_model_len=256,
+                        tokenizer=None, http=http), http
+
+
+def test_a_slow_engine_keeps_the_stream_alive_with_blank_lines(monkeypatch):
+    """While an engine works without an output (a queue, a long prefill) its stream carries blank lines, so the
+    API process's read timeout tells a busy engine from a frozen one; the outputs arrive as before."""
+    import asyncio
+
+    from fake_engine import FakeEngine
+
+    from loraplex.engine.sampling_params import SamplingParams
+    from loraplex.platform.remote.protocol import SECRET_HEADER, engine_token
+
+    engine = FakeEngine(token_delay=0.05)
+    remote, http = _engine_client(engine, monkeypatch, heartbeat=0.01)
+
+    async def run():
+        outs = [o async for o in remote.generate("one two", SamplingParams(max_tokens=3), "r1")]
+        raw = await http.post("/engine/generate", headers={SECRET_HEADER: engine_token("wire-secret-0123456789")},
+                              json={"prompt": "one two", "params": {"max_tokens": 2}, "request_id": "r2"})
+        return outs, raw
+
+    outs, raw = asyncio.run(run())
+    assert outs[-1].finished and len(outs[-1].outputs[0].token_ids) == 3
+    lines = raw.text.split("\n")
+    assert "" in lines[:-1], raw.text  # blank lines between the outputs
+    assert sum(1 for line in lines if line.strip()) == 2
+
+
+def test_a_request_the_engine_refuses_is_invalid_not_unavailable(monkeypatch):
+    import asyncio
+
+    import pytest
+    from fake_engine import FakeEngine
+
+    from loraplex.engine.errors import InvalidRequestError
+    from loraplex.engine.sampling_params import SamplingParams
+
+    remote, _ = _engine_client(FakeEngine(), monkeypatch, heartbeat=5.0)
+
+    async def run():
+        return [o async for o in remote.generate([], SamplingParams(max_tokens=3), "r1")]
+
+    with pytest.raises(InvalidRequestError, match="empty"):
+        asyncio.run(run())
+
+
+def test_the_api_gives_up_on_an_engine_that_sends_nothing():
+    from loraplex.platform.remote import server
+    from loraplex.platform.remote.client import RemoteEngine
+
+    remote = RemoteEngine("http://engine", "s", model_name="m", max_model_len=8, tokenizer=None)
+    assert remote._http.timeout.read == server.STREAM_READ_TIMEOUT
+    assert server.STREAM_READ_TIMEOUT >= 5 * server.STREAM_HEARTBEAT_SECONDS

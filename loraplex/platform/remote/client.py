@@ -20,6 +20,7 @@ from loraplex.platform.remote.protocol import (
     output_from_json,
     params_to_json,
 )
+from loraplex.platform.remote.server import STREAM_READ_TIMEOUT
 
 
 class RemoteEngine:
@@ -29,7 +30,8 @@ class RemoteEngine:
         self.model_name = model_name
         self.max_model_len = max_model_len
         self.tokenizer = tokenizer
-        self._http = http or httpx.AsyncClient(timeout=httpx.Timeout(10.0, read=None))
+        # an engine stream sends a blank line at least every STREAM_HEARTBEAT_SECONDS while it works
+        self._http = http or httpx.AsyncClient(timeout=httpx.Timeout(10.0, read=STREAM_READ_TIMEOUT))
         self._headers = {SECRET_HEADER: engine_token(secret_key)}
         self.inflight = 0  # requests this API process has on the engine now
 
@@ -59,7 +61,10 @@ class RemoteEngine:
                         raise EngineOverloadedError(f"engine {self.url} answered {response.status_code}")
                     async for line in response.aiter_lines():
                         if line:
-                            output = output_from_json(json.loads(line))
+                            data = json.loads(line)
+                            if "invalid_request" in data:
+                                raise InvalidRequestError(data["invalid_request"], param=data.get("param"))
+                            output = output_from_json(data)
                             started = True
                             yield output
             except httpx.TransportError as exc:

@@ -30,6 +30,10 @@ from loraplex.platform.remote.protocol import (
 log = logging.getLogger(__name__)
 HEARTBEAT_SECONDS = 2.0
 REGISTRATION_TTL = 10
+# A generate stream sends a blank line after this long without an output; an API process gives up on an
+# engine that sends nothing for STREAM_READ_TIMEOUT (frozen, or cut off without the connection closing).
+STREAM_HEARTBEAT_SECONDS = 5.0
+STREAM_READ_TIMEOUT = 60.0
 
 
 def registry_key(prefix: str, engine_id: str = "*") -> str:
@@ -100,22 +104,57 @@ def build_engine_app(settings: Settings, engine: EngineClient, *, advertise: str
         body = await request.json()
         stream = engine.generate(body["prompt"], params_from_json(body["params"]), body["request_id"],
                                  adapter=adapter_from_json(body.get("adapter")), tenant=body.get("tenant"))
-        try:
-            first = await anext(stream)
-        except StopAsyncIteration:
-            first = None
-        except InvalidRequestError:
+        # The outputs are read by a task of their own into a queue, so that the response can send a blank
+        # line while none comes (a long queue or prefill): the API process then tells a busy engine from a
+        # frozen one by its read timeout (STREAM_READ_TIMEOUT) rather than waiting for ever.
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump() -> None:
+            try:
+                async for out in stream:
+                    await queue.put(("output", out))
+                await queue.put(("end", None))
+            except Exception as exc:
+                await queue.put(("error", exc))
+
+        task = asyncio.create_task(pump())
+
+        async def stop() -> None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
             await stream.aclose()
-            raise
+
+        try:  # a request the engine refuses at once is still a 400, not a stream
+            first = await asyncio.wait_for(queue.get(), timeout=STREAM_HEARTBEAT_SECONDS)
+        except TimeoutError:
+            first = None
+        if first is not None and first[0] == "error" and isinstance(first[1], InvalidRequestError):
+            await stop()
+            raise first[1]
 
         async def lines():
+            item = first
             try:
-                if first is not None:
-                    yield json.dumps(output_to_json(first)).encode() + b"\n"
-                    async for out in stream:
-                        yield json.dumps(output_to_json(out)).encode() + b"\n"
+                while True:
+                    if item is None:
+                        try:
+                            item = await asyncio.wait_for(queue.get(), timeout=STREAM_HEARTBEAT_SECONDS)
+                        except TimeoutError:
+                            yield b"\n"  # still working on it
+                            continue
+                    kind, value = item
+                    item = None
+                    if kind == "end":
+                        return
+                    if kind == "error":
+                        if isinstance(value, InvalidRequestError):
+                            yield json.dumps({"invalid_request": str(value),
+                                              "param": getattr(value, "param", None)}).encode() + b"\n"
+                            return
+                        raise value
+                    yield json.dumps(output_to_json(value)).encode() + b"\n"
             finally:
-                await stream.aclose()
+                await stop()
 
         return _NDJSONStream(lines())
 
