@@ -162,7 +162,33 @@ def _http_error_response(exc: StarletteHTTPException) -> JSONResponse:
     return JSONResponse(error_body(detail, kind, code=code), status_code=exc.status_code, headers=exc.headers)
 
 
+def backing_service_errors() -> tuple[type[Exception], ...]:
+    """Errors that mean Redis or the database did not answer (an outage, a restart), as opposed to a bug."""
+    from sqlalchemy.exc import InterfaceError, OperationalError
+
+    classes: list[type[Exception]] = [OperationalError, InterfaceError]
+    try:
+        import redis.exceptions
+
+        classes += [redis.exceptions.ConnectionError, redis.exceptions.TimeoutError]
+    except ImportError:
+        pass
+    return tuple(classes)
+
+
+async def _backing_service_handler(request: Request, exc: Exception) -> Response:
+    """503 with Retry-After, and one log line naming the request, instead of a 500 and a traceback per request
+    while Redis or the database is away."""
+    request_id = request.scope.get("state", {}).get("request_id", "-")
+    log.warning("request %s not served: %s did not answer: %s", request_id, type(exc).__module__.split(".")[0],
+                str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+    return _as_page(request, unavailable("The service is briefly unavailable (its data store did not answer); "
+                                         "retry shortly.", retry_after=2).response())
+
+
 def install_error_handlers(app: FastAPI) -> None:
+    for cls in backing_service_errors():
+        app.add_exception_handler(cls, _backing_service_handler)
     app.add_exception_handler(APIError, _api_error_handler)
     app.add_exception_handler(RequestValidationError, _validation_handler)
     app.add_exception_handler(StarletteHTTPException, _http_error_handler)

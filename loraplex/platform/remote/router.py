@@ -59,12 +59,23 @@ class EngineRouter:
             await engine.shutdown()
 
     async def _refresh_loop(self) -> None:
+        failing = False
         while True:
             await asyncio.sleep(REFRESH_SECONDS)
             try:
                 await self.refresh()
-            except Exception:
-                log.exception("reading the engine registry failed")
+            except Exception as exc:
+                # one line when it starts failing (Redis down), not a traceback a second; the engines known
+                # from the last reading keep serving meanwhile
+                if not failing:
+                    log.warning("reading the engine registry failed, retrying every %s s: %s",
+                                REFRESH_SECONDS, exc)
+                    failing = True
+                log.debug("reading the engine registry failed", exc_info=True)
+            else:
+                if failing:
+                    log.warning("reading the engine registry restored")
+                    failing = False
 
     async def refresh(self) -> None:
         keys = [k async for k in self.redis.scan_iter(registry_key(self.settings.redis_prefix))]

@@ -71,14 +71,24 @@ class UsageRecorder:
 
     async def run(self) -> None:
         """The background loop; errors are logged and retried, never lost (the journal keeps them)."""
+        failing = False
         while True:
             await asyncio.sleep(self.interval)
             try:
                 await self.flush()
             except asyncio.CancelledError:
                 raise
-            except Exception:
-                log.exception("usage flush failed; will retry")
+            except Exception as exc:
+                # one line when it starts failing (Redis or the database down), not a traceback a second
+                if not failing:
+                    log.warning("usage flush failed, retrying every %s s (the journal keeps the records): %s",
+                                self.interval, exc)
+                    failing = True
+                log.debug("usage flush failed", exc_info=True)
+            else:
+                if failing:
+                    log.warning("usage flush restored")
+                    failing = False
 
     async def close(self) -> None:
         try:
