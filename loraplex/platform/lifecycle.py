@@ -104,6 +104,8 @@ async def start_services(services: Services, app: FastAPI) -> None:
     # A journal left by an earlier (crashed) process is replayed before new traffic arrives.
     await services.usage.flush()
     services.background.append(asyncio.create_task(services.usage.run(), name="usage-flusher"))
+    if hasattr(services.limiter, "run"):  # Redis: keeps this process's in-flight quota entries alive
+        services.background.append(asyncio.create_task(services.limiter.run(), name="quota-keep-alive"))
     for hook in services.startup_hooks:
         await hook(services, app)
 

@@ -132,3 +132,40 @@ async def test_a_budget_not_yet_used_up_says_what_is_left(limiter):
     with pytest.raises(QuotaExceeded) as info:
         await limiter.acquire(1, limits, "d", 1, now=T0 + 120)
     assert "is used up" in str(info.value)
+
+
+async def test_a_process_that_dies_mid_request_gives_its_slots_and_reservations_back():
+    """An API process killed with requests in flight never settles them. Their in-flight entries lapse (live
+    processes keep theirs alive), which frees the tenant's concurrency slots and takes their token
+    reservations back off the month, instead of holding them for good."""
+    from loraplex.platform.quotas.redis import INFLIGHT_TTL_MS, RedisQuotaLimiter
+
+    client = await _redis_or_skip()
+    prefix = f"lpxtest-{uuid.uuid4().hex[:8]}"
+    try:
+        dead, alive = RedisQuotaLimiter(client, prefix=prefix), RedisQuotaLimiter(client, prefix=prefix)
+        limits = QuotaLimits(requests_per_minute=100, tokens_per_minute=10**6, max_concurrent=2,
+                             monthly_token_budget=1000)
+        await dead.acquire(1, limits, "killed-1", 400, now=T0)
+        await dead.acquire(1, limits, "killed-2", 400, now=T0)
+        with pytest.raises(QuotaExceeded) as info:  # both slots held
+            await alive.acquire(1, limits, "next", 10, now=T0 + 1)
+        assert info.value.kind == "concurrent"
+        later = T0 + INFLIGHT_TTL_MS / 1000 + 1  # the dead process kept nothing alive
+        r = await alive.acquire(1, limits, "next", 900, now=later)  # slots and 800 tokens are back
+        assert r.headers  # granted
+        await alive.settle(r, 100)
+        month = await client.get(f"{prefix}:rl:1:month:{r.month}")
+        assert int(month) == 100  # only what was used: the dead process's 800 reserved tokens are gone
+        # a live process's long request is kept alive and keeps its slot and reservation
+        long = await alive.acquire(1, limits, "long", 300, now=later)
+        assert await alive.keep_alive(now=later + INFLIGHT_TTL_MS / 1000 - 1) == 1
+        await alive.acquire(1, limits, "probe", 1, now=later + INFLIGHT_TTL_MS / 1000 + 5)
+        assert int(await client.get(f"{prefix}:rl:1:month:{r.month}")) == 100 + 300 + 1
+        await alive.settle(long, 50)
+        assert int(await client.get(f"{prefix}:rl:1:month:{r.month}")) == 100 + 50 + 1
+    finally:
+        keys = [k async for k in client.scan_iter(f"{prefix}:*")]
+        if keys:
+            await client.delete(*keys)
+        await client.aclose()

@@ -12,11 +12,29 @@ from loraplex.platform.quotas.base import (
     rate_headers,
 )
 
-# KEYS: requests-window, tokens-window, monthly, in-flight zset
+# KEYS: requests-window, tokens-window, monthly, in-flight zset, reservations hash
 # ARGV: now_ms, rpm, tpm, max_concurrent, monthly_budget, reserve, request_id, inflight_ttl_ms,
-#       window_ttl_s, month_ttl_s
+#       window_ttl_s, month_ttl_s, tenant key base, month
+# An in-flight entry past its expiry belongs to a process that died mid-request (live ones are kept alive by
+# their process, `keep_alive`): its slot is freed and its token reservation taken back off its month.
 _ACQUIRE = """
 local now = tonumber(ARGV[1])
+for _, id in ipairs(redis.call('ZRANGEBYSCORE', KEYS[4], '-inf', now)) do
+  local held = redis.call('HGET', KEYS[5], id)
+  if held then
+    local amount, month = string.match(held, '^(%d+):(%d+)$')
+    if amount then
+      local mkey = ARGV[11] .. ':month:' .. month
+      local cur = redis.call('GET', mkey)
+      if cur then
+        local v = tonumber(cur) - tonumber(amount)
+        if v < 0 then v = 0 end
+        redis.call('SET', mkey, v, 'KEEPTTL')
+      end
+    end
+    redis.call('HDEL', KEYS[5], id)
+  end
+end
 redis.call('ZREMRANGEBYSCORE', KEYS[4], '-inf', now)
 local inflight = redis.call('ZCARD', KEYS[4])
 local reqs = tonumber(redis.call('GET', KEYS[1]) or '0')
@@ -34,13 +52,16 @@ redis.call('EXPIRE', KEYS[2], ARGV[9])
 redis.call('INCRBY', KEYS[3], reserve)
 redis.call('EXPIRE', KEYS[3], ARGV[10])
 redis.call('ZADD', KEYS[4], now + tonumber(ARGV[8]), ARGV[7])
-redis.call('PEXPIRE', KEYS[4], ARGV[8])
+redis.call('EXPIRE', KEYS[4], ARGV[10])
+redis.call('HSET', KEYS[5], ARGV[7], reserve .. ':' .. ARGV[12])
+redis.call('EXPIRE', KEYS[5], ARGV[10])
 return {0, reqs + 1, toks + reserve, spent + reserve}
 """
 
-# KEYS: tokens-window, monthly, in-flight zset. ARGV: delta, request_id.
+# KEYS: tokens-window, monthly, in-flight zset, reservations hash. ARGV: delta, request_id.
 # Removing the in-flight entry is the once-only guard: a second settle finds nothing and changes nothing.
 _SETTLE = """
+redis.call('HDEL', KEYS[4], ARGV[2])
 if redis.call('ZREM', KEYS[3], ARGV[2]) == 0 then return 0 end
 local delta = tonumber(ARGV[1])
 for i = 1, 2 do
@@ -54,8 +75,18 @@ end
 return 1
 """
 
+# KEYS: in-flight zset. ARGV: expiry_ms, request ids: pushes live requests' expiry forward (XX: only those
+# still there).
+_KEEP_ALIVE = """
+for i = 2, #ARGV do redis.call('ZADD', KEYS[1], 'XX', ARGV[1], ARGV[i]) end
+return 1
+"""
+
 _KINDS = {1: "concurrent", 2: "requests", 3: "tokens", 4: "monthly_budget"}
-INFLIGHT_TTL_MS = 10 * 60 * 1000  # a crashed process's in-flight slots free themselves after this
+# A process keeps its requests' in-flight entries alive every KEEP_ALIVE_SECONDS; a process that dies leaves
+# them to lapse after INFLIGHT_TTL_MS, which frees their concurrency slots and takes their reservations back.
+INFLIGHT_TTL_MS = 90 * 1000
+KEEP_ALIVE_SECONDS = 20.0
 
 
 class RedisQuotaLimiter:
@@ -64,10 +95,16 @@ class RedisQuotaLimiter:
         self.prefix = prefix
         self._acquire = redis.register_script(_ACQUIRE)
         self._settle = redis.register_script(_SETTLE)
+        self._keep_alive = redis.register_script(_KEEP_ALIVE)
+        self._live: dict[tuple[int, str], Reservation] = {}  # this process's unsettled reservations
+
+    def _base(self, tenant_id: int) -> str:
+        return f"{self.prefix}:rl:{tenant_id}"
 
     def _keys(self, tenant_id: int, minute: int, month: str) -> list[str]:
-        base = f"{self.prefix}:rl:{tenant_id}"
-        return [f"{base}:req:{minute}", f"{base}:tok:{minute}", f"{base}:month:{month}", f"{base}:inflight"]
+        base = self._base(tenant_id)
+        return [f"{base}:req:{minute}", f"{base}:tok:{minute}", f"{base}:month:{month}", f"{base}:inflight",
+                f"{base}:reserved"]
 
     async def acquire(self, tenant_id: int, limits: QuotaLimits, request_id: str,
                       reserve_tokens: int, *, now: float | None = None) -> Reservation:
@@ -77,20 +114,50 @@ class RedisQuotaLimiter:
             keys=self._keys(tenant_id, minute, month),
             args=[int(t * 1000), limits.requests_per_minute, limits.tokens_per_minute, limits.max_concurrent,
                   limits.monthly_token_budget, reserve_tokens, request_id, INFLIGHT_TTL_MS,
-                  2 * WINDOW_SECONDS, 40 * 24 * 3600],
+                  2 * WINDOW_SECONDS, 40 * 24 * 3600, self._base(tenant_id), month],
         )
         if code:
             raise exceeded(_KINDS[int(code)], limits, int(reqs), int(toks), reset_in, t, reserve_tokens,
                            month_used=int(spent))
-        return Reservation(tenant_id, request_id, reserve_tokens, minute, month,
-                           headers=rate_headers(limits, int(reqs), int(toks), reset_in))
+        reservation = Reservation(tenant_id, request_id, reserve_tokens, minute, month,
+                                  headers=rate_headers(limits, int(reqs), int(toks), reset_in))
+        self._live[(tenant_id, request_id)] = reservation
+        return reservation
+
+    async def keep_alive(self, *, now: float | None = None) -> int:
+        """Push this process's unsettled reservations' expiry forward; returns how many."""
+        t = now_parts(now)[0]
+        by_tenant: dict[int, list[str]] = {}
+        for tenant_id, request_id in list(self._live):
+            by_tenant.setdefault(tenant_id, []).append(request_id)
+        for tenant_id, ids in by_tenant.items():
+            await self._keep_alive(keys=[f"{self._base(tenant_id)}:inflight"],
+                                   args=[int(t * 1000) + INFLIGHT_TTL_MS, *ids])
+        return sum(len(ids) for ids in by_tenant.values())
+
+    async def run(self) -> None:
+        """The keep-alive loop (a background task of the API process)."""
+        import asyncio
+        import logging
+
+        failing = False
+        while True:
+            await asyncio.sleep(KEEP_ALIVE_SECONDS)
+            try:
+                await self.keep_alive()
+                failing = False
+            except Exception as exc:
+                if not failing:
+                    logging.getLogger(__name__).warning("keeping in-flight quota entries alive failed: %s", exc)
+                    failing = True
 
     async def settle(self, reservation: Reservation, used_tokens: int) -> None:
         if reservation.settled:
             return
         reservation.settled = True
+        self._live.pop((reservation.tenant_id, reservation.request_id), None)
         keys = self._keys(reservation.tenant_id, reservation.minute, reservation.month)
-        await self._settle(keys=[keys[1], keys[2], keys[3]],
+        await self._settle(keys=[keys[1], keys[2], keys[3], keys[4]],
                            args=[used_tokens - reservation.reserved_tokens, reservation.request_id])
 
     async def close(self) -> None:
