@@ -270,3 +270,24 @@ def test_requests_that_failed_on_the_server_are_counted_but_not_billed(session):
     rows = usage_report(session, date(2026, 11, 1), date(2026, 11, 30), tenant_ids=[tenant.id])
     assert sum(r.failed_requests for r in rows) == 1 and sum(r.requests for r in rows) == 3
     assert sum(r.prompt_tokens for r in rows) == 110
+
+
+def test_a_report_over_a_whole_month_is_the_statement_to_the_micro_unit(session):
+    """Reports round as statements do (each adapter and component, then a sum): a tenant's row over a month is
+    its statement's amount, and the rows split by adapter add up to it. Rounding each row's exact sum once
+    used to leave them a micro-unit apart."""
+    rng = random.Random(11)
+    tenants = [_tenant(session, "a"), _tenant(session, "b")]
+    _random_usage(session, rng, tenants, 400, days=30)
+    # half a micro-unit on each of two lines: 1 + 1 once each line is rounded, 1 if only the sum were
+    set_plan_price(session, None, Price(prompt=500_000, completion=500_000, adapter_surcharge=0), "2026-11")
+    for tenant in tenants:
+        _record(session, tenant, at=NOV + timedelta(days=3), prompt=1, completion=1, adapter="tiny", version="ab" * 32)
+    session.flush()
+    by_tenant = {r.tenant_id: r.amount for r in usage_report(
+        session, date(2026, 11, 1), date(2026, 11, 30), group_by=("tenant",))}
+    by_adapter = usage_report(session, date(2026, 11, 1), date(2026, 11, 30), group_by=("tenant", "adapter"))
+    for tenant in tenants:
+        statement = compute_statement(session, tenant, "2026-11")
+        assert by_tenant[tenant.id] == statement.total_amount
+        assert sum(r.amount for r in by_adapter if r.tenant_id == tenant.id) == statement.total_amount

@@ -2,22 +2,24 @@
 
 Closed days come from the daily rollups; today, yesterday (late batched writes may still land) and any day
 no rollup has covered are summed live from the usage records, so a report is never stale or incomplete.
-Amounts use the prices in force for each day's month and are rounded once per row: an estimate.
+Amounts use the prices in force for each day's month and are rounded as statements round them: per tenant,
+month, adapter and component, then summed. A row that spans a whole month of a tenant is its statement's
+amount, and rows split by adapter add up to the tenant's row; rows split by day round each day's tokens.
 Statements are the authoritative bill.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import date, timedelta
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from loraplex.platform.billing.aggregate import UsageTotals, adapter_label, aggregate_records
+from loraplex.platform.billing.lines import BASE_MODEL, UsageGroup, build_lines, total_amount
 from loraplex.platform.billing.models import BASE_ADAPTER, NO_KEY, UsageRollup
-from loraplex.platform.billing.money import TOKENS_PER_PRICE_UNIT
 from loraplex.platform.billing.periods import day_range, days_in, period_of, today_utc
 from loraplex.platform.billing.prices import price_for_tenant
 from loraplex.platform.billing.pricing import Price
@@ -40,8 +42,9 @@ class ReportRow:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     latency_ms_total: int = 0
-    amount_numerator: int = 0  # micro-units x 1e6, exact until rounded once
     currency: str = ""
+    # (tenant, month) -> (its price, adapter label -> [prompt, completion tokens]): what the amount rounds
+    parts: dict = field(default_factory=dict)
 
     @property
     def total_tokens(self) -> int:
@@ -49,7 +52,11 @@ class ReportRow:
 
     @property
     def amount(self) -> int:
-        return (self.amount_numerator + TOKENS_PER_PRICE_UNIT // 2) // TOKENS_PER_PRICE_UNIT
+        total = 0
+        for price, by_adapter in self.parts.values():
+            groups = [UsageGroup(label, 0, p, c) for label, (p, c) in by_adapter.items()]
+            total += total_amount(build_lines(groups, price))
+        return total
 
     @property
     def avg_latency_ms(self) -> int | None:
@@ -163,9 +170,10 @@ def usage_report(
         row.prompt_tokens += t.prompt_tokens
         row.completion_tokens += t.completion_tokens
         row.latency_ms_total += t.latency_ms_total
-        row.amount_numerator += t.prompt_tokens * price.prompt + t.completion_tokens * price.completion
-        if t.adapter_name != BASE_ADAPTER:
-            row.amount_numerator += (t.prompt_tokens + t.completion_tokens) * price.adapter_surcharge
+        _, by_adapter = row.parts.setdefault((t.tenant_id, period_of(day)), (price, {}))
+        tokens = by_adapter.setdefault(label if t.adapter_name != BASE_ADAPTER else BASE_MODEL, [0, 0])
+        tokens[0] += t.prompt_tokens
+        tokens[1] += t.completion_tokens
         row.currency = price.currency if row.currency in ("", price.currency) else "mixed"
     return sorted(rows.values(), key=lambda r: (
         r.day or date.min, r.tenant or "", r.api_key_id or 0, r.adapter or "",
