@@ -3,6 +3,9 @@ number of API processes share one budget without overshooting."""
 
 from __future__ import annotations
 
+import logging
+
+from loraplex.platform.outage import OutageLog, every
 from loraplex.platform.quotas.base import (
     WINDOW_SECONDS,
     QuotaLimits,
@@ -82,6 +85,7 @@ for i = 2, #ARGV do redis.call('ZADD', KEYS[1], 'XX', ARGV[1], ARGV[i]) end
 return 1
 """
 
+log = logging.getLogger(__name__)
 _KINDS = {1: "concurrent", 2: "requests", 3: "tokens", 4: "monthly_budget"}
 # A process keeps its requests' in-flight entries alive every KEEP_ALIVE_SECONDS; a process that dies leaves
 # them to lapse after INFLIGHT_TTL_MS, which frees their concurrency slots and takes their reservations back.
@@ -137,19 +141,8 @@ class RedisQuotaLimiter:
 
     async def run(self) -> None:
         """The keep-alive loop (a background task of the API process)."""
-        import asyncio
-        import logging
-
-        failing = False
-        while True:
-            await asyncio.sleep(KEEP_ALIVE_SECONDS)
-            try:
-                await self.keep_alive()
-                failing = False
-            except Exception as exc:
-                if not failing:
-                    logging.getLogger(__name__).warning("keeping in-flight quota entries alive failed: %s", exc)
-                    failing = True
+        await every(KEEP_ALIVE_SECONDS, self.keep_alive,
+                    OutageLog(log, "keeping in-flight quota entries alive", KEEP_ALIVE_SECONDS))
 
     async def settle(self, reservation: Reservation, used_tokens: int) -> None:
         if reservation.settled:

@@ -20,6 +20,7 @@ from loraplex.engine.errors import EngineOverloadedError, EngineUnreachableError
 from loraplex.engine.lora_request import LoRARequest
 from loraplex.engine.outputs import RequestOutput
 from loraplex.engine.sampling_params import SamplingParams
+from loraplex.platform.outage import OutageLog, every
 from loraplex.platform.remote.client import RemoteEngine
 from loraplex.platform.remote.server import REGISTRATION_TTL, registry_key
 
@@ -59,23 +60,8 @@ class EngineRouter:
             await engine.shutdown()
 
     async def _refresh_loop(self) -> None:
-        failing = False
-        while True:
-            await asyncio.sleep(REFRESH_SECONDS)
-            try:
-                await self.refresh()
-            except Exception as exc:
-                # one line when it starts failing (Redis down), not a traceback a second; the engines known
-                # from the last reading keep serving meanwhile
-                if not failing:
-                    log.warning("reading the engine registry failed, retrying every %s s: %s",
-                                REFRESH_SECONDS, exc)
-                    failing = True
-                log.debug("reading the engine registry failed", exc_info=True)
-            else:
-                if failing:
-                    log.warning("reading the engine registry restored")
-                    failing = False
+        # the engines known from the last reading keep serving while Redis is away
+        await every(REFRESH_SECONDS, self.refresh, OutageLog(log, "reading the engine registry", REFRESH_SECONDS))
 
     async def refresh(self) -> None:
         keys = [k async for k in self.redis.scan_iter(registry_key(self.settings.redis_prefix))]

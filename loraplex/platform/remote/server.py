@@ -19,6 +19,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from loraplex.config import Settings
 from loraplex.engine.client import EngineClient
 from loraplex.engine.errors import EngineError, InvalidRequestError
+from loraplex.platform.outage import OutageLog
 from loraplex.platform.remote.protocol import (
     SECRET_HEADER,
     adapter_from_json,
@@ -186,7 +187,8 @@ DRAIN_POLL_SECONDS = 0.1
 async def _heartbeat(redis, settings: Settings, engine: EngineClient, engine_id: str, advertise: str,
                      draining: threading.Event | None = None) -> None:
     key = registry_key(settings.redis_prefix, engine_id)
-    failing = False
+    outage = OutageLog(log, "engine heartbeat", HEARTBEAT_SECONDS,
+                       ", API processes cannot find this engine until it is restored")
     while True:
         if draining is not None and draining.is_set():
             try:
@@ -202,18 +204,11 @@ async def _heartbeat(redis, settings: Settings, engine: EngineClient, engine_id:
                       "max_num_seqs": settings.max_num_seqs, "resident": list(s.lora_resident),
                       "host_cached": list(s.lora_host_cached), "updated": time.time()}
             await redis.set(key, json.dumps(record), ex=REGISTRATION_TTL)
-            if failing:
-                log.warning("engine heartbeat restored: registered in Redis again as %s", engine_id)
-                failing = False
+            outage.ok()
         except asyncio.CancelledError:
             raise
         except Exception as exc:
-            # one line when it starts failing (Redis down or restarting), not a traceback every few seconds
-            if not failing:
-                log.warning("engine heartbeat failed, API processes cannot find this engine until it is "
-                            "restored (retrying every %s s): %s", HEARTBEAT_SECONDS, exc)
-                failing = True
-            log.debug("engine heartbeat failed", exc_info=True)
+            outage.failed(exc)
         deadline = time.monotonic() + HEARTBEAT_SECONDS
         while True:  # the next beat, or sooner when the drain begins
             await asyncio.sleep(min(DRAIN_POLL_SECONDS, max(0.0, deadline - time.monotonic())))

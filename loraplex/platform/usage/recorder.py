@@ -7,6 +7,7 @@ import logging
 
 from sqlalchemy.orm import Session, sessionmaker
 
+from loraplex.platform.outage import OutageLog, every
 from loraplex.platform.usage.event import UsageEvent
 from loraplex.platform.usage.file_journal import FileJournal
 from loraplex.platform.usage.redis_journal import RedisJournal
@@ -71,24 +72,8 @@ class UsageRecorder:
 
     async def run(self) -> None:
         """The background loop; errors are logged and retried, never lost (the journal keeps them)."""
-        failing = False
-        while True:
-            await asyncio.sleep(self.interval)
-            try:
-                await self.flush()
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                # one line when it starts failing (Redis or the database down), not a traceback a second
-                if not failing:
-                    log.warning("usage flush failed, retrying every %s s (the journal keeps the records): %s",
-                                self.interval, exc)
-                    failing = True
-                log.debug("usage flush failed", exc_info=True)
-            else:
-                if failing:
-                    log.warning("usage flush restored")
-                    failing = False
+        await every(self.interval, self.flush,
+                    OutageLog(log, "usage flush", self.interval, " (the journal keeps the records)"))
 
     async def close(self) -> None:
         try:
