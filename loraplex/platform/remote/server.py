@@ -125,11 +125,11 @@ def build_engine_app(settings: Settings, engine: EngineClient, *, advertise: str
             await asyncio.gather(task, return_exceptions=True)
             await stream.aclose()
 
-        try:  # a request the engine refuses at once is still a 400, not a stream
+        try:  # a request the engine refuses or fails at once is still an error answer (400, 500), not a stream
             first = await asyncio.wait_for(queue.get(), timeout=STREAM_HEARTBEAT_SECONDS)
         except TimeoutError:
             first = None
-        if first is not None and first[0] == "error" and isinstance(first[1], InvalidRequestError):
+        if first is not None and first[0] == "error":
             await stop()
             raise first[1]
 
