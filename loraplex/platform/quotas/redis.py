@@ -4,6 +4,7 @@ number of API processes share one budget without overshooting."""
 from __future__ import annotations
 
 import logging
+import time
 
 from loraplex.platform.outage import OutageLog, every
 from loraplex.platform.quotas.base import (
@@ -91,6 +92,7 @@ _KINDS = {1: "concurrent", 2: "requests", 3: "tokens", 4: "monthly_budget"}
 # them to lapse after INFLIGHT_TTL_MS, which frees their concurrency slots and takes their reservations back.
 INFLIGHT_TTL_MS = 90 * 1000
 KEEP_ALIVE_SECONDS = 20.0
+MAX_REQUEST_SECONDS = 6 * 3600  # no request runs this long: one still unsettled is kept alive no more
 
 
 class RedisQuotaLimiter:
@@ -100,7 +102,8 @@ class RedisQuotaLimiter:
         self._acquire = redis.register_script(_ACQUIRE)
         self._settle = redis.register_script(_SETTLE)
         self._keep_alive = redis.register_script(_KEEP_ALIVE)
-        self._live: dict[tuple[int, str], Reservation] = {}  # this process's unsettled reservations
+        # this process's unsettled reservations -> when they were made (time.monotonic())
+        self._live: dict[tuple[int, str], float] = {}
 
     def _base(self, tenant_id: int) -> str:
         return f"{self.prefix}:rl:{tenant_id}"
@@ -125,14 +128,18 @@ class RedisQuotaLimiter:
                            month_used=int(spent))
         reservation = Reservation(tenant_id, request_id, reserve_tokens, minute, month,
                                   headers=rate_headers(limits, int(reqs), int(toks), reset_in))
-        self._live[(tenant_id, request_id)] = reservation
+        self._live[(tenant_id, request_id)] = time.monotonic()
         return reservation
 
     async def keep_alive(self, *, now: float | None = None) -> int:
         """Push this process's unsettled reservations' expiry forward; returns how many."""
         t = now_parts(now)[0]
         by_tenant: dict[int, list[str]] = {}
-        for tenant_id, request_id in list(self._live):
+        oldest = time.monotonic() - MAX_REQUEST_SECONDS
+        for (tenant_id, request_id), made in list(self._live.items()):
+            if made < oldest:  # never settled (a request path that lost it): let its entry lapse
+                self._live.pop((tenant_id, request_id), None)
+                continue
             by_tenant.setdefault(tenant_id, []).append(request_id)
         for tenant_id, ids in by_tenant.items():
             await self._keep_alive(keys=[f"{self._base(tenant_id)}:inflight"],
