@@ -169,3 +169,21 @@ async def test_a_process_that_dies_mid_request_gives_its_slots_and_reservations_
         if keys:
             await client.delete(*keys)
         await client.aclose()
+
+
+async def test_a_reservation_never_settled_is_not_kept_alive_for_ever(monkeypatch):
+    from loraplex.platform.quotas import redis as redis_limiter
+
+    client = await _redis_or_skip()
+    prefix = f"lpxtest-{uuid.uuid4().hex[:8]}"
+    try:
+        limiter = redis_limiter.RedisQuotaLimiter(client, prefix=prefix)
+        await limiter.acquire(1, LIMITS, "lost", 10, now=T0)
+        assert await limiter.keep_alive(now=T0 + 1) == 1
+        monkeypatch.setattr(redis_limiter, "MAX_REQUEST_SECONDS", -1.0)  # as if it were hours old
+        assert await limiter.keep_alive(now=T0 + 2) == 0 and not limiter._live
+    finally:
+        keys = [k async for k in client.scan_iter(f"{prefix}:*")]
+        if keys:
+            await client.delete(*keys)
+        await client.aclose()
