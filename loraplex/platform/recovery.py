@@ -48,9 +48,7 @@ def resume_validations(services: Services) -> int:
     is idempotent). With a broker, Celery redelivers them itself (acks late)."""
     if not services.tasks.eager:
         return 0
-    with services.sessions() as session:
-        ids = list(session.scalars(select(AdapterVersion.id).where(
-            AdapterVersion.status.in_([VersionStatus.pending.value, VersionStatus.validating.value]))))
+    ids = stuck_validations(services.sessions, older_than=0)  # every one: none can be running at start
     for version_id in ids:
         services.tasks.send("loraplex.validate_adapter", version_id)
     if ids:
