@@ -46,11 +46,19 @@ class Services:
         name = self.engine.model_name if self.engine is not None else self.settings.model
         return Path(name).name if "/" in name and Path(name).exists() else name
 
+    def engine_problem(self) -> str | None:
+        """Why no request could reach an engine now, or None: no engine in this process, or (with
+        `serve --no-engine`) no engine process registered."""
+        if self.engine is None:
+            return "The inference engine is not available in this process."
+        if not getattr(self.engine, "available", True):
+            return "No engine process is serving right now; retry shortly."
+        return None
+
     def require_engine(self) -> EngineClient:
         from loraplex.platform.errors import unavailable
 
-        if self.engine is None:
-            raise unavailable("The inference engine is not available in this process.")
-        if not getattr(self.engine, "available", True):
-            raise unavailable("No engine process is serving right now; retry shortly.", retry_after=2)
+        problem = self.engine_problem()
+        if problem is not None:
+            raise unavailable(problem, retry_after=2 if self.engine is not None else None)
         return self.engine

@@ -15,7 +15,7 @@ def test_not_ready_without_an_engine_process(client, fake_engine, monkeypatch):
     health = client.get("/healthz")
     assert health.status_code == 200 and health.json()["engine"] is False  # alive, but nothing to serve with
     r = client.get("/readyz")
-    assert r.status_code == 503 and r.json()["problems"] == ["engine: none available"]
+    assert r.status_code == 503 and r.json()["problems"] == ["engine: No engine process is serving right now; retry shortly."]
 
 
 def test_not_ready_when_the_database_does_not_answer(client, app, monkeypatch):

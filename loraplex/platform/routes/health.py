@@ -14,14 +14,9 @@ from loraplex.platform.services import Services
 router = APIRouter(tags=["health"])
 
 
-def _engine_ready(services: Services) -> bool:
-    """An engine in this process, or at least one registered engine process (`serve --no-engine`)."""
-    return services.engine is not None and bool(getattr(services.engine, "available", True))
-
-
 @router.get("/healthz")
 async def healthz(*, services: ServicesDep) -> dict:
-    return {"status": "ok", "model": services.base_model_name, "engine": _engine_ready(services)}
+    return {"status": "ok", "model": services.base_model_name, "engine": services.engine_problem() is None}
 
 
 def _database_ready(services: Services) -> str | None:
@@ -38,8 +33,9 @@ async def readyz(*, services: ServicesDep) -> JSONResponse:
     """200 when a request could be served now: the database answers and an engine is there; else 503 with
     the reasons (for a load balancer's or an orchestrator's readiness check)."""
     problems = []
-    if not _engine_ready(services):
-        problems.append("engine: none available" if services.engine is not None else "engine: not in this process")
+    engine = services.engine_problem()
+    if engine:
+        problems.append(f"engine: {engine}")
     database = await asyncio.to_thread(_database_ready, services)
     if database:
         problems.append(database)
