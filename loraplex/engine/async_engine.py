@@ -198,7 +198,7 @@ class AsyncEngine:
                     self.engine.abort_request(request_id)
                     stream = self._streams.get(request_id)
                     if stream is not None:
-                        stream.put(RuntimeError(f"engine step failed: {exc}"))
+                        stream.put(RuntimeError(f"engine step failed: {exc!r}"))
                 continue
             for out in outputs:
                 stream = self._streams.get(out.request_id)

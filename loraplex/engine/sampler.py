@@ -43,13 +43,13 @@ def _apply_penalties(logits: torch.Tensor, rows: list[int], seqs: list[Sequence]
 
 def _mask_top_k_top_p_min_p(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     vocab, dev = logits.shape[1], logits.device
-    top_k = torch.tensor([s.params.top_k if s.params.top_k > 0 else vocab for s in seqs], device=dev)
+    top_k = torch.tensor([min(s.params.top_k, vocab) if s.params.top_k > 0 else vocab for s in seqs], device=dev)
     top_p = torch.tensor([s.params.top_p for s in seqs], dtype=logits.dtype, device=dev)
     min_p = torch.tensor([s.params.min_p for s in seqs], dtype=logits.dtype, device=dev)
     if bool((top_k < vocab).any()) or bool((top_p < 1.0).any()):
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         ranks = torch.arange(vocab, device=dev).view(1, -1)
-        drop = ranks >= top_k.clamp(max=vocab).view(-1, 1)
+        drop = ranks >= top_k.view(-1, 1)
         probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
         # keep the smallest set whose mass reaches top_p: drop a token if the mass before it already does
         before = probs.cumsum(dim=-1) - probs

@@ -19,6 +19,9 @@ class SamplingParams:
     min_p: float = 0.0
     seed: int | None = None
     max_tokens: int | None = 16  # None: up to the context length
+    # max_tokens is a ceiling the server set for a request that left it unset, not the client's number: the
+    # engine lowers it to what its KV cache holds for the n completions, as it would for an unset one
+    max_tokens_is_ceiling: bool = False
     min_tokens: int = 0
     stop: list[str] | str | None = None
     stop_token_ids: list[int] | None = None

@@ -75,11 +75,12 @@ class Scheduler:
         tenants.update(s.tenant for s in self.running)
         return tenants
 
-    def check_fits(self, prompt_len: int, max_tokens: int | None, n: int = 1) -> int | None:
+    def check_fits(self, prompt_len: int, max_tokens: int | None, n: int = 1, *, ceiling: bool = False) -> int | None:
         """Refuse a request that could never run, even alone on an empty cache. Returns the max_tokens to
         run it with: the one given, or for an unset one (up to the context) None when the whole context fits
         and otherwise the most that the cache can hold for all n completions at once (they then finish with
-        "length" there, as at the end of the context)."""
+        "length" there, as at the end of the context). With `ceiling`, max_tokens is a server-set cap on an
+        unset one: lowered the same way when the cache cannot hold it."""
         if n > self.max_num_seqs:
             # the n completions of a request run together; more than the batch holds would wait forever
             raise InvalidRequestError(
@@ -98,11 +99,11 @@ class Scheduler:
         needed = shared + n * (self.bm.blocks_needed(total) - shared)
         if needed <= self.bm.num_blocks:
             return max_tokens
-        if max_tokens is None:
+        if max_tokens is None or ceiling:
             per_seq = shared + (self.bm.num_blocks - shared) // n  # blocks each completion may hold
             room = min(per_seq * self.bm.block_size, self.max_model_len) - prompt_len
             if room >= 1:
-                return room
+                return room if max_tokens is None else min(room, max_tokens)
         raise InvalidRequestError(
             f"request needs {needed} KV cache blocks ({prompt_len} prompt tokens, up to {total} in all"
             f"{f', n={n}' if n > 1 else ''}) but the cache has only {self.bm.num_blocks}; "
@@ -303,7 +304,7 @@ class Scheduler:
 def fit_max_tokens(scheduler: Scheduler, prompt_len: int, params: SamplingParams) -> SamplingParams:
     """`params` as the request will run: refused (InvalidRequestError) if it could never run, and with an
     unset max_tokens capped to what the KV cache holds for its n completions (see `Scheduler.check_fits`)."""
-    max_tokens = scheduler.check_fits(prompt_len, params.max_tokens, params.n)
+    max_tokens = scheduler.check_fits(prompt_len, params.max_tokens, params.n, ceiling=params.max_tokens_is_ceiling)
     if max_tokens == params.max_tokens:
         return params
     if max_tokens < params.min_tokens:

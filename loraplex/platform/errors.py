@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -81,8 +82,14 @@ def from_engine_error(exc: Exception) -> APIError:
     return APIError(500, f"engine error: {exc}", type="server_error")
 
 
+# The names pydantic gives the branches of a union in an error's location ("str", "list[int]",
+# "function-after[refuse_unstorable(), str]"): not part of the parameter's name.
+_UNION_BRANCH = re.compile(r"^(str|int|float|bool|none|dict|list|[\w-]+\[.*\])$")
+
+
 def _loc_to_param(loc: tuple[Any, ...]) -> str | None:
     parts = [str(p) for p in loc if p not in ("body", "query", "path", "header")]
+    parts = parts[:1] + [p for p in parts[1:] if not _UNION_BRANCH.match(p)]
     if not parts:
         return None
     out = parts[0]
@@ -132,6 +139,12 @@ def _validation_response(exc: RequestValidationError) -> JSONResponse:
         return bad_request("We could not parse the JSON body of your request: "
                            f"{first.get('ctx', {}).get('error', 'invalid JSON')}").response()
     msg = first.get("msg", "invalid value")
+    # a value that fits no branch of a union fails once per branch, all under the same parameter
+    same = [e for e in errors if _loc_to_param(tuple(e.get("loc", ()))) == param]
+    if param and len(same) > 1:
+        msgs = list(dict.fromkeys(e.get("msg", "invalid value") for e in same))
+        msg = msgs[0] + "".join(f", or {m[0].lower()}{m[1:]}" for m in msgs[1:])
+        errors = [first] + [e for e in errors if e not in same]
     if tuple(first.get("loc", ())) == ("body",):  # no body at all, or JSON that is not an object
         if first.get("type") == "missing":
             return bad_request("The request has no body: send a JSON object "

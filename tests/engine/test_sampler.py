@@ -47,6 +47,14 @@ def test_top_k_top_p_min_p_restrict_the_support():
     assert set(_draws(LOGITS, SamplingParams())) == {0, 1, 2, 3}
 
 
+def test_a_top_k_beyond_the_vocabulary_means_no_limit():
+    # values past a 64-bit integer used to fail the whole batch's step ("Overflow when unpacking long long")
+    for k in (4, 5, 2**63, 10**20):
+        assert set(_draws(LOGITS, SamplingParams(top_k=k))) == {0, 1, 2, 3}
+    batch = _rows([SamplingParams(top_k=10**20), SamplingParams(temperature=0), SamplingParams(top_k=1)])
+    assert Sampler()(LOGITS.repeat(3, 1), batch).token_ids[1:] == [0, 0]
+
+
 def test_sampling_follows_the_distribution():
     draws = _draws(LOGITS, SamplingParams(), n=4000)
     freq = [draws.count(i) / len(draws) for i in range(4)]

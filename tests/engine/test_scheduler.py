@@ -98,6 +98,20 @@ def test_unset_max_tokens_is_capped_to_what_the_cache_holds():
     fitted = fit_max_tokens(s, 10, params)
     assert fitted.max_tokens == 2 and fitted.n == 2 and fitted.temperature == 0.7 and params.max_tokens is None
     assert fit_max_tokens(roomy, 10, params) is params
+
+
+def test_a_server_set_ceiling_is_lowered_to_what_the_cache_holds():
+    """The API caps an unset max_tokens by the tenant's token rate (`max_tokens_is_ceiling`): the cap is not
+    the client's number, so the cache lowers it as it would an unset one instead of refusing the request."""
+    s = _scheduler(num_blocks=4, block_size=4)
+    with pytest.raises(InvalidRequestError, match="KV cache blocks"):
+        s.check_fits(10, 100, n=2)  # the client asked for 100 tokens each: refused
+    assert s.check_fits(10, 100, n=2, ceiling=True) == 2
+    assert s.check_fits(10, 1, n=2, ceiling=True) == 1  # a ceiling below the room stays
+    params = SamplingParams(max_tokens=100, n=2, max_tokens_is_ceiling=True)
+    assert fit_max_tokens(s, 10, params).max_tokens == 2
+    with pytest.raises(InvalidRequestError, match="KV cache blocks"):
+        fit_max_tokens(s, 10, SamplingParams(max_tokens=100, n=2))
     with pytest.raises(InvalidRequestError, match="min_tokens 3 cannot be reached"):
         fit_max_tokens(s, 10, SamplingParams(max_tokens=None, n=2, min_tokens=3))
 

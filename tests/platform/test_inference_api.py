@@ -136,11 +136,19 @@ def test_failure_mid_stream_is_reported_in_the_stream(client, make_tenant, fake_
     assert r.status_code == 200
     events = _events(r.text)
     assert events[-1] == "[DONE]"
-    assert events[-2]["error"]["type"] == "server_error" and "device lost" in events[-2]["error"]["message"]
+    error = events[-2]["error"]
+    assert error["type"] == "server_error" and r.headers["x-request-id"] in error["message"]
+    assert "device lost" not in error["message"]  # the cause goes to the log, not to the tenant
     client.portal.call(app.state.services.usage.flush)
     with app.state.services.sessions() as session:
         record = session.scalar(select(UsageRecord).where(UsageRecord.request_id == r.headers["x-request-id"]))
     assert record.status == "error" and record.completion_tokens == 3
+    # the tenant's usage report marks it failed and, as billing does, leaves its tokens out
+    fake_engine.fail_at_step = None
+    assert _chat(client, tenant, max_tokens=4).status_code == 200
+    client.portal.call(app.state.services.usage.flush)
+    data = client.get("/v1/usage", headers=tenant.headers).json()["data"]
+    assert [(d["requests"], d["failed_requests"], d["completion_tokens"]) for d in data] == [(2, 1, 4)]
 
 
 @pytest.mark.parametrize("path,body,param", [
@@ -148,6 +156,10 @@ def test_failure_mid_stream_is_reported_in_the_stream(client, make_tenant, fake_
     ("/v1/completions", '{"model": "fake-base", "prompt": ["\\ud800"]}', "prompt"),
     ("/v1/chat/completions", '{"model": "x@\\ud800abcdef", "messages": [{"role": "user", "content": "hi"}]}',
      "model"),
+    # stored with the usage record: it used to be served, and its record dropped by the database
+    ("/v1/chat/completions", '{"model": "fake-base", "messages": [{"role": "user", "content": "hi"}], '
+                             '"user": "a\\ud800"}', "user"),
+    ("/v1/completions", '{"model": "fake-base", "prompt": "hi", "user": "\\udfff"}', "user"),
 ])
 def test_lone_surrogates_are_400_not_500(client, make_tenant, path, body, param):
     tenant = make_tenant()

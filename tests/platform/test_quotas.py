@@ -93,6 +93,19 @@ async def test_monthly_budget(limiter):
         await limiter.acquire(1, limits, "m2", 100, now=T0 + 180)
     assert info.value.kind == "monthly_budget"
     assert int(info.value.headers["retry-after"]) > 0
+    # OpenAI's SDKs would retry it within a minute whatever Retry-After says: they are told not to
+    assert info.value.headers["x-should-retry"] == "false"
+
+
+async def test_a_request_larger_than_the_limit_is_not_worth_retrying(limiter):
+    with pytest.raises(QuotaExceeded) as info:
+        await limiter.acquire(1, LIMITS, "huge", 101, now=T0)
+    assert info.value.kind == "tokens" and "alone exceeds" in str(info.value)
+    assert info.value.headers["x-should-retry"] == "false" and "retry-after" not in info.value.headers
+    await limiter.acquire(1, LIMITS, "fits", 100, now=T0)
+    with pytest.raises(QuotaExceeded) as info:  # this one fits the next window: worth waiting for
+        await limiter.acquire(1, LIMITS, "later", 50, now=T0 + 1)
+    assert "x-should-retry" not in info.value.headers and info.value.headers["retry-after"] == "59"
 
 
 async def test_concurrent_acquires_never_overshoot(limiter):

@@ -72,3 +72,36 @@ def test_admin_bodies_are_strict_too(client, admin_key, make_tenant, method, pat
                                 headers={"Authorization": f"Bearer {admin_key}"}, json=body)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == field
+
+
+@pytest.mark.parametrize(("path", "base", "fields"), [
+    ("/v1/chat/completions", CHAT, ("n", "temperature", "top_p", "presence_penalty", "frequency_penalty",
+                                    "logprobs", "stream", "seed", "stop", "user", "top_logprobs")),
+    ("/v1/completions", COMPLETION, ("n", "temperature", "top_p", "presence_penalty", "frequency_penalty",
+                                     "stream", "echo", "logprobs", "best_of", "suffix")),
+])
+def test_null_means_the_default(client, make_tenant, fake_engine, path, base, fields):
+    """OpenAI's parameters are nullable and the SDKs send null for a None argument: null takes the default."""
+    tenant = make_tenant()
+    r = client.post(path, headers=tenant.headers, json={**base, **dict.fromkeys(fields),
+                                                        "stream_options": None})
+    assert r.status_code == 200, r.text
+    assert r.headers["content-type"].startswith("application/json")  # stream: null is not a stream
+    params = fake_engine.requests[-1]["params"]
+    assert (params.n, params.temperature, params.top_p, params.presence_penalty) == (1, 1.0, 1.0, 0.0)
+    assert params.logprobs is None and len(r.json()["choices"]) == 1
+    r = client.post(path, headers=tenant.headers,
+                    json={**base, "stream": True, "stream_options": {"include_usage": None}})
+    assert r.status_code == 200 and '"usage":{' not in r.text.replace(" ", ""), r.text
+
+
+def test_a_value_that_fits_no_branch_of_a_union_is_named_plainly(client, make_tenant):
+    tenant = make_tenant()
+    r = client.post("/v1/chat/completions", headers=tenant.headers,
+                    json={**CHAT, "messages": [{"role": "user", "content": 5}]})
+    assert r.status_code == 400
+    error = r.json()["error"]
+    assert error["param"] == "messages[0].content", error
+    assert "string" in error["message"] and "list" in error["message"] and "more problem" not in error["message"]
+    r = client.post("/v1/completions", headers=tenant.headers, json={**COMPLETION, "prompt": 3.5})
+    assert r.json()["error"]["param"] == "prompt", r.text

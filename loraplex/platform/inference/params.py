@@ -146,7 +146,7 @@ def fit_unset_max_tokens(limits, prompt_tokens: int, sequences: int, params: Sam
     if room >= max_new:
         return max_new, params
     capped = max(1, room)
-    return capped, dataclasses.replace(params, max_tokens=capped)
+    return capped, dataclasses.replace(params, max_tokens=capped, max_tokens_is_ceiling=True)
 
 
 def check_text(value: str, param: str) -> str:

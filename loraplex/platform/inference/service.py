@@ -186,7 +186,7 @@ async def _chat_events(job: InferenceJob, outputs, first, response_id: str, crea
                            "usage": fmt.usage_dict(job.prompt_tokens, job.completion_tokens)})
         yield fmt.SSE_DONE
     except Exception as exc:  # headers are sent: report the failure in the stream, as OpenAI does
-        yield _stream_error(exc)
+        yield _stream_error(exc, job.request_id)
     finally:
         await outputs.aclose()
 
@@ -220,12 +220,15 @@ async def _completion_events(job: InferenceJob, outputs, first, response_id: str
                            "choices": [], "usage": fmt.usage_dict(job.prompt_tokens, job.completion_tokens)})
         yield fmt.SSE_DONE
     except Exception as exc:
-        yield _stream_error(exc)
+        yield _stream_error(exc, job.request_id)
     finally:
         await outputs.aclose()
 
 
-def _stream_error(exc: Exception) -> bytes:
-    log.error("stream failed after it started: %r", exc)
-    error = exc if isinstance(exc, APIError) else APIError(500, f"The stream failed: {exc}", type="server_error")
+def _stream_error(exc: Exception, request_id: str) -> bytes:
+    # the cause is for the server's log, not for the tenant (it may name internals)
+    log.error("stream of request %s failed after it started: %r", request_id, exc)
+    error = exc if isinstance(exc, APIError) else APIError(
+        500, f"The server had an error processing request {request_id}; the stream ended early.",
+        type="server_error")
     return fmt.sse(error.body()) + fmt.SSE_DONE

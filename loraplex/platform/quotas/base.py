@@ -85,6 +85,7 @@ def exceeded(kind: str, limits: QuotaLimits, used_requests: int, used_tokens: in
              now: float, reserve_tokens: int, *, month_used: int | None = None) -> QuotaExceeded:
     headers = rate_headers(limits, used_requests, used_tokens, reset_in)
     retry_after = reset_in
+    futile = False  # a retry cannot succeed (soon): told to clients with x-should-retry: false
     if kind == "requests":
         msg = f"Rate limit reached for requests: limit {limits.requests_per_minute} per minute."
     elif kind == "tokens":
@@ -92,6 +93,7 @@ def exceeded(kind: str, limits: QuotaLimits, used_requests: int, used_tokens: in
                f"used {used_tokens}, requested {reserve_tokens}.")
         if reserve_tokens > limits.tokens_per_minute:
             msg += " The request alone exceeds the limit: lower max_tokens or the prompt length."
+            futile = True
     elif kind == "concurrent":
         msg = f"Too many concurrent requests: limit {limits.max_concurrent}."
         retry_after = 1.0
@@ -105,5 +107,10 @@ def exceeded(kind: str, limits: QuotaLimits, used_requests: int, used_tokens: in
                    f"and this request may use up to {reserve_tokens} (its prompt plus max_tokens). "
                    "Lower max_tokens or shorten the prompt.")
         retry_after = seconds_to_next_month(now)
-    headers["retry-after"] = str(max(1, math.ceil(retry_after)))
+        futile = True
+    if futile:
+        # OpenAI's SDKs retry a 429 (waiting at most a minute whatever Retry-After says) unless told not to
+        headers["x-should-retry"] = "false"
+    if not (kind == "tokens" and futile):  # no wait makes a request larger than the limit fit
+        headers["retry-after"] = str(max(1, math.ceil(retry_after)))
     return QuotaExceeded(msg, kind=kind, retry_after=retry_after, headers=headers)

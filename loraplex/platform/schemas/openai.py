@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from loraplex.platform.schemas.text import DbText
 
@@ -27,12 +27,28 @@ class ModelList(BaseModel):
 STRICT = ConfigDict(strict=True)
 
 
-class StreamOptions(BaseModel):
+class _NullMeansDefault(BaseModel):
+    """OpenAI's parameters are nullable, and null means the default: the SDKs send `"temperature": null` when
+    a caller passes None. A null for a field whose default is not null is read as the field left out."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_the_default(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            fields = cls.model_fields
+            nulls = [k for k, v in data.items()
+                     if v is None and k in fields and not fields[k].is_required() and fields[k].default is not None]
+            if nulls:
+                data = {k: v for k, v in data.items() if k not in nulls}
+        return data
+
+
+class StreamOptions(_NullMeansDefault):
     model_config = STRICT
     include_usage: bool = False
 
 
-class _Sampling(BaseModel):
+class _Sampling(_NullMeansDefault):
     # Unknown fields are ignored, as OpenAI-compatible servers do for newer client options.
     model_config = ConfigDict(extra="ignore", strict=True)
 
@@ -88,8 +104,3 @@ class CompletionRequest(_Sampling):
     echo: bool = False
     best_of: int | None = Field(default=None, ge=1)
     suffix: str | None = None
-
-    @field_validator("max_tokens", mode="before")
-    @classmethod
-    def _null_is_the_default(cls, value):
-        return 16 if value is None else value

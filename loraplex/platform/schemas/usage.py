@@ -11,6 +11,7 @@ class UsageBucket(BaseModel):
     adapter: str | None  # None: the base model
     adapter_version: str | None
     requests: int
+    failed_requests: int  # of `requests`: failed on the server's side; their tokens are not counted (nor billed)
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from datetime import UTC, date, datetime, time, timedelta
 
-from sqlalchemy import func
+from sqlalchemy import case, func
 from sqlalchemy.orm import Session
 
+from loraplex.platform.billing.aggregate import FAILED_STATUSES
 from loraplex.platform.models import UsageRecord
 from loraplex.platform.schemas.usage import UsageBucket
 from loraplex.platform.scoping import TenantScope
@@ -20,24 +21,29 @@ def _day(session: Session):
 
 def usage_by_day(session: Session, tenant_id: int, start: date, end: date, *, adapter: str | None = None,
                  api_key_id: int | None = None) -> list[UsageBucket]:
-    """Inclusive date range, UTC days; optionally only one adapter (by name) or one API key."""
+    """Inclusive date range, UTC days; optionally only one adapter (by name) or one API key. Tokens are
+    counted as billed: a request that failed on the server's side counts as a (failed) request, its tokens
+    do not."""
     lo = datetime.combine(start, time.min, tzinfo=UTC)
     hi = datetime.combine(end + timedelta(days=1), time.min, tzinfo=UTC)
     day = _day(session).label("day")
+    failed_row = UsageRecord.status.in_(FAILED_STATUSES)
+    failed = func.sum(case((failed_row, 1), else_=0))
     stmt = (
         TenantScope(session, tenant_id)
         .select(UsageRecord, UsageRecord.created_at >= lo, UsageRecord.created_at < hi)
-        .with_only_columns(day, UsageRecord.adapter_name, UsageRecord.adapter_version, func.count(),
-                           func.sum(UsageRecord.prompt_tokens), func.sum(UsageRecord.completion_tokens))
+        .with_only_columns(day, UsageRecord.adapter_name, UsageRecord.adapter_version, func.count(), failed,
+                           func.sum(case((failed_row, 0), else_=UsageRecord.prompt_tokens)),
+                           func.sum(case((failed_row, 0), else_=UsageRecord.completion_tokens)))
         .where(*([UsageRecord.adapter_name == adapter] if adapter is not None else []),
                *([UsageRecord.api_key_id == api_key_id] if api_key_id is not None else []))
         .group_by(day, UsageRecord.adapter_name, UsageRecord.adapter_version)
         .order_by(day, UsageRecord.adapter_name, UsageRecord.adapter_version)
     )
     out = []
-    for d, name, version, count, prompt, completion in session.execute(stmt):
+    for d, name, version, count, failures, prompt, completion in session.execute(stmt):
         d = d if isinstance(d, date) else date.fromisoformat(d)
         out.append(UsageBucket(date=d, adapter=name, adapter_version=version, requests=count,
-                               prompt_tokens=prompt or 0, completion_tokens=completion or 0,
+                               failed_requests=int(failures or 0), prompt_tokens=prompt or 0, completion_tokens=completion or 0,
                                total_tokens=(prompt or 0) + (completion or 0)))
     return out
