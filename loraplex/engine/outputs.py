@@ -10,6 +10,8 @@ class Logprob:
     token_id: int
     token: str
     logprob: float
+    # the token's bytes where its text cannot show them (part of a UTF-8 character, read as U+FFFD)
+    token_bytes: list[int] | None = None
 
 
 @dataclass

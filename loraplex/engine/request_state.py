@@ -76,8 +76,8 @@ class RequestState:
             comp.cumulative_logprob += chosen
             comp.logprobs.append(
                 TokenLogprobs(
-                    chosen=Logprob(token, self._token_text(token), chosen),
-                    top=[Logprob(t, self._token_text(t), lp) for t, lp in top],
+                    chosen=self._logprob(token, chosen),
+                    top=[self._logprob(t, lp) for t, lp in top],
                 )
             )
         finish: tuple[str, int | str] | None = None
@@ -105,6 +105,11 @@ class RequestState:
 
     def _token_text(self, token: int) -> str:
         return "" if self.tokenizer is None else self.tokenizer.token_text(token)
+
+    def _logprob(self, token: int, logprob: float) -> Logprob:
+        text = self._token_text(token)
+        raw = list(self.tokenizer.token_bytes(token)) if "\ufffd" in text else None
+        return Logprob(token, text, logprob, token_bytes=raw)
 
     def make_output(self, *, final_only_deltas: bool = False) -> RequestOutput:
         outputs = []

@@ -41,6 +41,7 @@ class Tokenizer:
             i for i, token in backend.get_added_tokens_decoder().items() if token.special
         )
         self.token_text = lru_cache(maxsize=1 << 16)(self._token_text)
+        self.token_bytes = lru_cache(maxsize=1 << 16)(self._token_bytes)
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path) -> Tokenizer:
@@ -94,6 +95,23 @@ class Tokenizer:
     def _token_text(self, token_id: int) -> str:
         """What one token reads as on its own (logprobs show this); partial UTF-8 shows as U+FFFD."""
         return self.backend.decode([int(token_id)], skip_special_tokens=False)
+
+    def _token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for, also where it holds only part of a UTF-8 character (its text then
+        reads U+FFFD): OpenAI's logprobs give these so that a client can join a character's pieces."""
+        entry = self.backend.id_to_token(int(token_id))
+        if entry is None:
+            return b""
+        if _is_byte_level(self.backend):
+            unicode_to_byte = _unicode_to_byte()
+            if all(ch in unicode_to_byte for ch in entry):
+                return bytes(unicode_to_byte[ch] for ch in entry)
+        if len(entry) == 6 and entry.startswith("<0x") and entry.endswith(">"):  # SentencePiece byte fallback
+            try:
+                return bytes([int(entry[3:5], 16)])
+            except ValueError:
+                pass
+        return self._token_text(token_id).encode("utf-8", errors="replace")
 
     def apply_chat_template(
         self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True
@@ -231,3 +249,25 @@ def _eos_ids(model_dir: Path) -> list[int]:
         if isinstance(value, list) and value:
             return [int(v) for v in value]
     return []
+
+
+def _is_byte_level(backend) -> bool:
+    """Byte-level BPE (GPT-2's scheme, SmolLM2's and Llama 3's): vocabulary entries spell bytes as printable
+    characters."""
+    decoder = getattr(backend, "decoder", None)
+    return decoder is not None and type(decoder).__name__ == "ByteLevel"
+
+
+@lru_cache(maxsize=1)
+def _unicode_to_byte() -> dict[str, int]:
+    """The inverse of GPT-2's bytes_to_unicode: printable bytes stand for themselves, the others are
+    shifted to 256 and up."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    codes = list(printable)
+    shift = 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            codes.append(256 + shift)
+            shift += 1
+    return {chr(c): b for b, c in zip(printable, codes, strict=True)}

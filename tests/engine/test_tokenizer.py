@@ -26,6 +26,19 @@ def test_encode_decode_round_trip(tokenizer):
     assert all(0 <= i < tokenizer.vocab_size for i in ids)
 
 
+def test_token_bytes_rebuild_characters_split_over_tokens(tokenizer):
+    """A token holding part of a UTF-8 character reads as U+FFFD; its bytes are its own (as OpenAI's logprobs
+    give them), so joining the tokens' bytes gives back the text."""
+    ids = tokenizer.encode(UNICODE)
+    pieces = [tokenizer.token_bytes(i) for i in ids]
+    assert b"".join(pieces).decode("utf-8") == UNICODE
+    partial = [i for i in ids if "\ufffd" in tokenizer.token_text(i)]
+    assert partial  # the tiny vocabulary splits the emoji and the CJK characters into bytes
+    assert all(tokenizer.token_bytes(i) != "\ufffd".encode() for i in partial)
+    special = tokenizer.token_to_id("<|im_end|>")
+    assert tokenizer.token_bytes(special) == b"<|im_end|>"
+
+
 def test_matches_transformers(tiny_qwen2_dir):
     from transformers import AutoTokenizer
 

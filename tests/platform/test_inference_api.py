@@ -81,6 +81,8 @@ def test_completion_batch_of_prompts(client, make_tenant):
     ({"max_tokens": 0}, "max_tokens"),
     ({"top_logprobs": 3}, "top_logprobs"),
     ({"max_tokens": 10_000}, "max_tokens"),
+    ({"max_completion_tokens": 2**64}, "max_completion_tokens"),
+    ({"stream_options": {"include_usage": True}}, "stream_options"),  # without stream, as OpenAI refuses it
     ({"messages": []}, "messages"),
     ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
 ])

@@ -102,6 +102,35 @@ def test_streaming_chat_and_completion(live):
     assert "".join(p.choices[0].text for p in pieces if p.choices) == completion.choices[0].text
 
 
+def test_streamed_logprobs_match_the_whole_response(live):
+    """text_offset and bytes are the same streamed or not, also where the text lags behind the tokens (a stop
+    string held back until it is ruled out) and for tokens that hold part of a UTF-8 character."""
+    _, _, key = live.tenant()
+    client = live.client(key)
+    args = dict(model=live.model, prompt="Grüße 🙂 aus", max_tokens=12, temperature=0, logprobs=2,
+                extra_body={"ignore_eos": True})
+    free = client.completions.create(**args).choices[0]
+    tokens = free.logprobs.tokens
+    # a stop string made of the ends of two tokens in the middle: the text is held back while it might match
+    stop = tokens[4][-1:] + tokens[5][:1] if tokens[4] and tokens[5] else tokens[5]
+    whole = client.completions.create(**args, stop=[stop]).choices[0]
+    pieces = [p.choices[0] for p in client.completions.create(**args, stop=[stop], stream=True) if p.choices]
+    assert "".join(p.text for p in pieces) == whole.text
+    streamed = [o for p in pieces if p.logprobs for o in p.logprobs.text_offset]
+    assert streamed == whole.logprobs.text_offset
+    assert [t for p in pieces if p.logprobs for t in p.logprobs.tokens] == whole.logprobs.tokens
+
+    chat = client.chat.completions.create(model=live.model, messages=[{"role": "user", "content": "🙂 東京"}],
+                                          max_tokens=12, temperature=0, logprobs=True, top_logprobs=20,
+                                          extra_body={"ignore_eos": True}).choices[0]
+    raw = b"".join(bytes(t.bytes) for t in chat.logprobs.content)
+    assert raw.decode("utf-8", errors="replace") == chat.message.content
+    # the tiny vocabulary is mostly single bytes: among the alternatives are pieces of characters, whose
+    # bytes are their own, not U+FFFD's
+    partial = [t for c in chat.logprobs.content for t in [c, *c.top_logprobs] if "\ufffd" in t.token]
+    assert partial and all(bytes(t.bytes) != "\ufffd".encode() for t in partial)
+
+
 def test_adapter_model_end_to_end(live, peft_adapter_zip):
     _, _, key = live.tenant()
     _, _, other_key = live.tenant()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from loraplex.engine.outputs import CompletionOutput, TokenLogprobs
+from loraplex.engine.outputs import CompletionOutput, Logprob, TokenLogprobs
 
 
 def sse(obj: dict[str, Any]) -> bytes:
@@ -26,16 +26,18 @@ def finish_reason(o: CompletionOutput) -> str | None:
     return "stop" if o.finish_reason else None
 
 
-def _bytes(token: str) -> list[int]:
-    return list(token.encode("utf-8", errors="replace"))
+def _bytes(logprob: Logprob) -> list[int]:
+    if logprob.token_bytes is not None:  # part of a UTF-8 character: its own bytes, not U+FFFD's
+        return list(logprob.token_bytes)
+    return list(logprob.token.encode("utf-8", errors="replace"))
 
 
 def chat_logprobs(entries: list[TokenLogprobs] | None) -> dict[str, Any] | None:
     if entries is None:
         return None
     return {"content": [
-        {"token": e.chosen.token, "logprob": e.chosen.logprob, "bytes": _bytes(e.chosen.token),
-         "top_logprobs": [{"token": t.token, "logprob": t.logprob, "bytes": _bytes(t.token)} for t in e.top]}
+        {"token": e.chosen.token, "logprob": e.chosen.logprob, "bytes": _bytes(e.chosen),
+         "top_logprobs": [{"token": t.token, "logprob": t.logprob, "bytes": _bytes(t)} for t in e.top]}
         for e in entries
     ]}
 

@@ -33,6 +33,7 @@ def chat_sampling(req: ChatCompletionRequest) -> SamplingParams:
         raise bad_request(f"response_format {req.response_format.get('type')!r} is not supported; only 'text' is",
                           param="response_format")
     _refuse_tools_and_audio(req)
+    _refuse_stream_options_without_stream(req)
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     return _sampling(req, max_tokens=req.max_completion_tokens or req.max_tokens, logprobs=logprobs)
 
@@ -56,7 +57,14 @@ def _refuse_tools_and_audio(req: ChatCompletionRequest) -> None:
         raise bad_request("audio output is not supported", param="audio")
 
 
+def _refuse_stream_options_without_stream(req) -> None:
+    if req.stream_options is not None and not req.stream:
+        raise bad_request("The 'stream_options' parameter is only allowed when 'stream' is enabled.",
+                          param="stream_options")
+
+
 def completion_sampling(req: CompletionRequest) -> SamplingParams:
+    _refuse_stream_options_without_stream(req)
     if req.best_of is not None and req.best_of != req.n:
         raise bad_request("best_of other than n is not supported", param="best_of")
     if req.suffix:
@@ -117,7 +125,8 @@ def completion_prompts(engine: EngineClient, req: CompletionRequest) -> list[lis
     return out
 
 
-def check_context(engine: EngineClient, prompt_len: int, params: SamplingParams, param: str) -> int:
+def check_context(engine: EngineClient, prompt_len: int, params: SamplingParams, param: str,
+                  max_param: str = "max_tokens") -> int:
     """The number of completion tokens each choice may produce; refuses prompts that cannot fit."""
     limit = engine.max_model_len
     if prompt_len >= limit:
@@ -130,7 +139,7 @@ def check_context(engine: EngineClient, prompt_len: int, params: SamplingParams,
         raise bad_request(f"This model's maximum context length is {limit} tokens. However, you requested "
                           f"{prompt_len + params.max_tokens} tokens ({prompt_len} in the prompt, "
                           f"{params.max_tokens} for the completion). Please reduce the length of the {param} "
-                          "or the completion.", param="max_tokens", code="context_length_exceeded")
+                          "or the completion.", param=max_param, code="context_length_exceeded")
     return params.max_tokens
 
 

@@ -67,7 +67,8 @@ async def chat_completion(services: Services, tenant: TenantContext, request: Re
     params = chat_sampling(body)
     target = await resolve_target(services, tenant, body.model)
     prompt = await _tokenize(request, encode_chat, engine, body)
-    max_new = check_context(engine, len(prompt), params, "messages")
+    max_new = check_context(engine, len(prompt), params, "messages",
+                            "max_completion_tokens" if body.max_completion_tokens else "max_tokens")
     max_new, params = fit_unset_max_tokens(tenant.limits, len(prompt), params.n, params, max_new)
     job = InferenceJob(services, tenant, request.state.request_id, "chat.completions", target, [prompt], params,
                        max_new, user=body.user)
@@ -208,8 +209,10 @@ async def _completion_events(job: InferenceJob, outputs, first, response_id: str
                     continue
                 if reason:
                     finished.add(choice_index)
+                # text_offset counts the tokens' own texts, as the whole response's does (the text itself
+                # may lag behind them: a stop string held back, a character's UTF-8 pieces)
                 offset = offsets.get(choice_index, 0)
-                offsets[choice_index] = offset + len(o.delta_text)
+                offsets[choice_index] = offset + sum(len(e.chosen.token) for e in o.delta_logprobs or ())
                 choices.append({"index": choice_index, "text": o.delta_text,
                                 "logprobs": fmt.completion_logprobs(o.delta_logprobs, offset),
                                 "finish_reason": reason})
