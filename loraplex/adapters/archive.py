@@ -18,6 +18,10 @@ from .errors import AdapterValidationError, ErrorCode
 from .limits import AdapterLimits
 
 _CHUNK = 1024 * 1024
+# An adapter is two files, perhaps in a folder or two: deeper paths or longer names are no adapter's, and a
+# path of thousands of folders costs the file system (and a recursive cleanup) dearly.
+MAX_DEPTH = 16
+MAX_NAME_BYTES = 255  # one path component, as most file systems allow
 
 
 def archive_kind(path: Path) -> str | None:
@@ -113,6 +117,12 @@ def _safe_target(dest: Path, name: str) -> Path:
     parts = tuple(p for p in parts if p not in ("", "."))
     if not parts:
         return dest  # "./", as `tar -C folder .` writes first: the destination itself
+    if len(parts) > MAX_DEPTH:
+        raise AdapterValidationError(f"archive member {_shown(name)} is {len(parts)} folders deep, more than "
+                                     f"{MAX_DEPTH}", ErrorCode.ARCHIVE_UNSAFE_PATH)
+    if any(len(p.encode("utf-8", errors="surrogateescape")) > MAX_NAME_BYTES for p in parts):
+        raise AdapterValidationError(f"archive member {_shown(name)} has a name longer than {MAX_NAME_BYTES} "
+                                     "bytes", ErrorCode.ARCHIVE_UNSAFE_PATH)
     target = dest.joinpath(*parts)
     root = dest.resolve()
     # Parents were made by us from checked names, so resolve() cannot follow a link we did not create;
@@ -121,6 +131,10 @@ def _safe_target(dest: Path, name: str) -> Path:
         raise AdapterValidationError(f"archive member {name!r} lands outside the destination",
                                      ErrorCode.ARCHIVE_UNSAFE_PATH)
     return target
+
+
+def _shown(name: str) -> str:
+    return repr(name) if len(name) <= 120 else repr(name[:120]) + "..."
 
 
 def _make_dirs(dest: Path, target: Path) -> None:
@@ -203,9 +217,6 @@ def _extract_tar(archive: Path, dest: Path, budget: _Budget) -> None:
         # RuntimeError: tarfile recurses once per chained extended header; a long chain overflows the stack.
         if isinstance(exc, AdapterValidationError):
             raise
-        if isinstance(exc, FileExistsError):
-            raise AdapterValidationError(f"archive member appears twice: {exc.filename}",
-                                         ErrorCode.ARCHIVE_UNSAFE_PATH) from exc
         raise AdapterValidationError(f"cannot read {archive.name}: {exc}", ErrorCode.ARCHIVE_CORRUPT) from exc
 
 
@@ -230,4 +241,7 @@ def _extract_tar_member(tf: tarfile.TarFile, member: tarfile.TarInfo, dest: Path
     src = tf.extractfile(member)
     if src is None:
         raise AdapterValidationError(f"archive member {name!r} has no data", ErrorCode.ARCHIVE_CORRUPT)
-    budget.copy(name, src, target)
+    try:
+        budget.copy(name, src, target)
+    except FileExistsError:
+        raise AdapterValidationError(f"archive member {name!r} appears twice", ErrorCode.ARCHIVE_UNSAFE_PATH) from None

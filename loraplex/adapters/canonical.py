@@ -127,11 +127,13 @@ class CanonicalAdapter:
                     or parts[3] not in ("lora_a", "lora_b") or not (parts[1].isascii() and parts[1].isdigit()):
                 raise AdapterValidationError(f"unexpected tensor {key!r} in a canonical entry", ErrorCode.STORE_CORRUPT)
             pairs.setdefault((int(parts[1]), parts[2]), {})[parts[3]] = tensor
+        if not pairs:
+            raise AdapterValidationError("canonical entry holds no weights", ErrorCode.STORE_CORRUPT)
         weights = {}
         for k, pair in pairs.items():
             if set(pair) != {"lora_a", "lora_b"}:
                 raise AdapterValidationError(f"canonical entry lacks A or B for {k}", ErrorCode.STORE_CORRUPT)
-            weights[k] = LoraWeights(pair["lora_a"], pair["lora_b"])
+            weights[k] = _checked(k, pair["lora_a"], pair["lora_b"], finite=verify)
         ordered = dict(sorted(weights.items(), key=lambda kv: (kv[0][0], _MODULE_ORDER[kv[0][1]])))
         stored = meta.get("content_hash", "")
         if verify and content_hash(ordered) != stored:
@@ -140,6 +142,24 @@ class CanonicalAdapter:
         return cls(weights=MappingProxyType(ordered), content_hash=stored, architecture=meta.get("architecture", ""),
                    num_layers=int(meta.get("num_layers", "0")),
                    base_model_name_or_path=meta.get("base_model_name_or_path"))
+
+
+def _checked(key: tuple[int, str], a: torch.Tensor, b: torch.Tensor, *, finite: bool) -> LoraWeights:
+    """The pair as a canonical entry must hold it: fp32 matrices A [r, in] and B [out, r], r >= 1, and (when
+    the entry is not one of the store's own) finite values."""
+    where = f"canonical entry, layer {key[0]} {key[1]}"
+    if a.dtype != torch.float32 or b.dtype != torch.float32:
+        raise AdapterValidationError(f"{where}: A is {a.dtype} and B {b.dtype}; canonical entries hold fp32",
+                                     ErrorCode.DTYPE_UNSUPPORTED)
+    if a.dim() != 2 or b.dim() != 2 or a.shape[0] < 1 or a.shape[0] != b.shape[1]:
+        raise AdapterValidationError(f"{where}: A {list(a.shape)} and B {list(b.shape)} are not a LoRA pair "
+                                     f"(A [r, in], B [out, r])", ErrorCode.RANK_MISMATCH)
+    if finite:
+        for name, t in (("A", a), ("B", b)):
+            if not torch.isfinite(t).all():
+                raise AdapterValidationError(f"{where}: {name} has non-finite values (NaN or inf)",
+                                             ErrorCode.NON_FINITE)
+    return LoraWeights(a, b)
 
 
 def content_hash(weights: Mapping[tuple[int, str], LoraWeights]) -> str:

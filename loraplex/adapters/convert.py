@@ -23,6 +23,12 @@ def to_canonical(tensors: dict[str, torch.Tensor], settings: LoraSettings, spec:
         path = _module_path(key)
         target = paths.get(path)
         if target is None:
+            module = path.rsplit(".", 1)[-1] if path else None
+            if module is not None and module not in spec.peft_modules:
+                raise AdapterValidationError(
+                    f"{_WEIGHTS}: tensor {key!r} adapts {module!r}, which is not a projection of "
+                    f"{spec.architecture}; known modules: {', '.join(spec.peft_modules)}",
+                    ErrorCode.UNKNOWN_TARGET_MODULE)
             raise AdapterValidationError(
                 f"{_WEIGHTS}: unknown tensor {key!r}; expected "
                 f"'{_PREFIX}{spec.layer_prefix}.<layer>.<self_attn|mlp>.<module>.lora_A|lora_B.weight'",

@@ -45,6 +45,7 @@ class ErrorCode(StrEnum):
     ARCHITECTURE_UNSUPPORTED = "architecture_unsupported"
     BASE_MODEL_MISMATCH = "base_model_mismatch"
     STORE_CORRUPT = "store_corrupt"
+    UNREADABLE = "unreadable"  # none of the above: a file no specific check foresaw
 
 
 class AdapterValidationError(ValueError):

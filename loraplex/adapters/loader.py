@@ -4,7 +4,9 @@ canonical store entry."""
 from __future__ import annotations
 
 import json
+import logging
 import os
+import re
 import tempfile
 from pathlib import Path
 
@@ -18,6 +20,7 @@ from .safetensors_file import read_header, read_tensors
 from .spec import BaseModelSpec
 from .store import read_entry
 
+log = logging.getLogger(__name__)
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
@@ -34,7 +37,22 @@ def load_adapter(path: str | Path, spec: BaseModelSpec, limits: AdapterLimits | 
     entry written by an AdapterStore. Raises AdapterValidationError naming the first problem found.
     """
     limits = limits or AdapterLimits()
-    path = Path(path)
+    try:
+        return _load(Path(path), spec, limits)
+    except AdapterValidationError:
+        raise
+    except RecursionError:
+        raise AdapterValidationError("the adapter is nested too deeply to read", ErrorCode.UNREADABLE) from None
+    except Exception as exc:
+        # A file no check above foresaw: still a refusal (the caller marks the upload failed), not a crash,
+        # with the details in the log.
+        log.warning("adapter %s could not be read", path, exc_info=True)
+        detail = re.sub(r"\S*loraplex-adapter-[^/\s'\"]*/?", "", str(exc))  # no scratch folder paths
+        raise AdapterValidationError(f"the adapter could not be read ({type(exc).__name__}: {detail})"[:500],
+                                     ErrorCode.UNREADABLE) from exc
+
+
+def _load(path: Path, spec: BaseModelSpec, limits: AdapterLimits) -> CanonicalAdapter:
     if not path.exists():
         raise AdapterValidationError(f"adapter {path} does not exist", ErrorCode.NOT_FOUND)
     if path.is_dir():
@@ -55,7 +73,7 @@ def load_adapter(path: str | Path, spec: BaseModelSpec, limits: AdapterLimits | 
         raise AdapterValidationError(
             f"{path.name} is not an adapter folder, a .zip or .tar.gz archive, or a safetensors file",
             ErrorCode.UNSUPPORTED_FORMAT)
-    with tempfile.TemporaryDirectory(prefix="loraplex-adapter-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="loraplex-adapter-", ignore_cleanup_errors=True) as tmp:
         safe_extract(path, tmp, limits)
         return _load_dir(Path(tmp), spec, limits)
 
@@ -113,6 +131,8 @@ def _load_pair(config_path: Path, weights_path: Path, spec: BaseModelSpec, limit
         config = json.loads(config_path.read_bytes().decode("utf-8"))
     except (UnicodeDecodeError, ValueError) as exc:
         raise AdapterValidationError(f"{CONFIG_NAME} is not valid JSON: {exc}", ErrorCode.CONFIG_INVALID) from exc
+    except RecursionError:
+        raise AdapterValidationError(f"{CONFIG_NAME} is JSON nested too deeply", ErrorCode.CONFIG_INVALID) from None
     settings = parse_lora_config(config, spec, limits)
     tensors, _ = read_tensors(weights_path, limits)
     return to_canonical(tensors, settings, spec)
@@ -122,6 +142,10 @@ def _load_canonical_entry(path: Path, spec: BaseModelSpec, limits: AdapterLimits
     _, _, meta = read_header(path, limits)
     if meta.get("format") != FORMAT:
         return None
+    # a file from outside the store (a user's upload or path) is checked as a PEFT file would be
     adapter = read_entry(path, verify=True)
     adapter.check_compatible(spec)
+    if adapter.rank > limits.max_rank:
+        raise AdapterValidationError(f"{path.name}: rank {adapter.rank} is over the rank limit of {limits.max_rank}",
+                                     ErrorCode.RANK_TOO_LARGE)
     return adapter

@@ -54,9 +54,14 @@ class LoraSettings:
 
 def _pattern_key(patterns: Mapping[str, object], module_path: str) -> str | None:
     for key in patterns:
-        if re.match(rf"(.*\.)?({key})$", module_path):
+        if _key_pattern(key).match(module_path):
             return key
     return None
+
+
+def _key_pattern(key: str) -> re.Pattern:
+    """PEFT's reading of a rank_pattern / alpha_pattern key: the key's pattern at the end of a module path."""
+    return re.compile(rf"(.*\.)?({key})$")
 
 
 def parse_lora_config(config: object, spec: BaseModelSpec, limits: AdapterLimits) -> LoraSettings:
@@ -155,8 +160,8 @@ def _pattern(value: object, name: str, check) -> dict:
     out = {}
     for key, item in value.items():
         try:
-            re.compile(key)
-        except re.error as exc:
+            _key_pattern(key)
+        except (re.error, RecursionError, OverflowError) as exc:
             raise _invalid(f"{name} key {key!r} is not a valid pattern: {exc}") from exc
         out[key] = check(item, f"{name}[{key!r}]")
     return out
@@ -172,7 +177,7 @@ def _resolve_targets(config: dict, spec: BaseModelSpec) -> frozenset[tuple[int, 
     elif isinstance(target, str):
         try:
             pattern = re.compile(target)
-        except re.error as exc:
+        except (re.error, RecursionError, OverflowError) as exc:
             raise _invalid(f"target_modules pattern {target!r} is invalid: {exc}") from exc
         if pattern.fullmatch("model.embed_tokens") or pattern.fullmatch("lm_head"):
             raise _embedding(target)
@@ -183,15 +188,21 @@ def _resolve_targets(config: dict, spec: BaseModelSpec) -> frozenset[tuple[int, 
     elif isinstance(target, list) and target and all(isinstance(t, str) for t in target):
         matched = set()
         for name in target:
-            hits = {k for k, p in paths.items() if p == name or p.endswith(f".{name}")}
-            if not hits:
-                if name.rsplit(".", 1)[-1] in _EMBEDDING_NAMES:
-                    raise _embedding(name)
-                raise _unknown(name, spec)
-            matched |= hits
+            if name.rsplit(".", 1)[-1] in _EMBEDDING_NAMES:
+                raise _embedding(name)
+            matched |= {k for k, p in paths.items() if p == name or p.endswith(f".{name}")}
+        if not matched:
+            # As PEFT does, names that match nothing are passed over (training scripts often list the names
+            # of several architectures, e.g. q_proj and query_key_value) as long as one name matches.
+            raise _unknown(target[0] if len(target) == 1 else target, spec)
     else:
         raise _invalid(f"target_modules must be a non-empty list of module names or a pattern, got {target!r}")
     if exclude:
+        if isinstance(exclude, str):
+            try:
+                exclude = re.compile(exclude)
+            except (re.error, RecursionError, OverflowError) as exc:
+                raise _invalid(f"exclude_modules pattern {exclude!r} is invalid: {exc}") from exc
         matched = {k for k in matched if not _excluded(exclude, paths[k])}
     if layers is not None:
         matched = {k for k in matched if k[0] in layers}
@@ -202,8 +213,8 @@ def _resolve_targets(config: dict, spec: BaseModelSpec) -> frozenset[tuple[int, 
 
 
 def _excluded(exclude: object, path: str) -> bool:
-    if isinstance(exclude, str):
-        return re.fullmatch(exclude, path) is not None
+    if isinstance(exclude, re.Pattern):
+        return exclude.fullmatch(path) is not None
     if isinstance(exclude, list):
         return any(path == e or path.endswith(f".{e}") for e in exclude)
     raise _invalid(f"exclude_modules must be a list of names or a pattern, got {exclude!r}")
@@ -240,7 +251,8 @@ def _embedding(name: str) -> AdapterValidationError:
         f"lm_head is not supported", ErrorCode.EMBEDDING_LORA_UNSUPPORTED)
 
 
-def _unknown(name: str, spec: BaseModelSpec) -> AdapterValidationError:
+def _unknown(name: str | list[str], spec: BaseModelSpec) -> AdapterValidationError:
+    what = f"target module {name!r} is not" if isinstance(name, str) else f"none of the target modules {name!r} is"
     return AdapterValidationError(
-        f"adapter_config.json: target module {name!r} is not a projection of {spec.architecture}; known modules: "
+        f"adapter_config.json: {what} a projection of {spec.architecture}; known modules: "
         f"{', '.join(spec.peft_modules)}", ErrorCode.UNKNOWN_TARGET_MODULE)

@@ -46,6 +46,8 @@ def _read_header(f: BinaryIO, file_size: int, name: str, limits: AdapterLimits) 
         header = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, ValueError) as exc:
         raise _corrupt(name, f"header is not valid JSON ({exc})") from exc
+    except RecursionError:
+        raise _corrupt(name, "header is JSON nested too deeply") from None
     if not isinstance(header, dict):
         raise _corrupt(name, "header is not a JSON object")
     metadata = header.pop("__metadata__", None)
@@ -70,6 +72,8 @@ def _check_entry(name: str, key: str, info, data_len: int) -> None:
     if not isinstance(info, dict) or not {"dtype", "shape", "data_offsets"} <= info.keys():
         raise _corrupt(name, f"tensor {key!r} lacks dtype, shape or data_offsets")
     dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
+    if not isinstance(dtype, str):
+        raise _corrupt(name, f"tensor {key!r} has a dtype that is not a string: {dtype!r}"[:300])
     if dtype not in ALLOWED_DTYPES:
         raise AdapterValidationError(
             f"{name}: tensor {key!r} has dtype {dtype}; allowed dtypes are {', '.join(ALLOWED_DTYPES)}",

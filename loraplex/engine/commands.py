@@ -20,24 +20,49 @@ model.add_command(fetch)
 @click.option("--model", "model_name", default=None, help="Model directory, .gguf file, Hub id or demo name.")
 @click.option("--chat", is_flag=True, help="Apply the model's chat template to PROMPT as a user message.")
 @click.option("--system", default=None, help="System message (with --chat).")
-@click.option("--adapter", default=None, help="LoRA adapter: a PEFT directory/archive or a registered name.")
+@click.option("--adapter", default=None,
+              help="LoRA adapter: a PEFT directory or archive, or (with --tenant) the name of an adapter uploaded "
+                   "to this server (name or name@version).")
+@click.option("--tenant", default=None,
+              help="Resolve --adapter among this tenant's uploaded adapters (name or id), in the server's database "
+                   "(LORAPLEX_DATA_DIR or LORAPLEX_DATABASE_URL).")
+@click.option("--max-rank", type=click.IntRange(min=1), default=None,
+              help="Largest adapter rank accepted [default: LORAPLEX_MAX_LORA_RANK, 64].")
 @click.option("--max-tokens", default=128, show_default=True, type=int)
 @click.option("--temperature", default=0.0, show_default=True, type=float)
 @click.option("--top-p", default=1.0, show_default=True, type=float)
 @click.option("--seed", default=None, type=int)
-def generate(prompt, model_name, chat, system, adapter, max_tokens, temperature, top_p, seed) -> None:
+def generate(prompt, model_name, chat, system, adapter, tenant, max_rank, max_tokens, temperature, top_p,
+             seed) -> None:
     """Print a completion of PROMPT."""
     if system is not None and not chat:
         raise click.UsageError("--system applies only with --chat (the chat template places it)")
-    from loraplex.config import get_settings
+    if tenant is not None and adapter is None:
+        raise click.UsageError("--tenant names whose uploaded adapter --adapter is; give --adapter too")
+    from pydantic import ValidationError
+
+    from loraplex.config import Settings
     from loraplex.engine.errors import EngineError
     from loraplex.engine.llm import LLM
     from loraplex.engine.sampling_params import SamplingParams
 
-    settings = get_settings()
+    try:
+        settings = Settings()
+    except ValidationError as exc:
+        from loraplex.platform.commands import _setting_error
+
+        raise click.ClickException("; ".join(_setting_error(e) for e in exc.errors())) from exc
+    if tenant is not None:
+        from loraplex.platform.registry import uploaded_adapter
+
+        try:
+            adapter = uploaded_adapter(settings, tenant, adapter)
+        except LookupError as exc:
+            raise click.ClickException(str(exc)) from exc
     try:
         params = SamplingParams(temperature=temperature, top_p=top_p, max_tokens=max_tokens, seed=seed)
-        llm = LLM(model_name or settings.model, dtype=settings.dtype, kv_cache_memory=settings.kv_cache_memory)
+        llm = LLM(model_name or settings.model, dtype=settings.dtype, kv_cache_memory=settings.kv_cache_memory,
+                  max_lora_rank=max_rank or settings.max_lora_rank)
         if chat:
             messages = ([{"role": "system", "content": system}] if system else []) + [
                 {"role": "user", "content": prompt}

@@ -29,8 +29,18 @@ class LLM:
     def tokenizer(self):
         return self.engine.tokenizer
 
+    def register_adapter(self, name: str, adapter: LoRARequest | str | os.PathLike) -> LoRARequest:
+        """Let `name` stand for an adapter (a PEFT folder or archive, validated now, or a LoRARequest) in later
+        `generate(..., adapter=name)` calls. Registering a name again points it at the new adapter."""
+        slots = self.engine.adapter_slots
+        if getattr(slots, "register", None) is None:
+            raise InvalidRequestError("this engine was started without adapter support (max_loras=0)",
+                                      param="adapter")
+        return slots.register(name, adapter)
+
     def resolve_adapter(self, adapter: AdapterArg) -> LoRARequest | None:
-        """A LoRARequest as is; a path or registered name is resolved by the engine's adapter cache."""
+        """A LoRARequest as is; a registered name (`register_adapter`) or a path is resolved by the engine's
+        adapter cache."""
         if adapter is None or isinstance(adapter, LoRARequest):
             return adapter
         if not isinstance(adapter, (str, os.PathLike)):

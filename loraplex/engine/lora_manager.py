@@ -30,6 +30,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from loraplex.engine.errors import AdapterLoadError
@@ -53,6 +54,15 @@ class HostAdapter:
     # and the rank of each slice (0 where the adapter does not target it)
     fused: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor, list[int]]]
     nbytes: int
+
+
+def _fits(t: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether every value of `t` is finite in `dtype` (a half-precision slot holds at most 65504)."""
+    top = torch.finfo(dtype).max
+    t = t.detach().cpu()
+    if t.dtype == torch.float32:  # numpy: no OpenMP team started in the loader's thread (see `fuse_slices`)
+        return t.numel() == 0 or float(np.abs(t.numpy()).max()) <= top
+    return t.numel() == 0 or float(t.abs().max()) <= top
 
 
 def to_host_adapter(
@@ -88,6 +98,12 @@ def to_host_adapter(
             rank = max(rank, r)
         if all(s is None for s in per_slice):
             continue
+        if dtype != torch.float32:
+            for name, pair in zip(p.module_names, per_slice, strict=True):
+                if pair is not None and not (_fits(pair[0], dtype) and _fits(pair[1], dtype)):
+                    raise ValueError(f"adapter {lora.name!r} layer {p.layer_idx} {name} has weights beyond the "
+                                     f"range of {dtype} (the adapter slots' lora_dtype); serve it with lora_dtype "
+                                     "float32")
         fa, fb = fuse_slices(per_slice, p.in_features, p.output_sizes, dtype=dtype, alloc=alloc)
         if pin:
             fa, fb = fa.pin_memory(), fb.pin_memory()
@@ -215,6 +231,7 @@ class LoraManager:
         # the CPU's host copies are what slots read: recycle them (a GPU copies into its slots instead)
         self._recycler = TensorRecycler() if self.device.type == "cpu" else None
         self.source = None  # an AdapterSource when built for an engine: resolves user paths
+        self._names: dict[str, LoRARequest] = {}  # register(): names that stand for an adapter version
 
     @classmethod
     def for_engine(cls, model: torch.nn.Module, model_dir, config, *, device, dtype) -> LoraManager:
@@ -235,10 +252,31 @@ class LoraManager:
         manager.source = source
         return manager
 
+    def register(self, name: str, adapter) -> LoRARequest:
+        """Let `name` stand for an adapter (a path, validated now, or a LoRARequest) in later `resolve` calls;
+        registering a name again points it at the new adapter."""
+        if not isinstance(name, str) or not name.strip():
+            raise AdapterLoadError(f"an adapter name must be a non-empty string, got {name!r}")
+        lora = self.resolve(adapter)
+        lora = LoRARequest(name=name, content_hash=lora.content_hash, path=lora.path)
+        with self._lock:
+            self._names[name] = lora
+        return lora
+
+    def registered(self) -> dict[str, LoRARequest]:
+        with self._lock:
+            return dict(self._names)
+
     def resolve(self, adapter) -> LoRARequest:
-        """A LoRARequest for a PEFT folder/archive path (validated now; refused with AdapterLoadError)."""
+        """A LoRARequest for a registered name (`register`), or for a PEFT folder/archive path (validated now);
+        refused with AdapterLoadError."""
         if isinstance(adapter, LoRARequest):
             return adapter
+        if isinstance(adapter, str):
+            with self._lock:
+                named = self._names.get(adapter)
+            if named is not None:
+                return named
         if self.source is None:
             raise AdapterLoadError("this adapter cache cannot resolve paths (no adapter source)")
         try:
@@ -248,7 +286,10 @@ class LoraManager:
         if canonical is not None and not self.is_resident(lora.key):
             from loraplex.engine.lora_source import module_weights
 
-            self.put_host(lora, module_weights(canonical))
+            try:
+                self.put_host(lora, module_weights(canonical))
+            except ValueError as exc:
+                raise AdapterLoadError(f"adapter {str(adapter)!r} refused: {exc}") from exc
         return lora
 
     # ---- loading (background) -------------------------------------------------------------------------

@@ -3,6 +3,7 @@ adapter cache loads weights from the store (canonical, fast) or the original PEF
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from loraplex.adapters import (
@@ -34,6 +35,9 @@ class AdapterSource:
         the caller need not read them twice) or the request itself."""
         if isinstance(adapter, LoRARequest):
             return adapter, None
+        if not str(adapter).strip():  # Path("") is the working directory, which is not what anyone meant
+            raise AdapterValidationError("the adapter path is empty (None means the base model)",
+                                         ErrorCode.NOT_FOUND)
         path = Path(adapter)
         stamp = _fingerprint(path)
         known = self._resolved.get(str(path))
@@ -65,11 +69,23 @@ class AdapterSource:
         return module_weights(canonical)
 
 
-def _fingerprint(path: Path) -> tuple | None:
-    """Names, sizes and modification times of the path (and a folder's top-level files): any rewrite of
-    the adapter changes it, so a changed adapter is validated and hashed again."""
+def _fingerprint(path: Path, max_entries: int = 256) -> tuple | None:
+    """Names, sizes and modification times of the path's files (a folder's, at every depth: an adapter may
+    sit in a sub-folder): any rewrite of the adapter changes it, so a changed adapter is validated and hashed
+    again. None (nothing remembered) for a folder too large to be an adapter or that cannot be read."""
     try:
-        entries = sorted(path.iterdir()) if path.is_dir() else [path]
-        return tuple((e.name, e.stat().st_size, e.stat().st_mtime_ns) for e in entries if e.is_file())
+        if not path.is_dir():
+            st = path.stat()
+            return ((path.name, st.st_size, st.st_mtime_ns),)
+        entries = []
+        for dirpath, dirnames, filenames in os.walk(path):
+            dirnames.sort()
+            for name in sorted(filenames):
+                full = os.path.join(dirpath, name)
+                st = os.stat(full)
+                entries.append((os.path.relpath(full, path), st.st_size, st.st_mtime_ns))
+                if len(entries) > max_entries:
+                    return None
+        return tuple(entries)
     except OSError:
         return None

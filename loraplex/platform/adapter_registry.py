@@ -80,7 +80,8 @@ def check_form(upload: ParsedUpload) -> tuple[str, str | None, str, str]:
 def register_upload(session: Session, scope: TenantScope, settings: Settings, upload: ParsedUpload,
                     base_model: str | None = None) -> tuple[AdapterVersion, bool]:
     """Create the version row (and the adapter on first upload) and move the files under its id.
-    Returns (version, created); an identical re-upload returns the existing live version. A name that is
+    Returns (version, created); the newest version's upload again returns that version, an older version's
+    makes it the newest again (a new row of the same content). A name that is
     the base model's (in any case) is refused: requests naming it reach the base model."""
     name, description, filename, sha = check_form(upload)
     if base_model is not None and name.casefold() == base_model.casefold():
@@ -91,12 +92,14 @@ def register_upload(session: Session, scope: TenantScope, settings: Settings, up
         adapter = scope.add(Adapter(name=name, description=description))
         session.flush()
     else:
-        same = scope.session.scalars(scope.select(
-            AdapterVersion, AdapterVersion.adapter_id == adapter.id, AdapterVersion.upload_sha256 == sha,
-            AdapterVersion.status != VersionStatus.failed.value)).first()
-        if same is not None:
+        newest = scope.session.scalars(scope.select(
+            AdapterVersion, AdapterVersion.adapter_id == adapter.id,
+            AdapterVersion.status != VersionStatus.failed.value).order_by(AdapterVersion.id.desc())).first()
+        # The newest version's upload again changes nothing; an older version's is a rollback: a new version
+        # row (the same content, so the same version string) that becomes the newest.
+        if newest is not None and newest.upload_sha256 == sha:
             upload.discard()
-            return same, False
+            return newest, False
         if description:
             adapter.description = description
     version = scope.add(AdapterVersion(adapter_id=adapter.id, status=VersionStatus.pending.value,

@@ -111,3 +111,38 @@ def list_model_ids(session: Session, tenant_id: int, base_model: str | None = No
                 seen.add(model_id)
                 out.append((model_id, created, name))
     return out
+
+
+def uploaded_adapter(settings, tenant_ref: str, model: str) -> LoRARequest:
+    """A tenant's uploaded adapter (`name` or `name@version`) as a LoRARequest on its store entry, read from
+    the server's database (`loraplex generate --tenant T --adapter NAME`). Raises LookupError saying what is
+    missing: the database, the tenant, the adapter or its stored weights."""
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import OperationalError
+
+    from loraplex.config import masked_url
+    from loraplex.platform.db import make_engine
+    from loraplex.platform.tenants import TenantError, get_tenant
+
+    url = make_url(settings.resolved_database_url)
+    if url.get_backend_name() == "sqlite" and url.database and not Path(url.database).exists():
+        raise LookupError(f"no server database at {url.database}; run this where `loraplex serve` runs (or set "
+                          "LORAPLEX_DATA_DIR / LORAPLEX_DATABASE_URL)")
+    engine = make_engine(settings.resolved_database_url, pooled=False)
+    try:
+        with Session(engine) as session:
+            tenant = get_tenant(session, tenant_ref)
+            target = resolve_model(session, tenant.id, model, "", settings.resolved_adapter_store_dir.resolve())
+    except TenantError as exc:
+        raise LookupError(str(exc)) from exc
+    except ModelNotFound as exc:
+        raise LookupError(f"tenant {tenant_ref!r}: {exc}") from exc
+    except OperationalError as exc:
+        raise LookupError(f"cannot read the database {masked_url(settings.resolved_database_url)}: "
+                          f"{exc.orig}") from exc
+    finally:
+        engine.dispose()
+    if target.adapter is None or not Path(target.adapter.path).is_file():
+        raise LookupError(f"adapter {model!r} of tenant {tenant_ref!r} has no entry in the local adapter store "
+                          f"({settings.resolved_adapter_store_dir})")
+    return target.adapter

@@ -39,8 +39,12 @@ def test_good_adapter_loads(adapter_copy, llama_spec):
     ({"rank_pattern": {"q_proj": 128}}, ErrorCode.RANK_TOO_LARGE, ["rank_pattern['q_proj'] is 128", "64"]),
     ({"rank_pattern": {"q_proj": 0}}, ErrorCode.INVALID_RANK, ["rank_pattern['q_proj']"]),
     ({"rank_pattern": {"q_proj(": 4}}, ErrorCode.CONFIG_INVALID, ["rank_pattern", "q_proj("]),
+    # valid alone, but not where PEFT puts it (inside a larger pattern): "global flags not at the start"
+    ({"rank_pattern": {"(?i)q_proj": 4}}, ErrorCode.CONFIG_INVALID, ["rank_pattern", "(?i)q_proj"]),
+    ({"exclude_modules": "(["}, ErrorCode.CONFIG_INVALID, ["exclude_modules", "(["]),
     ({"alpha_pattern": {"q_proj": float("nan")}}, ErrorCode.INVALID_ALPHA, ["alpha_pattern"]),
-    ({"target_modules": ["q_proj", "foo_proj"]}, ErrorCode.UNKNOWN_TARGET_MODULE, ["foo_proj", "LlamaForCausalLM"]),
+    ({"target_modules": ["foo_proj", "query_key_value"]}, ErrorCode.UNKNOWN_TARGET_MODULE,
+     ["none of the target modules", "foo_proj", "LlamaForCausalLM"]),
     ({"target_modules": ["qkv_proj"]}, ErrorCode.UNKNOWN_TARGET_MODULE, ["qkv_proj"]),
     ({"target_modules": ["q_proj", "embed_tokens"]}, ErrorCode.EMBEDDING_LORA_UNSUPPORTED, ["embed_tokens"]),
     ({"target_modules": ["lm_head"]}, ErrorCode.EMBEDDING_LORA_UNSUPPORTED, ["lm_head"]),
@@ -58,6 +62,14 @@ def test_good_adapter_loads(adapter_copy, llama_spec):
 def test_config_refusals(adapter_copy, llama_spec, changes, code, words):
     adapter_copy.update_config(**changes)
     _refused(adapter_copy.path, llama_spec, code, *words)
+
+
+def test_target_names_that_match_nothing_are_passed_over_as_peft_does(adapter_copy, llama_spec):
+    """Training scripts often list the names of several architectures; PEFT trains and loads such an adapter
+    with the names that match, and so does loraplex."""
+    names = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    adapter_copy.update_config(target_modules=[*names, "c_attn", "query_key_value", "Wqkv"])
+    assert len(load_adapter(adapter_copy.path, llama_spec).weights) == 14
 
 
 def test_rank_limit_is_configurable(adapter_copy, llama_spec):

@@ -183,3 +183,68 @@ def test_half_precision_slots_are_refused_off_the_cpu():
     with pytest.raises(ValueError, match="only the CPU supports"):
         resolve_lora_dtype("float16", torch.bfloat16, cuda)
     assert resolve_lora_dtype("float16", torch.float32, torch.device("cpu")) is torch.float16
+
+
+def test_registered_names_empty_paths_and_adapters_replaced_in_a_sub_folder(tiny_llama_dir, adapters, tmp_path):
+    import shutil
+
+    llm = LLM(str(tiny_llama_dir), max_loras=2, num_kv_blocks=128)
+
+    def tokens(adapter):
+        return _tokens(llm.generate([{"prompt_token_ids": LONG_PROMPT[:12]}], PARAMS, adapter=adapter,
+                                    use_tqdm=False))[0]
+
+    expected = [tokens(a) for a in adapters[:2]]
+    assert expected[0] != expected[1]
+    # a registered name stands for its adapter, and can be pointed at another one
+    lora = llm.register_adapter("support-bot", adapters[0])
+    assert lora.name == "support-bot" and tokens("support-bot") == expected[0]
+    llm.register_adapter("support-bot", adapters[1])
+    assert tokens("support-bot") == expected[1]
+    with pytest.raises(AdapterLoadError, match="does not exist"):
+        tokens("other-bot")
+    # "" is not the working directory (which may well hold an adapter)
+    with pytest.raises(AdapterLoadError, match="empty"):
+        tokens("")
+    # an adapter one folder down, replaced by another: the new one is validated and served
+    outer = tmp_path / "outer"
+    shutil.copytree(adapters[0], outer / "inner")
+    assert tokens(str(outer)) == expected[0]
+    shutil.rmtree(outer / "inner")
+    shutil.copytree(adapters[1], outer / "inner")
+    assert tokens(str(outer)) == expected[1]
+
+
+def test_weights_beyond_half_precision_are_refused_in_half_precision_slots(tiny_llama_dir, tmp_path):
+    """fp16 slots hold up to 65504: larger weights would be inf there and every token garbage; the adapter
+    is refused with the reason instead, and the same adapter serves in fp32 slots."""
+    from safetensors.torch import load_file, save_file
+
+    path = make_peft_adapter(tiny_llama_dir, tmp_path / "big", r=4, target_modules=("q_proj",), seed=5)
+    weights = path / "adapter_model.safetensors"
+    tensors = {k: v.clone() for k, v in load_file(str(weights)).items()}
+    key = next(k for k in tensors if k.endswith("lora_B.weight"))
+    tensors[key][0, 0] = 1e6
+    save_file(tensors, str(weights))
+    half = LLM(str(tiny_llama_dir), device="cpu", max_loras=1, num_kv_blocks=64, lora_dtype="float16")
+    with pytest.raises(AdapterLoadError, match="beyond the range"):
+        half.generate(["hi"], PARAMS, adapter=str(path), use_tqdm=False)
+    full = LLM(str(tiny_llama_dir), device="cpu", max_loras=1, num_kv_blocks=64)
+    assert len(full.generate(["hi"], PARAMS, adapter=str(path), use_tqdm=False)[0].outputs[0].token_ids) == 6
+
+
+def test_cli_generate_takes_the_rank_limit_from_its_option_or_the_setting(tiny_llama_dir, tmp_path, monkeypatch):
+    from click.testing import CliRunner
+
+    from loraplex.cli import main
+
+    big = make_peft_adapter(tiny_llama_dir, tmp_path / "big", r=96, target_modules=("q_proj",), seed=3)
+    args = ["generate", "--model", str(tiny_llama_dir), "--max-tokens", "3", "--adapter", str(big), "Hello"]
+    refused = CliRunner().invoke(main, args)
+    assert refused.exit_code != 0 and "rank limit of 64" in refused.output, refused.output
+    assert CliRunner().invoke(main, [*args, "--max-rank", "128"]).exit_code == 0
+    monkeypatch.setenv("LORAPLEX_MAX_LORA_RANK", "128")
+    assert CliRunner().invoke(main, args).exit_code == 0
+    monkeypatch.setenv("LORAPLEX_MAX_LORA_RANK", "many")
+    bad = CliRunner().invoke(main, args)
+    assert bad.exit_code != 0 and "LORAPLEX_MAX_LORA_RANK" in bad.output and "Traceback" not in bad.output, bad.output

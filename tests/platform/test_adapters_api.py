@@ -66,6 +66,56 @@ def test_upload_zip_becomes_ready_and_serves(app, client, make_tenant, fake_engi
     assert r.json()["id"] == version["id"]
 
 
+def test_uploading_an_older_version_again_rolls_back_to_it(client, make_tenant, tiny_llama_dir, peft_adapter_zip,
+                                                           tmp_path, fake_engine):
+    from loraplex.testing import make_peft_adapter
+
+    tenant = make_tenant()
+    first = upload(client, tenant, "bot", [("adapter.zip", peft_adapter_zip.read_bytes())]).json()
+    other = make_peft_adapter(tiny_llama_dir, tmp_path / "other", r=4, target_modules=("q_proj",), seed=99)
+    second = upload(client, tenant, "bot", list(_peft_files(other).items())).json()
+    assert second["version"] != first["version"]
+    again = upload(client, tenant, "bot", [("adapter.zip", peft_adapter_zip.read_bytes())])
+    assert again.status_code == 201 and again.json()["id"] not in (first["id"], second["id"])
+    assert again.json()["version"] == first["version"]
+    detail = client.get("/v1/adapters/bot", headers=tenant.headers).json()
+    assert detail["latest_version"] == first["version"]
+    r = client.post("/v1/chat/completions", headers=tenant.headers,
+                    json={"model": "bot", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+    assert r.status_code == 200 and fake_engine.requests[-1]["adapter"].content_hash.startswith(first["version"])
+    ids = [m["id"] for m in client.get("/v1/models", headers=tenant.headers).json()["data"]]
+    assert ids.count(f"bot@{first['version']}") == 1  # one version string, listed once
+    # the newest upload again changes nothing
+    assert upload(client, tenant, "bot", [("adapter.zip", peft_adapter_zip.read_bytes())]).json()["id"] == \
+        again.json()["id"]
+
+
+def test_cli_generate_with_a_tenants_uploaded_adapter(client, make_tenant, peft_adapter_zip, peft_adapter_dir,
+                                                      settings, tiny_llama_dir, monkeypatch):
+    from click.testing import CliRunner
+
+    from loraplex.cli import main
+    from loraplex.engine.llm import LLM
+    from loraplex.engine.sampling_params import SamplingParams
+
+    tenant = make_tenant("acme")
+    version = upload(client, tenant, "bot", [("adapter.zip", peft_adapter_zip.read_bytes())]).json()["version"]
+    monkeypatch.setenv("LORAPLEX_DATA_DIR", str(settings.data_dir))
+    monkeypatch.setenv("LORAPLEX_DATABASE_URL", settings.database_url)
+    args = ["generate", "--model", str(tiny_llama_dir), "--max-tokens", "5", "Hello world"]
+    expected = LLM(str(tiny_llama_dir), max_loras=1, num_kv_blocks=64).generate(
+        ["Hello world"], SamplingParams(temperature=0.0, max_tokens=5), adapter=str(peft_adapter_dir),
+        use_tqdm=False)[0].outputs[0].text
+    for name in ("bot", f"bot@{version}"):
+        out = CliRunner().invoke(main, [*args, "--tenant", "acme", "--adapter", name])
+        assert out.exit_code == 0 and out.output.strip() == expected.strip(), out.output
+    for extra, words in ((["--tenant", "acme", "--adapter", "nobot"], "does not exist"),
+                         (["--tenant", "nobody", "--adapter", "bot"], "no tenant 'nobody'"),
+                         (["--tenant", "acme"], "give --adapter too")):
+        out = CliRunner().invoke(main, [*args, *extra])
+        assert out.exit_code != 0 and words in out.output and "Traceback" not in out.output, out.output
+
+
 def test_upload_two_peft_files_without_waiting(client, make_tenant, peft_adapter_dir, app):
     tenant = make_tenant()
     r = upload(client, tenant, "pair", list(_peft_files(peft_adapter_dir).items()), wait=False)
