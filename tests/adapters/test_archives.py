@@ -10,18 +10,12 @@ import zipfile
 from pathlib import Path
 
 import pytest
+from adapter_helpers import refused
 
 from loraplex.adapters import AdapterLimits, AdapterValidationError, ErrorCode, load_adapter, safe_extract
 
 FILES = ("adapter_config.json", "adapter_model.safetensors")
 
-
-def _refused(path, spec, code, *words, limits=None):
-    with pytest.raises(AdapterValidationError) as info:
-        load_adapter(path, spec, limits)
-    assert info.value.code == code, str(info.value)
-    for word in words:
-        assert word in str(info.value), str(info.value)
 
 
 def _zip(path: Path, src: Path, prefix: str = "", extra: dict[str, bytes] | None = None, reverse=False) -> Path:
@@ -72,7 +66,7 @@ def test_nested_folder_in_a_folder(llama_adapter_dir, llama_spec, tmp_path):
     assert load_adapter(tmp_path / "outer", llama_spec).content_hash == \
         load_adapter(llama_adapter_dir, llama_spec).content_hash
     shutil.copytree(llama_adapter_dir, tmp_path / "deep" / "a" / "b")
-    _refused(tmp_path / "deep", llama_spec, ErrorCode.MISSING_CONFIG, "adapter_config.json")
+    refused(tmp_path / "deep", llama_spec, ErrorCode.MISSING_CONFIG, "adapter_config.json")
 
 
 def test_two_adapters_in_one_archive(llama_adapter_dir, llama_spec, tmp_path):
@@ -81,7 +75,7 @@ def test_two_adapters_in_one_archive(llama_adapter_dir, llama_spec, tmp_path):
         for prefix in ("a/", "b/"):
             for name in FILES:
                 zf.write(llama_adapter_dir / name, prefix + name)
-    _refused(path, llama_spec, ErrorCode.AMBIGUOUS_ADAPTER, "a/adapter_config.json", "b/adapter_config.json")
+    refused(path, llama_spec, ErrorCode.AMBIGUOUS_ADAPTER, "a/adapter_config.json", "b/adapter_config.json")
 
 
 @pytest.mark.parametrize("name", ["adapter_model.bin", "training_args.bin", "optimizer.pt", "x.pkl",
@@ -89,7 +83,7 @@ def test_two_adapters_in_one_archive(llama_adapter_dir, llama_spec, tmp_path):
 def test_pickle_in_archive_is_refused_unopened(llama_adapter_dir, llama_spec, tmp_path, name):
     # the pickle's bytes would run code if unpickled; refusing by name means they are never read
     path = _zip(tmp_path / "p.zip", llama_adapter_dir, extra={f"sub/{name}": b"\x80\x04cos\nsystem\n"})
-    _refused(path, llama_spec, ErrorCode.PICKLE_FILE, name, "pickle", "safetensors")
+    refused(path, llama_spec, ErrorCode.PICKLE_FILE, name, "pickle", "safetensors")
 
 
 def test_pickle_only_folder_and_direct_pickle(llama_adapter_dir, llama_spec, tmp_path):
@@ -97,32 +91,32 @@ def test_pickle_only_folder_and_direct_pickle(llama_adapter_dir, llama_spec, tmp
     folder.mkdir()
     shutil.copy(llama_adapter_dir / "adapter_config.json", folder)
     (folder / "adapter_model.bin").write_bytes(b"\x80\x04.")
-    _refused(folder, llama_spec, ErrorCode.PICKLE_FILE, "adapter_model.bin")
-    _refused(folder / "adapter_model.bin", llama_spec, ErrorCode.PICKLE_FILE, "adapter_model.bin")
+    refused(folder, llama_spec, ErrorCode.PICKLE_FILE, "adapter_model.bin")
+    refused(folder / "adapter_model.bin", llama_spec, ErrorCode.PICKLE_FILE, "adapter_model.bin")
     (tmp_path / "weights.PT").write_bytes(b"\x80\x04.")
-    _refused(tmp_path / "weights.PT", llama_spec, ErrorCode.PICKLE_FILE, "weights.PT")
+    refused(tmp_path / "weights.PT", llama_spec, ErrorCode.PICKLE_FILE, "weights.PT")
 
 
 def test_missing_files(llama_adapter_dir, llama_spec, tmp_path):
     only_config = tmp_path / "c"
     only_config.mkdir()
     shutil.copy(llama_adapter_dir / "adapter_config.json", only_config)
-    _refused(only_config, llama_spec, ErrorCode.MISSING_WEIGHTS, "adapter_model.safetensors")
+    refused(only_config, llama_spec, ErrorCode.MISSING_WEIGHTS, "adapter_model.safetensors")
     only_weights = tmp_path / "w"
     only_weights.mkdir()
     shutil.copy(llama_adapter_dir / "adapter_model.safetensors", only_weights)
-    _refused(only_weights, llama_spec, ErrorCode.MISSING_CONFIG, "adapter_config.json")
-    _refused(only_weights / "adapter_model.safetensors", llama_spec, ErrorCode.MISSING_CONFIG)
-    _refused(tmp_path / "nothing-here", llama_spec, ErrorCode.NOT_FOUND, "nothing-here")
+    refused(only_weights, llama_spec, ErrorCode.MISSING_CONFIG, "adapter_config.json")
+    refused(only_weights / "adapter_model.safetensors", llama_spec, ErrorCode.MISSING_CONFIG)
+    refused(tmp_path / "nothing-here", llama_spec, ErrorCode.NOT_FOUND, "nothing-here")
 
 
 def test_not_an_archive(llama_spec, tmp_path):
     (tmp_path / "notes.txt").write_text("hello")
-    _refused(tmp_path / "notes.txt", llama_spec, ErrorCode.UNSUPPORTED_FORMAT, "notes.txt")
+    refused(tmp_path / "notes.txt", llama_spec, ErrorCode.UNSUPPORTED_FORMAT, "notes.txt")
     (tmp_path / "broken.zip").write_bytes(b"PK\x03\x04" + b"\0" * 100)
-    _refused(tmp_path / "broken.zip", llama_spec, ErrorCode.ARCHIVE_CORRUPT, "broken.zip")
+    refused(tmp_path / "broken.zip", llama_spec, ErrorCode.ARCHIVE_CORRUPT, "broken.zip")
     (tmp_path / "broken.tgz").write_bytes(b"\x1f\x8b" + b"\0" * 100)
-    _refused(tmp_path / "broken.tgz", llama_spec, ErrorCode.ARCHIVE_CORRUPT, "broken.tgz")
+    refused(tmp_path / "broken.tgz", llama_spec, ErrorCode.ARCHIVE_CORRUPT, "broken.tgz")
 
 
 def test_links_in_a_trusted_folder_are_followed_to_files(llama_adapter_dir, llama_spec, tmp_path):
@@ -140,7 +134,7 @@ def test_fifo_in_folder(llama_adapter_dir, llama_spec, tmp_path):
     folder = tmp_path / "a"
     shutil.copytree(llama_adapter_dir, folder)
     os.mkfifo(folder / "pipe")
-    _refused(folder, llama_spec, ErrorCode.ARCHIVE_SPECIAL_FILE, "pipe", "not a regular file")
+    refused(folder, llama_spec, ErrorCode.ARCHIVE_SPECIAL_FILE, "pipe", "not a regular file")
 
 
 def test_file_named_dot(tmp_path):
@@ -213,7 +207,7 @@ def _tar_info(name: str, kind: bytes, **fields) -> tarfile.TarInfo:
 ])
 def test_unsafe_tar_members(llama_adapter_dir, llama_spec, tmp_path, info, code, word):
     archive = _tar(tmp_path / "bad.tar.gz", llama_adapter_dir, extra=[(info, b"" if info.isreg() else None)])
-    _refused(archive, llama_spec, code, word)
+    refused(archive, llama_spec, code, word)
     assert not (tmp_path / "up.txt").exists() and not Path("/abs.txt").exists()
 
 
@@ -292,7 +286,7 @@ def test_streamed_copy_stops_at_the_limit(tmp_path):
 def test_too_many_members(llama_adapter_dir, llama_spec, tmp_path):
     extra = {f"junk/{i}.txt": b"" for i in range(10)}
     archive = _zip(tmp_path / "many.zip", llama_adapter_dir, extra=extra)
-    _refused(archive, llama_spec, ErrorCode.ARCHIVE_TOO_MANY_MEMBERS, "more than 8",
+    refused(archive, llama_spec, ErrorCode.ARCHIVE_TOO_MANY_MEMBERS, "more than 8",
              limits=AdapterLimits(max_members=8))
     assert load_adapter(archive, llama_spec, AdapterLimits(max_members=20)).rank == 8
 
@@ -309,7 +303,7 @@ def test_zip_declaring_many_members_is_refused_before_parsing(tmp_path):
 
 def test_archive_file_over_limit(llama_adapter_dir, llama_spec, tmp_path):
     archive = _zip(tmp_path / "a.zip", llama_adapter_dir)
-    _refused(archive, llama_spec, ErrorCode.ARCHIVE_TOO_LARGE, "a.zip", limits=AdapterLimits(max_archive_bytes=1000))
+    refused(archive, llama_spec, ErrorCode.ARCHIVE_TOO_LARGE, "a.zip", limits=AdapterLimits(max_archive_bytes=1000))
 
 
 @pytest.mark.filterwarnings("ignore:Duplicate name")
@@ -319,4 +313,4 @@ def test_duplicate_member(llama_adapter_dir, llama_spec, tmp_path):
         for name in FILES:
             zf.write(llama_adapter_dir / name, name)
         zf.writestr("adapter_config.json", b"{}")
-    _refused(archive, llama_spec, ErrorCode.ARCHIVE_UNSAFE_PATH, "twice")
+    refused(archive, llama_spec, ErrorCode.ARCHIVE_UNSAFE_PATH, "twice")

@@ -3,17 +3,9 @@
 from __future__ import annotations
 
 import pytest
+from adapter_helpers import refused
 
-from loraplex.adapters import AdapterLimits, AdapterValidationError, ErrorCode, load_adapter
-
-
-def _refused(path, spec, code, *words, limits=None):
-    with pytest.raises(AdapterValidationError) as info:
-        load_adapter(path, spec, limits)
-    assert info.value.code == code, str(info.value)
-    for word in words:
-        assert word in str(info.value), str(info.value)
-    return info.value
+from loraplex.adapters import AdapterLimits, ErrorCode, load_adapter
 
 
 def test_good_adapter_loads(adapter_copy, llama_spec):
@@ -61,7 +53,7 @@ def test_good_adapter_loads(adapter_copy, llama_spec):
 ])
 def test_config_refusals(adapter_copy, llama_spec, changes, code, words):
     adapter_copy.update_config(**changes)
-    _refused(adapter_copy.path, llama_spec, code, *words)
+    refused(adapter_copy.path, llama_spec, code, *words)
 
 
 def test_target_names_that_match_nothing_are_passed_over_as_peft_does(adapter_copy, llama_spec):
@@ -73,7 +65,7 @@ def test_target_names_that_match_nothing_are_passed_over_as_peft_does(adapter_co
 
 
 def test_rank_limit_is_configurable(adapter_copy, llama_spec):
-    _refused(adapter_copy.path, llama_spec, ErrorCode.RANK_TOO_LARGE, "r is 8 (layer 0 ", "limit of 4",
+    refused(adapter_copy.path, llama_spec, ErrorCode.RANK_TOO_LARGE, "r is 8 (layer 0 ", "limit of 4",
              limits=AdapterLimits(max_rank=4))
     assert load_adapter(adapter_copy.path, llama_spec, AdapterLimits(max_rank=8)).rank == 8
 
@@ -82,7 +74,7 @@ def test_rank_128_over_default_limit(tiny_llama_dir, llama_spec, tmp_path):
     from loraplex.testing import make_peft_adapter
 
     path = make_peft_adapter(tiny_llama_dir, tmp_path / "big", r=128, target_modules=["q_proj"])
-    _refused(path, llama_spec, ErrorCode.RANK_TOO_LARGE, "128", "64")
+    refused(path, llama_spec, ErrorCode.RANK_TOO_LARGE, "128", "64")
 
 
 def test_rank_limit_applies_to_ranks_in_use(tiny_llama_dir, llama_spec, tmp_path):
@@ -96,23 +88,23 @@ def test_rank_limit_applies_to_ranks_in_use(tiny_llama_dir, llama_spec, tmp_path
 
 def test_config_not_json(adapter_copy, llama_spec):
     adapter_copy.config_path.write_text("{not json")
-    _refused(adapter_copy.path, llama_spec, ErrorCode.CONFIG_INVALID, "adapter_config.json", "JSON")
+    refused(adapter_copy.path, llama_spec, ErrorCode.CONFIG_INVALID, "adapter_config.json", "JSON")
 
 
 def test_config_not_object(adapter_copy, llama_spec):
     adapter_copy.config_path.write_text("[1, 2]")
-    _refused(adapter_copy.path, llama_spec, ErrorCode.CONFIG_INVALID, "JSON object")
+    refused(adapter_copy.path, llama_spec, ErrorCode.CONFIG_INVALID, "JSON object")
 
 
 def test_config_too_large(adapter_copy, llama_spec):
     adapter_copy.update_config(padding="x" * 4096)
-    _refused(adapter_copy.path, llama_spec, ErrorCode.CONFIG_INVALID, "over the limit",
+    refused(adapter_copy.path, llama_spec, ErrorCode.CONFIG_INVALID, "over the limit",
              limits=AdapterLimits(max_config_bytes=1024))
 
 
 def test_exclude_modules_and_all_linear(adapter_copy, llama_spec):
     adapter_copy.update_config(target_modules="all-linear", exclude_modules=["down_proj"])
     # the weights still hold down_proj, which the config now leaves out
-    _refused(adapter_copy.path, llama_spec, ErrorCode.UNKNOWN_TENSOR, "down_proj", "does not target")
+    refused(adapter_copy.path, llama_spec, ErrorCode.UNKNOWN_TENSOR, "down_proj", "does not target")
     adapter_copy.update_config(exclude_modules=None)
     assert len(load_adapter(adapter_copy.path, llama_spec).weights) == 14

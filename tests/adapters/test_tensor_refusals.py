@@ -7,16 +7,9 @@ import struct
 
 import pytest
 import torch
+from adapter_helpers import refused
 
-from loraplex.adapters import AdapterLimits, AdapterValidationError, ErrorCode, load_adapter
-
-
-def _refused(path, spec, code, *words, limits=None):
-    with pytest.raises(AdapterValidationError) as info:
-        load_adapter(path, spec, limits)
-    assert info.value.code == code, str(info.value)
-    for word in words:
-        assert word in str(info.value), str(info.value)
+from loraplex.adapters import AdapterLimits, ErrorCode, load_adapter
 
 
 def _write_raw(path, header: dict, data: bytes = b"", header_len: int | None = None) -> None:
@@ -28,21 +21,21 @@ def test_nan_is_refused_naming_the_tensor(adapter_copy, llama_spec, q_keys):
     tensors = adapter_copy.tensors()
     tensors[q_keys[1]][3, 2] = float("nan")
     adapter_copy.save_tensors(tensors)
-    _refused(adapter_copy.path, llama_spec, ErrorCode.NON_FINITE, q_keys[1], "1 non-finite")
+    refused(adapter_copy.path, llama_spec, ErrorCode.NON_FINITE, q_keys[1], "1 non-finite")
 
 
-def test_inf_is_refused(adapter_copy, llama_spec, q_keys):
+def test_inf_isrefused(adapter_copy, llama_spec, q_keys):
     tensors = adapter_copy.tensors()
     tensors[q_keys[0]][0, 0] = float("-inf")
     adapter_copy.save_tensors(tensors)
-    _refused(adapter_copy.path, llama_spec, ErrorCode.NON_FINITE, q_keys[0])
+    refused(adapter_copy.path, llama_spec, ErrorCode.NON_FINITE, q_keys[0])
 
 
 def test_wrong_input_features(adapter_copy, llama_spec, q_keys):
     tensors = adapter_copy.tensors()
     tensors[q_keys[0]] = torch.randn(8, 48)
     adapter_copy.save_tensors(tensors)
-    _refused(adapter_copy.path, llama_spec, ErrorCode.SHAPE_MISMATCH, q_keys[0], "[8, 48]", "64 input features")
+    refused(adapter_copy.path, llama_spec, ErrorCode.SHAPE_MISMATCH, q_keys[0], "[8, 48]", "64 input features")
 
 
 def test_wrong_output_features_gqa(adapter_copy, llama_spec):
@@ -51,39 +44,39 @@ def test_wrong_output_features_gqa(adapter_copy, llama_spec):
     tensors = adapter_copy.tensors()
     tensors[key] = torch.randn(64, 8)
     adapter_copy.save_tensors(tensors)
-    _refused(adapter_copy.path, llama_spec, ErrorCode.SHAPE_MISMATCH, key, "32 output features")
+    refused(adapter_copy.path, llama_spec, ErrorCode.SHAPE_MISMATCH, key, "32 output features")
 
 
 def test_a_and_b_ranks_disagree(adapter_copy, llama_spec, q_keys):
     tensors = adapter_copy.tensors()
     tensors[q_keys[1]] = torch.randn(64, 4)
     adapter_copy.save_tensors(tensors)
-    _refused(adapter_copy.path, llama_spec, ErrorCode.RANK_MISMATCH, q_keys[0], "rank 8", "rank 4")
+    refused(adapter_copy.path, llama_spec, ErrorCode.RANK_MISMATCH, q_keys[0], "rank 8", "rank 4")
 
 
 def test_config_rank_disagrees_with_tensors(adapter_copy, llama_spec):
     adapter_copy.update_config(r=4)
-    _refused(adapter_copy.path, llama_spec, ErrorCode.RANK_MISMATCH, "rank 8 in its tensors", "4 in adapter_config")
+    refused(adapter_copy.path, llama_spec, ErrorCode.RANK_MISMATCH, "rank 8 in its tensors", "4 in adapter_config")
 
 
 def test_not_a_matrix(adapter_copy, llama_spec, q_keys):
     tensors = adapter_copy.tensors()
     tensors[q_keys[0]] = torch.randn(8, 64, 1)
     adapter_copy.save_tensors(tensors)
-    _refused(adapter_copy.path, llama_spec, ErrorCode.SHAPE_MISMATCH, "matrices")
+    refused(adapter_copy.path, llama_spec, ErrorCode.SHAPE_MISMATCH, "matrices")
 
 
 def test_missing_b(adapter_copy, llama_spec, q_keys):
     tensors = adapter_copy.tensors()
     del tensors[q_keys[1]]
     adapter_copy.save_tensors(tensors)
-    _refused(adapter_copy.path, llama_spec, ErrorCode.MISSING_TENSOR, q_keys[1], "no lora_B")
+    refused(adapter_copy.path, llama_spec, ErrorCode.MISSING_TENSOR, q_keys[1], "no lora_B")
 
 
 def test_missing_module(adapter_copy, llama_spec):
     tensors = {k: v for k, v in adapter_copy.tensors().items() if "layers.1.mlp.up_proj" not in k}
     adapter_copy.save_tensors(tensors)
-    _refused(adapter_copy.path, llama_spec, ErrorCode.MISSING_TENSOR, "layers.1.mlp.up_proj.lora_A")
+    refused(adapter_copy.path, llama_spec, ErrorCode.MISSING_TENSOR, "layers.1.mlp.up_proj.lora_A")
 
 
 @pytest.mark.parametrize(("key", "code", "word"), [
@@ -102,12 +95,12 @@ def test_unexpected_keys(adapter_copy, llama_spec, key, code, word):
     tensors = adapter_copy.tensors()
     tensors[key] = torch.zeros(8, 64)
     adapter_copy.save_tensors(tensors)
-    _refused(adapter_copy.path, llama_spec, code, key, word)
+    refused(adapter_copy.path, llama_spec, code, key, word)
 
 
 def test_weights_for_untargeted_module(adapter_copy, llama_spec):
     adapter_copy.update_config(target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
-    _refused(adapter_copy.path, llama_spec, ErrorCode.UNKNOWN_TENSOR, ".mlp.", "does not target")
+    refused(adapter_copy.path, llama_spec, ErrorCode.UNKNOWN_TENSOR, ".mlp.", "does not target")
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.int8, torch.float8_e4m3fn])
@@ -115,7 +108,7 @@ def test_disallowed_dtype(adapter_copy, llama_spec, q_keys, dtype):
     tensors = adapter_copy.tensors()
     tensors[q_keys[0]] = tensors[q_keys[0]].to(dtype)
     adapter_copy.save_tensors(tensors)
-    _refused(adapter_copy.path, llama_spec, ErrorCode.DTYPE_UNSUPPORTED, q_keys[0], "F32, F16, BF16")
+    refused(adapter_copy.path, llama_spec, ErrorCode.DTYPE_UNSUPPORTED, q_keys[0], "F32, F16, BF16")
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -133,17 +126,17 @@ def test_half_precision_weights_are_upcast(adapter_copy, llama_spec, q_keys, dty
 
 def test_header_length_over_limit_is_not_parsed(adapter_copy, llama_spec):
     _write_raw(adapter_copy.weights_path, {}, header_len=1 << 40)
-    _refused(adapter_copy.path, llama_spec, ErrorCode.HEADER_TOO_LARGE, "adapter_model.safetensors", "header")
+    refused(adapter_copy.path, llama_spec, ErrorCode.HEADER_TOO_LARGE, "adapter_model.safetensors", "header")
 
 
 def test_header_over_configured_limit(adapter_copy, llama_spec):
-    _refused(adapter_copy.path, llama_spec, ErrorCode.HEADER_TOO_LARGE, "over the limit of 100",
+    refused(adapter_copy.path, llama_spec, ErrorCode.HEADER_TOO_LARGE, "over the limit of 100",
              limits=AdapterLimits(max_header_bytes=100))
 
 
 def test_header_runs_past_end(adapter_copy, llama_spec):
     _write_raw(adapter_copy.weights_path, {}, header_len=1000)
-    _refused(adapter_copy.path, llama_spec, ErrorCode.SAFETENSORS_CORRUPT, "past the end")
+    refused(adapter_copy.path, llama_spec, ErrorCode.SAFETENSORS_CORRUPT, "past the end")
 
 
 @pytest.mark.parametrize(("header", "data", "words"), [
@@ -162,12 +155,12 @@ def test_corrupt_headers(adapter_copy, llama_spec, header, data, words):
         adapter_copy.weights_path.write_bytes(struct.pack("<Q", len(raw)) + raw)
     else:
         _write_raw(adapter_copy.weights_path, header, data)
-    _refused(adapter_copy.path, llama_spec, ErrorCode.SAFETENSORS_CORRUPT, "adapter_model.safetensors", *words)
+    refused(adapter_copy.path, llama_spec, ErrorCode.SAFETENSORS_CORRUPT, "adapter_model.safetensors", *words)
 
 
 def test_truncated_file(adapter_copy, llama_spec):
     adapter_copy.weights_path.write_bytes(b"\x01\x02")
-    _refused(adapter_copy.path, llama_spec, ErrorCode.SAFETENSORS_CORRUPT, "shorter")
+    refused(adapter_copy.path, llama_spec, ErrorCode.SAFETENSORS_CORRUPT, "shorter")
 
 
 def test_unaligned_tensor_data_is_read_correctly(adapter_copy, llama_spec, q_keys):
@@ -184,7 +177,7 @@ def test_unaligned_tensor_data_is_read_correctly(adapter_copy, llama_spec, q_key
                         "data_offsets": [len(blob), len(blob) + len(data)]}
         blob += data
     _write_raw(adapter_copy.weights_path, header, blob)
-    _refused(adapter_copy.path, llama_spec, ErrorCode.UNKNOWN_TENSOR, "pad")
+    refused(adapter_copy.path, llama_spec, ErrorCode.UNKNOWN_TENSOR, "pad")
     del header["pad"]
     _write_raw(adapter_copy.weights_path, header, b"\0\0" + blob[2:])  # offsets still start at 2
     adapter = load_adapter(adapter_copy.path, llama_spec)

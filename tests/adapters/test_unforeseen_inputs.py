@@ -10,22 +10,14 @@ import struct
 import tarfile
 import zipfile
 
-import pytest
 import torch
+from adapter_helpers import refused
 
-from loraplex.adapters import AdapterLimits, AdapterValidationError, ErrorCode, load_adapter
+from loraplex.adapters import AdapterLimits, ErrorCode, load_adapter
 from loraplex.adapters.canonical import CanonicalAdapter, LoraWeights, content_hash
 
 FILES = ("adapter_config.json", "adapter_model.safetensors")
 
-
-def _refused(path, spec, code, *words, limits=None):
-    with pytest.raises(AdapterValidationError) as info:
-        load_adapter(path, spec, limits)
-    assert info.value.code == code, str(info.value)
-    for word in words:
-        assert word in str(info.value), str(info.value)
-    return info.value
 
 
 def _canonical_file(path, adapter: CanonicalAdapter, change=None):
@@ -55,38 +47,38 @@ def test_a_canonical_entry_from_outside_the_store_is_checked_like_a_peft_adapter
     def nan(t):
         t[q_b][0, 0] = float("nan")
 
-    _refused(_canonical_file(tmp_path / "nan.safetensors", good, nan), llama_spec, ErrorCode.NON_FINITE,
+    refused(_canonical_file(tmp_path / "nan.safetensors", good, nan), llama_spec, ErrorCode.NON_FINITE,
              "layer 0 q_proj", "non-finite")
 
     def rank_96(t):
         t[q_a] = torch.randn(96, t[q_a].shape[1])
         t[q_b] = torch.randn(t[q_b].shape[0], 96)
 
-    _refused(_canonical_file(tmp_path / "rank.safetensors", good, rank_96), llama_spec, ErrorCode.RANK_TOO_LARGE,
+    refused(_canonical_file(tmp_path / "rank.safetensors", good, rank_96), llama_spec, ErrorCode.RANK_TOO_LARGE,
              "96", "64")
 
     def mismatch(t):
         t[q_b] = t[q_b][:, :4].contiguous()
 
-    _refused(_canonical_file(tmp_path / "mis.safetensors", good, mismatch), llama_spec, ErrorCode.RANK_MISMATCH,
+    refused(_canonical_file(tmp_path / "mis.safetensors", good, mismatch), llama_spec, ErrorCode.RANK_MISMATCH,
              "q_proj")
 
     def half(t):
         t[q_a] = t[q_a].half()
 
-    _refused(_canonical_file(tmp_path / "half.safetensors", good, half), llama_spec, ErrorCode.DTYPE_UNSUPPORTED,
+    refused(_canonical_file(tmp_path / "half.safetensors", good, half), llama_spec, ErrorCode.DTYPE_UNSUPPORTED,
              "fp32")
 
     def empty(t):
         t.clear()
 
-    _refused(_canonical_file(tmp_path / "empty.safetensors", good, empty), llama_spec, ErrorCode.STORE_CORRUPT,
+    refused(_canonical_file(tmp_path / "empty.safetensors", good, empty), llama_spec, ErrorCode.STORE_CORRUPT,
              "no weights")
 
 
 def test_json_nested_thousands_deep(adapter_copy, llama_spec):
     adapter_copy.config_path.write_text("[" * 100_000 + "]" * 100_000)
-    _refused(adapter_copy.path, llama_spec, ErrorCode.CONFIG_INVALID, "nested too deeply")
+    refused(adapter_copy.path, llama_spec, ErrorCode.CONFIG_INVALID, "nested too deeply")
 
 
 def _safetensors_with_header(path, header: bytes, data: bytes = b""):
@@ -97,10 +89,10 @@ def _safetensors_with_header(path, header: bytes, data: bytes = b""):
 def test_safetensors_headers_of_the_wrong_shape(adapter_copy, llama_spec):
     weights = adapter_copy.weights_path
     _safetensors_with_header(weights, b"[" * 50_000 + b"]" * 50_000)
-    _refused(adapter_copy.path, llama_spec, ErrorCode.SAFETENSORS_CORRUPT, "nested too deeply")
+    refused(adapter_copy.path, llama_spec, ErrorCode.SAFETENSORS_CORRUPT, "nested too deeply")
     entry = {"dtype": ["F32"], "shape": [1], "data_offsets": [0, 4]}
     _safetensors_with_header(weights, json.dumps({"x": entry}).encode(), b"\0" * 4)
-    _refused(adapter_copy.path, llama_spec, ErrorCode.SAFETENSORS_CORRUPT, "dtype that is not a string")
+    refused(adapter_copy.path, llama_spec, ErrorCode.SAFETENSORS_CORRUPT, "dtype that is not a string")
 
 
 def test_archive_paths_too_deep_or_too_long(llama_adapter_dir, llama_spec, tmp_path):
@@ -109,13 +101,13 @@ def test_archive_paths_too_deep_or_too_long(llama_adapter_dir, llama_spec, tmp_p
         for name in FILES:
             zf.write(llama_adapter_dir / name, name)
         zf.writestr("a/" * 2100 + "f", b"x")
-    _refused(deep, llama_spec, ErrorCode.ARCHIVE_UNSAFE_PATH, "folders deep")
+    refused(deep, llama_spec, ErrorCode.ARCHIVE_UNSAFE_PATH, "folders deep")
     assert not list(tmp_path.glob("**/a/a/a"))
     long = tmp_path / "long.zip"
     with zipfile.ZipFile(long, "w") as zf:
         for name in FILES:
             zf.write(llama_adapter_dir / name, "d" * 300 + "/" + name)
-    _refused(long, llama_spec, ErrorCode.ARCHIVE_UNSAFE_PATH, "longer than 255")
+    refused(long, llama_spec, ErrorCode.ARCHIVE_UNSAFE_PATH, "longer than 255")
 
 
 def test_a_duplicate_tar_member_is_named_without_the_scratch_folder(llama_adapter_dir, llama_spec, tmp_path):
@@ -126,7 +118,7 @@ def test_a_duplicate_tar_member_is_named_without_the_scratch_folder(llama_adapte
         info = tarfile.TarInfo("adapter_config.json")
         info.size = 2
         tf.addfile(info, io.BytesIO(b"{}"))
-    error = _refused(archive, llama_spec, ErrorCode.ARCHIVE_UNSAFE_PATH, "'adapter_config.json' appears twice")
+    error = refused(archive, llama_spec, ErrorCode.ARCHIVE_UNSAFE_PATH, "'adapter_config.json' appears twice")
     assert "loraplex-adapter-" not in str(error) and "/tmp" not in str(error)
 
 
@@ -139,12 +131,12 @@ def test_a_failure_no_check_foresaw_is_still_a_refusal(adapter_copy, llama_spec,
         raise KeyError("something unforeseen")
 
     monkeypatch.setattr(loader, "parse_lora_config", broken)
-    _refused(adapter_copy.path, llama_spec, ErrorCode.UNREADABLE, "KeyError", "something unforeseen")
+    refused(adapter_copy.path, llama_spec, ErrorCode.UNREADABLE, "KeyError", "something unforeseen")
 
 
 def test_a_large_rank_limit_admits_a_large_adapter(tiny_llama_dir, llama_spec, tmp_path):
     from loraplex.testing import make_peft_adapter
 
     path = make_peft_adapter(tiny_llama_dir, tmp_path / "big", r=96, target_modules=["q_proj"])
-    _refused(path, llama_spec, ErrorCode.RANK_TOO_LARGE, "96")
+    refused(path, llama_spec, ErrorCode.RANK_TOO_LARGE, "96")
     assert load_adapter(path, llama_spec, AdapterLimits(max_rank=128)).rank == 96
