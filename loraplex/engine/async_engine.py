@@ -119,7 +119,7 @@ class AsyncEngine:
     def encode_chat(self, messages: Sequence[dict[str, Any]], *, add_generation_prompt: bool = True) -> list[int]:
         return self.engine.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
 
-    async def prefetch_adapter(self, adapter: LoRARequest, *, pin: bool = False) -> None:
+    async def prefetch_adapter(self, adapter: LoRARequest, *, pin: bool | None = None) -> None:
         slots = self.engine.adapter_slots
         if slots is None or not hasattr(slots, "prefetch"):
             raise InvalidRequestError("this engine was started without adapter support", param="adapter")

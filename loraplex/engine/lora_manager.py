@@ -394,11 +394,14 @@ class LoraManager:
             self._host.move_to_end(lora.key)
             self._trim_host()
 
-    def prefetch(self, lora: LoRARequest, *, pin: bool = False) -> Future:
-        """Load ahead of traffic: into host memory in the background, then into a free device slot."""
+    def prefetch(self, lora: LoRARequest, *, pin: bool | None = None) -> Future:
+        """Load ahead of traffic: into host memory in the background, then into a free device slot. pin True
+        keeps it from eviction, False lets it be evicted again, None leaves that as it was."""
         with self._lock:
             if pin:
                 self._pinned.add(lora.key)
+            elif pin is False:
+                self._pinned.discard(lora.key)
         fut = self.request_load(lora)
         result: Future = Future()
 

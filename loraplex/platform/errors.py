@@ -199,9 +199,26 @@ async def _backing_service_handler(request: Request, exc: Exception) -> Response
                                          "retry shortly.", retry_after=2).response())
 
 
+async def _integrity_handler(request: Request, exc: Exception) -> Response:
+    """Two requests made the same row at once (the same plan name, the same period's price) and the database
+    kept one: the other is a conflict to retry, not a server error."""
+    request_id = request.scope.get("state", {}).get("request_id", "-")
+    orig = getattr(exc, "orig", exc)
+    if getattr(orig, "pgcode", None) != "23505" and "unique constraint" not in str(orig).lower():
+        # not a lost race (a foreign key, a NOT NULL): a bug, answered as any other server error
+        log.error("unhandled database error in request %s", request_id, exc_info=exc)
+        return _as_page(request, APIError(500, f"The server had an error processing request {request_id}.",
+                                          type="server_error").response())
+    log.info("request %s lost a race to a concurrent change: %s", request_id, str(orig).splitlines()[0])
+    return _as_page(request, conflict("A concurrent request changed the same record; retry the request.").response())
+
+
 def install_error_handlers(app: FastAPI) -> None:
+    from sqlalchemy.exc import IntegrityError
+
     for cls in backing_service_errors():
         app.add_exception_handler(cls, _backing_service_handler)
+    app.add_exception_handler(IntegrityError, _integrity_handler)
     app.add_exception_handler(APIError, _api_error_handler)
     app.add_exception_handler(RequestValidationError, _validation_handler)
     app.add_exception_handler(StarletteHTTPException, _http_error_handler)

@@ -6,3 +6,13 @@ it first. Kept free of imports so the CLI can use it without loading the databas
 """
 
 MAX_ROW_ID = 2**31 - 1
+
+
+def parse_row_id(text: str | None) -> int | None:
+    """A row id written out (a query or form value), or None when `text` is not one: ASCII digits only
+    (int() would also take "١٢" or "1_000"), no more than MAX_ROW_ID, read without converting thousands
+    of digits."""
+    if not text or not (text.isascii() and text.isdigit()) or len(text) > len(str(MAX_ROW_ID)):
+        return None
+    value = int(text)
+    return value if 1 <= value <= MAX_ROW_ID else None

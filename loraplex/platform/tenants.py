@@ -72,7 +72,10 @@ def create_plan(session: Session, data: PlanCreate) -> Plan:
         raise TenantError(f"a plan named {data.name!r} already exists", status=409, param="name")
     plan = Plan(**data.model_dump())
     session.add(plan)
-    session.flush()
+    try:
+        session.flush()
+    except IntegrityError as exc:  # a concurrent create with the same name
+        raise TenantError(f"a plan named {data.name!r} already exists", status=409, param="name") from exc
     return plan
 
 

@@ -59,7 +59,7 @@ def test_upload_zip_becomes_ready_and_serves(app, client, make_tenant, fake_engi
         lora = fake_engine.requests[-1]["adapter"]
         assert lora.content_hash == expected and Path(lora.path).is_file()
     app.state.services.tasks.join()
-    assert (expected, False) in fake_engine.prefetched  # warmed into the engine once ready
+    assert (expected, None) in fake_engine.prefetched  # warmed into the engine once ready, its pin untouched
 
     # the same bytes again: no new version
     r = upload(client, tenant, "support-bot", [("adapter.zip", peft_adapter_zip.read_bytes())])

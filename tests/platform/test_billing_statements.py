@@ -136,7 +136,14 @@ def test_finalized_statements_are_stored_once_and_do_not_change(session):
     first = get_statement(session, tenants[0], "2026-11")
     assert first.status == "final"
     assert first.total_amount == compute_statement(session, tenants[0], "2026-11").total_amount
-    set_plan_price(session, None, Price(prompt=9_000_000, completion=9_000_000, adapter_surcharge=9_000_000), "2026-11")
+    dearer = Price(prompt=9_000_000, completion=9_000_000, adapter_surcharge=9_000_000)
+    # a billed month's prices are closed: its reports would disagree with its statement
+    with pytest.raises(ValueError, match="2026-11 are final; a price change may apply from 2026-12"):
+        set_plan_price(session, None, dearer, "2026-11")
+    with pytest.raises(ValueError, match="are final"):
+        set_tenant_override(session, tenants[0].id, PriceOverride(prompt=1), "2026-10")
+    set_plan_price(session, None, dearer, "2026-12")
+    set_tenant_override(session, tenants[1].id, PriceOverride(prompt=1), "2026-12")
     finalize_period(session, "2026-11", now=after)  # re-running is harmless
     again = get_statement(session, tenants[0], "2026-11")
     assert again.total_amount == first.total_amount

@@ -26,9 +26,14 @@ from loraplex.platform.billing.responses import (
     statement_response,
 )
 from loraplex.platform.billing.rollups import rollup_day
-from loraplex.platform.billing.statements import finalize_period, get_statement, list_statements
+from loraplex.platform.billing.statements import (
+    finalize_period,
+    get_statement,
+    list_statements,
+    tenants_of_period,
+)
 from loraplex.platform.deps import AdminDep, IdPath, RowId, SessionDep
-from loraplex.platform.errors import bad_request, not_found
+from loraplex.platform.errors import bad_request, conflict, not_found
 from loraplex.platform.models import Tenant
 from loraplex.platform.tenants import get_tenant
 
@@ -107,6 +112,8 @@ def _set_price(session, plan_id: int | None, body: PriceBody) -> JSONResponse:
         set_plan_price(session, plan_id, price, body.effective_period)
     except LookupError as exc:
         raise not_found(str(exc), param="plan_id") from exc
+    except ValueError as exc:  # a month already billed
+        raise conflict(str(exc), param="effective_period") from exc
     return JSONResponse({"plan_id": plan_id, "effective_period": body.effective_period, "price": _price_json(price)})
 
 
@@ -124,8 +131,11 @@ def get_override(*, _admin: AdminDep, session: SessionDep, tenant_id: IdPath,
 @router.put("/tenants/{tenant_id}/price-override")
 def put_override(*, _admin: AdminDep, session: SessionDep, tenant_id: IdPath, body: OverrideBody) -> JSONResponse:
     tenant = get_tenant(session, tenant_id)
-    set_tenant_override(session, tenant.id, PriceOverride(body.prompt_price, body.completion_price,
-                                                          body.adapter_surcharge_price), body.effective_period)
+    try:
+        set_tenant_override(session, tenant.id, PriceOverride(body.prompt_price, body.completion_price,
+                                                              body.adapter_surcharge_price), body.effective_period)
+    except ValueError as exc:  # a month already billed
+        raise conflict(str(exc), param="effective_period") from exc
     return JSONResponse({"tenant_id": tenant.id, **body.model_dump()})
 
 
@@ -148,11 +158,12 @@ def statements(
     *, _admin: AdminDep, session: SessionDep, period: Annotated[str | None, Query()] = None,
     tenant_id: Annotated[list[RowId] | None, Query()] = None, format: FormatQuery = "json",
 ) -> Response:
-    """Final statements; with `period`, every selected tenant's statement for it (drafts where not final)."""
+    """Final statements; with `period`, the statement for it of every selected tenant that has one (a draft
+    where not final; tenants created after the month have none)."""
     if period is not None:
         _check_period(period)
-        tenants = _tenants(session, tenant_id)
-        views = [get_statement(session, t, period) for t in tenants]
+        _tenants(session, tenant_id)  # unknown ids are a 404
+        views = [get_statement(session, t, period) for t in tenants_of_period(session, period, tenant_id)]
     else:
         names = {t.id: t for t in _tenants(session, tenant_id)}
         views = [get_statement(session, names[s.tenant_id], s.period)

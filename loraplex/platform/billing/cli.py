@@ -66,7 +66,10 @@ def set_price_cmd(plan, prompt, completion, surcharge, currency, period):
             if row is None:
                 raise click.ClickException(f"no plan named {plan!r}")
             plan_id = row.id
-        set_plan_price(session, plan_id, price, _check_period(period))
+        try:
+            set_plan_price(session, plan_id, price, _check_period(period))
+        except ValueError as exc:
+            raise click.ClickException(str(exc)) from exc
     click.echo(f"prices of {plan or '(no plan)'} set from {period or 'this month'}")
 
 
@@ -84,7 +87,10 @@ def set_tenant_price_cmd(tenant, prompt, completion, surcharge, period):
 
     override = PriceOverride(_money(prompt, "prompt"), _money(completion, "completion"), _money(surcharge, "surcharge"))
     with _session() as (session, _):
-        set_tenant_override(session, get_tenant(session, tenant).id, override, _check_period(period))
+        try:
+            set_tenant_override(session, get_tenant(session, tenant).id, override, _check_period(period))
+        except ValueError as exc:
+            raise click.ClickException(str(exc)) from exc
     click.echo(f"prices of tenant {tenant} set from {period or 'this month'}")
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from datetime import UTC, date, datetime, time, timedelta
 
-_PERIOD = re.compile(r"^(\d{4})-(\d{2})$")
+_PERIOD = re.compile(r"^([0-9]{4})-([0-9]{2})$")
 MAX_REPORT_DAYS = 731
 
 

@@ -7,11 +7,11 @@ looks up the rows in force for its own period.
 
 from __future__ import annotations
 
-from sqlalchemy import select
+from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from loraplex.platform.billing.models import ALWAYS, PlanPrice, TenantPrice
-from loraplex.platform.billing.periods import parse_period, period_of, today_utc
+from loraplex.platform.billing.models import ALWAYS, PlanPrice, Statement, TenantPrice
+from loraplex.platform.billing.periods import next_period, parse_period, period_of, today_utc
 from loraplex.platform.billing.pricing import Price, PriceOverride, effective_price
 from loraplex.platform.models import Plan, Tenant
 
@@ -20,6 +20,18 @@ def _period(period: str | None) -> str:
     period = period or period_of(today_utc())
     parse_period(period)
     return period
+
+
+def _refuse_billed_periods(session: Session, period: str, tenant_id: int | None = None) -> None:
+    """A price change applies from `period` on: not to a month already billed (a final statement), whose
+    reports would then disagree with its statement. Plan prices reach every tenant, an override one."""
+    stmt = select(func.max(Statement.period))
+    if tenant_id is not None:
+        stmt = stmt.where(Statement.tenant_id == tenant_id)
+    last = session.scalar(stmt)
+    if last is not None and period <= last:
+        raise ValueError(f"statements for {last} are final; a price change may apply from {next_period(last)} on, "
+                         f"not from {period}")
 
 
 def _plan_cond(plan_id: int | None):
@@ -41,6 +53,7 @@ def set_plan_price(session: Session, plan_id: int | None, price: Price, effectiv
     if plan_id is not None and session.get(Plan, plan_id) is None:
         raise LookupError(f"no plan with id {plan_id}")
     period = _period(effective_period)
+    _refuse_billed_periods(session, period)
     row = session.scalars(
         select(PlanPrice).where(_plan_cond(plan_id), PlanPrice.effective_period == period)
     ).first()
@@ -74,6 +87,7 @@ def set_tenant_override(
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
             raise ValueError("override prices must be non-negative integers of micro-units")
     period = _period(effective_period)
+    _refuse_billed_periods(session, period, tenant_id)
     row = session.scalars(
         select(TenantPrice).where(TenantPrice.tenant_id == tenant_id, TenantPrice.effective_period == period)
     ).first()

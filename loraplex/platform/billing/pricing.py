@@ -21,7 +21,7 @@ class Price:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"price {name} must be a non-negative integer of micro-units, got {value!r}")
-        if len(self.currency) != 3 or not self.currency.isalpha() or not self.currency.isupper():
+        if len(self.currency) != 3 or not (self.currency.isascii() and self.currency.isalpha() and self.currency.isupper()):
             raise ValueError(f"currency must be a 3-letter ISO code, got {self.currency!r}")
 
 

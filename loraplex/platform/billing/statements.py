@@ -110,17 +110,24 @@ def finalize_statement(session: Session, tenant: Tenant, period: str, *, now: da
 def finalize_period(session: Session, period: str, *, now: datetime | None = None) -> int:
     """Finalize `period` for every tenant that existed in it or has usage in it (tenants created later get no
     empty statement for a month before their time); returns how many statements it has afterwards."""
-    first, nxt = period_bounds(period)
     if not is_closed(period, now):  # refused whether or not any tenant existed in it
         raise ValueError(f"period {period} is not closed yet; statements are final only after the month ends")
-    used = select(UsageRecord.tenant_id).where(
-        UsageRecord.created_at >= day_start(first), UsageRecord.created_at < day_start(nxt))
-    tenants = list(session.scalars(
-        select(Tenant).where(or_(Tenant.created_at < day_start(nxt), Tenant.id.in_(used))).order_by(Tenant.id)
-    ))
+    tenants = tenants_of_period(session, period)
     for tenant in tenants:
         finalize_statement(session, tenant, period, now=now)
     return len(tenants)
+
+
+def tenants_of_period(session: Session, period: str, tenant_ids: list[int] | None = None) -> list[Tenant]:
+    """The tenants that have a statement for `period`: those that existed in it or have usage in it (a
+    tenant created later gets none), by id; optionally only some."""
+    first, nxt = period_bounds(period)
+    used = select(UsageRecord.tenant_id).where(
+        UsageRecord.created_at >= day_start(first), UsageRecord.created_at < day_start(nxt))
+    stmt = select(Tenant).where(or_(Tenant.created_at < day_start(nxt), Tenant.id.in_(used))).order_by(Tenant.id)
+    if tenant_ids is not None:
+        stmt = stmt.where(Tenant.id.in_(tenant_ids))
+    return list(session.scalars(stmt))
 
 
 def list_statements(

@@ -43,7 +43,11 @@ def adapters_page(request: Request, context: ConsoleDep, services: ServicesDep) 
     with services.sessions() as session:
         tenants = list(session.scalars(select(Tenant).order_by(Tenant.name)))
         raw = request.query_params.get("tenant_id")
-        tenant = next((t for t in tenants if raw and str(t.id) == raw), tenants[0] if tenants else None)
+        tenant = next((t for t in tenants if raw and str(t.id) == raw), None)
+        if raw and tenant is None:
+            shown = raw if len(raw) <= 40 else raw[:40] + "..."
+            raise HTTPException(404, f"No tenant {shown!r}.")
+        tenant = tenant or (tenants[0] if tenants else None)
         adapters = []
         if tenant is not None:
             scope = TenantScope(session, tenant.id)
@@ -113,7 +117,7 @@ async def delete(request: Request, _context: ConsolePostDep, services: ServicesD
 async def prefetch(request: Request, _context: ConsolePostDep, services: ServicesDep, tenant_id: IdPath,
                    version_id: IdPath) -> RedirectResponse:
     form = await request.form()
-    pin = form.get("pin") == "1"
+    pin = {"1": True, "0": False}.get(form.get("pin"))
     back = f"/console/adapters?tenant_id={tenant_id}"
     with services.sessions() as session:
         version = TenantScope(session, tenant_id).one_or_none(AdapterVersion, AdapterVersion.id == version_id)
@@ -121,5 +125,6 @@ async def prefetch(request: Request, _context: ConsolePostDep, services: Service
             return redirect(request, back, error="Only a ready version can be prefetched.")
         label = f"{version.adapter.name}@{version.version}"
     await services.tasks.send_async("loraplex.prefetch_adapter", version_id, pin)
-    verb = "pinned in the engine's cache" if pin else "being loaded into the engine's cache"
+    verb = {True: "pinned in the engine's cache", False: "unpinned: it may be evicted again"}.get(
+        pin, "being loaded into the engine's cache")
     return redirect(request, back, flash=f"{label} is {verb}.")

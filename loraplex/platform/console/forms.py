@@ -26,17 +26,27 @@ def positive_int(form: FormData, name: str, *, required: bool = False) -> int | 
     value = text(form, name, required=required)
     if value is None:
         return None
-    try:
-        number = int(value.replace(",", "").replace("_", ""))
-    except ValueError as exc:
-        raise FormError(f"{name.replace('_', ' ')} must be a whole number, got {value!r}") from exc
+    label = name.replace("_", " ")
+    digits = value.replace(",", "").replace("_", "")  # "1,000" as people write it
+    negative = digits.startswith("-")
+    digits = digits.removeprefix("-")
+    # ASCII digits only: int() would also read "١٢" (Arabic-Indic) as 12
+    if not (digits.isascii() and digits.isdigit()):
+        shown = value if len(value) <= 40 else value[:40] + "..."
+        raise FormError(f"{label} must be a whole number, got {shown!r}")
+    if len(digits.lstrip("0")) > 18:
+        raise FormError(f"{label} is too large ({len(digits)} digits)")
+    number = -int(digits) if negative else int(digits)
     if number < 1:
-        raise FormError(f"{name.replace('_', ' ')} must be at least 1")
+        raise FormError(f"{label} must be at least 1")
     return number
 
 
 def row_id(form: FormData, name: str) -> int | None:
     """The id of a row (a plan's, say): a whole number the database's ids can hold, or None when empty."""
+    value = text(form, name)
+    if value is not None and value.isascii() and value.isdigit() and len(value) > len(str(MAX_ROW_ID)):
+        raise FormError(f"{name.replace('_', ' ')} {value[:12]}... is not an id that can exist")
     number = positive_int(form, name)
     if number is not None and number > MAX_ROW_ID:
         raise FormError(f"{name.replace('_', ' ')} {number} is not an id that can exist")

@@ -17,6 +17,7 @@ from loraplex.platform.billing.models import NO_KEY
 from loraplex.platform.console.deps import ConsoleDep, ConsolePostDep
 from loraplex.platform.console.templating import render
 from loraplex.platform.deps import RowId, ServicesDep
+from loraplex.platform.ids import parse_row_id
 from loraplex.platform.inference.service import chat_completion
 from loraplex.platform.models import ALL_SCOPES, Tenant, TenantStatus
 from loraplex.platform.registry import list_model_ids
@@ -48,7 +49,7 @@ def playground_page(request: Request, context: ConsoleDep, services: ServicesDep
                                        .order_by(Tenant.name)))
     selected = request.query_params.get("tenant_id")
     return render(request, "playground.html", context, tenants=tenants,
-                  selected=int(selected) if selected and selected.isascii() and selected.isdigit() else None,
+                  selected=parse_row_id(selected),
                   engine_ready=services.engine is not None)
 
 

@@ -15,6 +15,7 @@ from loraplex.platform.console import (
     tenant_pages,
     usage_pages,
 )
+from loraplex.platform.console.session import SESSION_COOKIE, ConsoleContext, load_session
 from loraplex.platform.console.templating import WEB_DIR, render
 from loraplex.platform.errors import answer_errors_in_html
 
@@ -39,10 +40,20 @@ def static_asset(path: str) -> FileResponse:
     })
 
 
+def _signed_in(request: Request) -> ConsoleContext | None:
+    """The page's session, if any: an error page of a signed-in operator keeps a working sign-out form."""
+    try:
+        services = request.app.state.services
+        with services.sessions() as session:
+            return load_session(session, services.settings, request.cookies.get(SESSION_COOKIE))
+    except Exception:  # the error may be the database's own: the page still renders, without the form's token
+        return None
+
+
 def _error_page(request: Request, status: int, message: str) -> HTMLResponse:
     titles = {400: "Not a valid request", 401: "Sign in needed", 403: "Not allowed", 404: "Not found",
               405: "Not allowed here", 413: "Too large"}
-    return render(request, "error.html", None, status_code=status,
+    return render(request, "error.html", _signed_in(request), status_code=status,
                   title=titles.get(status, "Something went wrong" if status >= 500 else "Not a valid request"),
                   message=message)
 

@@ -13,6 +13,7 @@ from sqlalchemy import select
 from loraplex.platform.billing.export import statement_dict, statements_summary_csv
 from loraplex.platform.billing.periods import (
     days_in,
+    parse_period,
     period_of,
     previous_period,
     resolve_range,
@@ -23,12 +24,13 @@ from loraplex.platform.billing.prices import price_lists, set_plan_price
 from loraplex.platform.billing.pricing import Price
 from loraplex.platform.billing.reports import DIMENSIONS, usage_report
 from loraplex.platform.billing.responses import Format, report_response, statement_response
-from loraplex.platform.billing.statements import finalize_period, get_statement, is_closed
+from loraplex.platform.billing.statements import finalize_period, get_statement, is_closed, tenants_of_period
 from loraplex.platform.console import forms
 from loraplex.platform.console.deps import ConsoleDep, ConsolePostDep
 from loraplex.platform.console.templating import redirect, render
 from loraplex.platform.deps import IdPath, ServicesDep
-from loraplex.platform.models import MAX_ROW_ID, Tenant
+from loraplex.platform.ids import parse_row_id
+from loraplex.platform.models import Tenant
 from loraplex.platform.tenants import TenantError, get_tenant
 
 router = APIRouter()
@@ -45,10 +47,12 @@ def _filters(request: Request) -> tuple[date, date, int | None]:
     except ValueError as exc:
         raise ValueError(f"Bad date range: {exc}") from exc
     tenant = q.get("tenant_id")
-    if tenant and not (tenant.isascii() and tenant.isdigit() and 1 <= int(tenant) <= MAX_ROW_ID):
+    tenant_id = parse_row_id(tenant)
+    if tenant and tenant_id is None:
         # never widen a filter that cannot be read (0 included) to every tenant
-        raise ValueError(f"tenant_id must be a tenant's numeric id, got {tenant!r}")
-    return start, end, int(tenant) if tenant else None
+        shown = tenant if len(tenant) <= 40 else tenant[:40] + "..."
+        raise ValueError(f"tenant_id must be a tenant's numeric id, got {shown!r}")
+    return start, end, tenant_id
 
 
 def _export_format(request: Request) -> Format:
@@ -116,12 +120,13 @@ def usage_export(request: Request, _context: ConsoleDep, services: ServicesDep) 
 @router.get("/billing", response_class=HTMLResponse)
 def billing_page(request: Request, context: ConsoleDep, services: ServicesDep) -> HTMLResponse:
     period = request.query_params.get("period") or period_of(today_utc())
+    try:
+        parse_period(period)
+    except ValueError as exc:
+        return redirect(request, "/console/billing", error=f"Not a period: {exc} (use YYYY-MM).")
     with services.sessions() as session:
-        try:
-            tenants = list(session.scalars(select(Tenant).order_by(Tenant.name)))
-            views = [get_statement(session, t, period) for t in tenants]
-        except ValueError:
-            return redirect(request, "/console/billing", error=f"Not a period: {period!r} (use YYYY-MM).")
+        tenants = sorted(tenants_of_period(session, period), key=lambda t: t.name)
+        views = [get_statement(session, t, period) for t in tenants]
         prices = price_lists(session, period)
     periods = sorted(set(_recent_periods(12)) | set(upcoming_periods()), reverse=True)
     return render(request, "billing.html", context, period=period, periods=periods, statements=views,
@@ -133,14 +138,12 @@ def billing_export(request: Request, _context: ConsoleDep, services: ServicesDep
     period = request.query_params.get("period") or period_of(today_utc())
     try:
         fmt = _export_format(request)
+        parse_period(period)  # before it names a file in a header
     except ValueError as exc:
         return Response(f"{exc}\n", status_code=400, media_type="text/plain; charset=utf-8")
     with services.sessions() as session:
-        try:
-            views = [get_statement(session, t, period)
-                     for t in session.scalars(select(Tenant).order_by(Tenant.name))]
-        except ValueError as exc:
-            return Response(f"bad period: {exc}\n", status_code=400, media_type="text/plain; charset=utf-8")
+        views = [get_statement(session, t, period)
+                 for t in sorted(tenants_of_period(session, period), key=lambda t: t.name)]
     if fmt == "csv":
         return Response(statements_summary_csv(views), media_type="text/csv; charset=utf-8",
                         headers={"content-disposition": f'attachment; filename="statements-{period}.csv"'})

@@ -86,7 +86,7 @@ class RemoteEngine:
     def encode_chat(self, messages: Sequence[dict[str, Any]], *, add_generation_prompt: bool = True) -> list[int]:
         return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
 
-    async def prefetch_adapter(self, adapter: LoRARequest, *, pin: bool = False) -> None:
+    async def prefetch_adapter(self, adapter: LoRARequest, *, pin: bool | None = None) -> None:
         r = await self._http.post(f"{self.url}/engine/prefetch", json={"adapter": adapter_to_json(adapter),
                                                                         "pin": pin}, headers=self._headers)
         r.raise_for_status()

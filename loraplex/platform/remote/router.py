@@ -151,7 +151,7 @@ class EngineRouter:
     def encode_chat(self, messages: Sequence[dict[str, Any]], *, add_generation_prompt: bool = True) -> list[int]:
         return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
 
-    async def prefetch_adapter(self, adapter: LoRARequest, *, pin: bool = False) -> None:
+    async def prefetch_adapter(self, adapter: LoRARequest, *, pin: bool | None = None) -> None:
         await self.choose(adapter).prefetch_adapter(adapter, pin=pin)
 
     async def remove_adapter(self, content_hash: str) -> None:

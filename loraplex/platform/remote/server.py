@@ -52,6 +52,13 @@ class _NDJSONStream(StreamingResponse):
                 await self.body_iterator.aclose()  # the API process went away: abort at once
 
 
+def _pin(value) -> bool | None:
+    """A prefetch's pin: true pins, false unpins, absent leaves it."""
+    if value is None or isinstance(value, bool):
+        return value
+    raise ValueError(f"pin must be true, false or null, got {value!r}")
+
+
 def build_engine_app(settings: Settings, engine: EngineClient, *, advertise: str, redis=None,
                      engine_id: str | None = None, draining: threading.Event | None = None) -> FastAPI:
     """`draining`: set when the process is told to stop; the heartbeat then withdraws the registration at
@@ -166,7 +173,7 @@ def build_engine_app(settings: Settings, engine: EngineClient, *, advertise: str
 
     @app.post("/engine/prefetch")
     async def prefetch(body: dict) -> dict:
-        await engine.prefetch_adapter(adapter_from_json(body["adapter"]), pin=bool(body.get("pin")))
+        await engine.prefetch_adapter(adapter_from_json(body["adapter"]), pin=_pin(body.get("pin")))
         return {"ok": True}
 
     @app.post("/engine/remove")

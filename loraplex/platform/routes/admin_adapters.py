@@ -57,7 +57,7 @@ async def delete_for_tenant(*, _admin: AdminDep, services: ServicesDep, tenant_i
 class PrefetchResult(BaseModel):
     version_id: int
     content_hash: str
-    pinned: bool
+    pinned: bool | None  # as asked: true pinned, false unpinned, null left as it was
     where: str  # "engine" (this process's) or "queued" (for the engine processes)
 
 

@@ -47,4 +47,4 @@ class AdapterDeleted(BaseModel):
 
 class PrefetchRequest(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
-    pin: bool = False
+    pin: bool | None = None  # true pins, false unpins, left out (or null) leaves the pin as it is

@@ -44,7 +44,15 @@ class PlanPublic(PlanBase):
 
 
 class TenantBase(QuotaFields):
-    name: str = Field(pattern=NAME_PATTERN, description="unique; letters, digits, '.', '_', '-'")
+    name: str = Field(pattern=NAME_PATTERN, description="unique; letters, digits, '.', '_', '-'; not digits only")
+
+    @field_validator("name")
+    @classmethod
+    def _not_an_id(cls, value: str) -> str:
+        # the CLI takes a tenant's name or its id: a name of digits only would read as another tenant's id
+        if value.isdigit():
+            raise ValueError("a tenant name must not be digits only (it would read as a tenant id)")
+        return value
 
 
 class TenantCreate(TenantBase):

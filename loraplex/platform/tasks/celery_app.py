@@ -77,7 +77,7 @@ def validate_adapter(self, version_id: int) -> str:
 
 
 @app.task(name="loraplex.prefetch_adapter", **_COMMON)
-def prefetch_adapter(version_id: int, pin: bool = False) -> bool:
+def prefetch_adapter(version_id: int, pin: bool | None = None) -> bool:
     return jobs.prefetch_adapter(get_context(), version_id, pin)
 
 

@@ -78,8 +78,9 @@ def lora_request_for(ctx: TaskContext, version_id: int) -> LoRARequest | None:
                        path=store_path(ctx.settings.resolved_adapter_store_dir.resolve(), content_hash))
 
 
-def prefetch_adapter(ctx: TaskContext, version_id: int, pin: bool = False) -> bool:
-    """Warm a ready version into this process's engine (device slot, else host cache)."""
+def prefetch_adapter(ctx: TaskContext, version_id: int, pin: bool | None = None) -> bool:
+    """Warm a ready version into this process's engine (device slot, else host cache); pin True / False pins
+    or unpins it there, None leaves its pin as it was."""
     lora = lora_request_for(ctx, version_id)
     if lora is None:
         return False

@@ -1,0 +1,158 @@
+"""What an operator runs into at the edges: concurrent admin changes, billed months' prices, digit-only tenant
+names, odd query values on console pages, error pages that keep a working sign-out, pins that can be undone."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from datetime import UTC, datetime
+
+import pytest
+from console_helpers import CSRF_META, Console
+from sqlalchemy import select
+
+from loraplex.platform.billing.models import Statement
+from loraplex.platform.models import Tenant
+
+
+@pytest.fixture
+def console(app, client, admin_key) -> Console:
+    c = Console(client=client, app=app, admin_key=admin_key)
+    c.sign_in()
+    return c
+
+
+def _admin(admin_key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {admin_key}"}
+
+
+def test_concurrent_identical_admin_changes_are_conflicts_not_errors(client, admin_key):
+    """The same new plan, the same period's price: one request wins, the others get 409 (or succeed), and
+    none a 500 from the database's unique constraint."""
+    headers = _admin(admin_key)
+    plan = {"name": "gold", "requests_per_minute": 10, "tokens_per_minute": 1000, "max_concurrent": 2,
+            "monthly_token_budget": 10_000}
+    with ThreadPoolExecutor(8) as pool:
+        codes = list(pool.map(lambda _: client.post("/admin/api/plans", headers=headers, json=plan).status_code,
+                              range(12)))
+    assert codes.count(201) == 1 and set(codes) <= {201, 409}, codes
+    price = {"prompt_price": 1, "completion_price": 2, "adapter_surcharge_price": 0, "effective_period": "2030-01"}
+    with ThreadPoolExecutor(8) as pool:
+        codes = list(pool.map(lambda _: client.put("/admin/api/billing/prices/default", headers=headers,
+                                                   json=price).status_code, range(12)))
+    assert set(codes) <= {200, 409} and 200 in codes, codes
+
+
+def test_a_billed_month_keeps_its_prices(client, admin_key, make_tenant, app):
+    tenant = make_tenant("acme")
+    with app.state.services.sessions() as session:
+        session.add(Statement(tenant_id=tenant.tenant_id, period="2026-10", currency="USD", requests=0,
+                              prompt_tokens=0, completion_tokens=0, total_amount=0))
+        session.commit()
+    headers = _admin(admin_key)
+    body = {"prompt_price": 1, "completion_price": 2, "adapter_surcharge_price": 0, "effective_period": "2026-10"}
+    r = client.put("/admin/api/billing/prices/default", headers=headers, json=body)
+    assert r.status_code == 409 and r.json()["error"]["param"] == "effective_period", r.text
+    assert "2026-10 are final" in r.json()["error"]["message"] and "from 2026-11 on" in r.json()["error"]["message"]
+    r = client.put(f"/admin/api/billing/tenants/{tenant.tenant_id}/price-override", headers=headers,
+                   json={"prompt_price": 5, "effective_period": "2026-09"})
+    assert r.status_code == 409, r.text
+    r = client.put("/admin/api/billing/prices/default", headers=headers, json={**body, "effective_period": "2026-11"})
+    assert r.status_code == 200, r.text
+
+
+def test_tenant_names_of_digits_only_are_refused(client, admin_key, console):
+    """The CLI takes a tenant's name or id: a tenant named "1" would be read as tenant 1."""
+    r = client.post("/admin/api/tenants", headers=_admin(admin_key), json={"name": "42"})
+    assert r.status_code == 400 and "digits only" in r.json()["error"]["message"], r.text
+    assert client.post("/admin/api/tenants", headers=_admin(admin_key), json={"name": "team42"}).status_code == 201
+    r = console.post("/console/tenants", {"name": "7"})
+    assert "digits only" in console.client.get(r.headers["location"]).text
+
+
+def test_currencies_are_iso_codes_in_the_console_too(console):
+    r = console.post("/console/billing/prices", {"plan_id": "", "prompt": "1", "completion": "2",
+                                                 "adapter_surcharge": "0", "currency": "éur"})
+    assert "3-letter ISO code" in console.client.get(r.headers["location"]).text
+    r = console.post("/console/billing/prices", {"plan_id": "", "prompt": "1", "completion": "2",
+                                                 "adapter_surcharge": "0", "currency": "eur"})
+    assert "Prices saved" in console.client.get(r.headers["location"]).text
+
+
+def test_odd_query_values_get_a_message_not_a_server_error(console):
+    client = console.client
+    assert client.get("/console/playground?tenant_id=" + "9" * 5000).status_code == 200
+    r = client.get("/console/usage?tenant_id=" + "9" * 5000)
+    assert r.status_code < 500 and "set_int_max_str_digits" not in r.text
+    r = client.get("/console/adapters?tenant_id=999")
+    assert r.status_code == 404 and "No tenant &#39;999&#39;" in r.text  # not another tenant's adapters
+    # with no tenant at all the period is still checked, and never reaches a header
+    r = client.get("/console/billing?period=junk", follow_redirects=False)
+    assert r.status_code == 303 and "Not a period" in client.get(r.headers["location"]).text
+    assert client.get("/console/billing?period=9999-01", follow_redirects=False).status_code == 303
+    r = client.get("/console/billing/export?format=csv&period=a%0d%0aX:1")
+    assert r.status_code == 400 and "x" not in r.headers
+    assert client.get('/console/billing/export?period=a"b').status_code == 400
+    r = console.post("/console/plans", {"name": "uni", "requests_per_minute": "١٢", "tokens_per_minute": "1000",
+                                        "max_concurrent": "4", "monthly_token_budget": "100000"})
+    assert "must be a whole number" in client.get(r.headers["location"]).text
+    r = console.post("/console/plans", {"name": "uni", "requests_per_minute": "9" * 5000, "tokens_per_minute": "1",
+                                        "max_concurrent": "4", "monthly_token_budget": "100000"})
+    page = client.get(r.headers["location"]).text
+    assert "too large" in page and "9" * 100 not in page
+
+
+def test_an_error_page_keeps_a_working_sign_out(console):
+    page = console.client.get("/console/tenants/abc")
+    assert page.status_code >= 400
+    token = CSRF_META.search(page.text).group(1)
+    assert token == console.csrf
+    r = console.client.post("/console/logout", data={"csrf_token": token}, follow_redirects=False)
+    assert r.status_code == 303
+    assert console.client.get("/console/dashboard", follow_redirects=False).status_code == 303  # signed out
+
+
+def test_a_finalized_month_lists_only_the_tenants_it_billed(console, make_tenant, app, client, admin_key):
+    from loraplex.platform.billing.statements import finalize_period
+
+    make_tenant("old")
+    with app.state.services.sessions() as session:
+        session.get(Tenant, session.scalar(select(Tenant.id).where(Tenant.name == "old"))).created_at = \
+            datetime(2026, 9, 5, tzinfo=UTC)
+        session.commit()
+        assert finalize_period(session, "2026-10", now=datetime(2026, 11, 2, tzinfo=UTC)) == 1
+        session.commit()
+    make_tenant("newer")  # created now, after October
+    page = console.client.get("/console/billing?period=2026-10").text
+    assert "old" in page and "newer" not in page
+    export = console.client.get("/console/billing/export?period=2026-10&format=json").json()["data"]
+    assert [s["tenant"] for s in export] == ["old"]
+    listed = client.get("/admin/api/billing/statements?period=2026-10", headers=_admin(admin_key)).json()["data"]
+    assert [s["tenant"] for s in listed] == ["old"]
+
+
+def test_a_pin_can_be_undone(client, admin_key, make_tenant, peft_adapter_zip, fake_engine):
+    from platform_helpers import upload
+
+    tenant = make_tenant()
+    version = upload(client, tenant, "bot", [("adapter.zip", peft_adapter_zip.read_bytes())]).json()
+    path = f"/admin/api/adapter-versions/{version['id']}/prefetch"
+    for pin in (True, False, None):
+        r = client.post(path, headers=_admin(admin_key), json={} if pin is None else {"pin": pin})
+        assert r.status_code == 200 and r.json()["pinned"] is pin, r.text
+    assert [p for _h, p in fake_engine.prefetched[-3:]] == [True, False, None]
+
+
+def test_a_unique_constraint_lost_to_a_concurrent_change_is_a_409(client, admin_key, monkeypatch):
+    """Whatever route loses such a race (the database keeps the other request's row) answers 409, not 500."""
+    from sqlalchemy.exc import IntegrityError
+
+    import loraplex.platform.billing.admin_routes as routes
+
+    def lost_race(*args, **kwargs):
+        raise IntegrityError("INSERT INTO plan_prices ...", {}, Exception("UNIQUE constraint failed"))
+
+    monkeypatch.setattr(routes, "set_plan_price", lost_race)
+    r = client.put("/admin/api/billing/prices/default", headers=_admin(admin_key),
+                   json={"prompt_price": 1, "completion_price": 2, "adapter_surcharge_price": 0})
+    assert r.status_code == 409 and r.json()["error"]["code"] == "conflict", r.text
+    assert "retry" in r.json()["error"]["message"]
