@@ -156,3 +156,31 @@ def test_a_unique_constraint_lost_to_a_concurrent_change_is_a_409(client, admin_
                    json={"prompt_price": 1, "completion_price": 2, "adapter_surcharge_price": 0})
     assert r.status_code == 409 and r.json()["error"]["code"] == "conflict", r.text
     assert "retry" in r.json()["error"]["message"]
+
+
+def test_console_totals_are_per_currency(console, client, admin_key, make_tenant, app):
+    import uuid
+
+    from loraplex.platform.billing.periods import period_of, today_utc
+    from loraplex.platform.models import UsageRecord
+
+    headers = _admin(admin_key)
+    plan = client.post("/admin/api/plans", headers=headers, json={
+        "name": "euro", "requests_per_minute": 10, "tokens_per_minute": 1000, "max_concurrent": 2,
+        "monthly_token_budget": 10_000}).json()
+    assert client.put("/admin/api/billing/prices/default", headers=headers, json={
+        "prompt_price": 1_000_000, "completion_price": 0, "adapter_surcharge_price": 0}).status_code == 200
+    assert client.put(f"/admin/api/billing/prices/plans/{plan['id']}", headers=headers, json={
+        "prompt_price": 2_000_000, "completion_price": 0, "adapter_surcharge_price": 0,
+        "currency": "EUR"}).status_code == 200
+    dollars, euros = make_tenant("dollars"), make_tenant("euros", plan="euro")
+    with app.state.services.sessions() as session:
+        for tenant in (dollars, euros):
+            session.add(UsageRecord(request_id=uuid.uuid4().hex, tenant_id=tenant.tenant_id, api_key_id=tenant.key_id,
+                                    model="base", endpoint="chat", prompt_tokens=1_000_000, completion_tokens=0,
+                                    ttft_ms=1, latency_ms=2, status="ok", created_at=datetime.now(UTC)))
+        session.commit()
+    billing = console.client.get(f"/console/billing?period={period_of(today_utc())}").text
+    assert "1.000000 USD" in billing and "2.000000 EUR" in billing and "3.000000" not in billing
+    usage = console.client.get("/console/usage").text
+    assert "1.000000 USD" in usage and "2.000000 EUR" in usage and "3.000000" not in usage

@@ -52,11 +52,17 @@ class ReportRow:
 
     @property
     def amount(self) -> int:
-        total = 0
+        """The row's amount; meaningful alone only when the row has one currency (see `amounts`)."""
+        return sum(self.amounts.values())
+
+    @property
+    def amounts(self) -> dict[str, int]:
+        """currency -> amount: a row over tenants or months priced in different currencies has several."""
+        out: dict[str, int] = {}
         for price, by_adapter in self.parts.values():
             groups = [UsageGroup(label, 0, p, c) for label, (p, c) in by_adapter.items()]
-            total += total_amount(build_lines(groups, price))
-        return total
+            out[price.currency] = out.get(price.currency, 0) + total_amount(build_lines(groups, price))
+        return out
 
     @property
     def avg_latency_ms(self) -> int | None:
@@ -81,7 +87,9 @@ class ReportRow:
         out.update(
             requests=self.requests, failed_requests=self.failed_requests, prompt_tokens=self.prompt_tokens,
             completion_tokens=self.completion_tokens, total_tokens=self.total_tokens,
-            avg_latency_ms=self.avg_latency_ms, amount=self.amount, currency=self.currency,
+            # a row over prices in different currencies has no one amount (group by tenant to split it)
+            avg_latency_ms=self.avg_latency_ms, amount=None if self.currency == "mixed" else self.amount,
+            currency=self.currency,
         )
         return out
 

@@ -95,7 +95,7 @@ def usage_page(request: Request, context: ConsoleDep, services: ServicesDep) -> 
         chart_json=json.dumps(chart_data).replace("<", "\\u003c"),
         totals={
             "requests": sum(r.requests for r in by_day), "prompt": sum(r.prompt_tokens for r in by_day),
-            "completion": sum(r.completion_tokens for r in by_day), "amount": sum(r.amount for r in by_tenant),
+            "completion": sum(r.completion_tokens for r in by_day), "amounts": by_currency(by_tenant),
         },
     )
 
@@ -129,8 +129,11 @@ def billing_page(request: Request, context: ConsoleDep, services: ServicesDep) -
         views = [get_statement(session, t, period) for t in tenants]
         prices = price_lists(session, period)
     periods = sorted(set(_recent_periods(12)) | set(upcoming_periods()), reverse=True)
+    totals: dict[str, int] = {}
+    for v in views:  # per currency: plans may be priced in different ones
+        totals[v.currency] = totals.get(v.currency, 0) + v.total_amount
     return render(request, "billing.html", context, period=period, periods=periods, statements=views,
-                  prices=prices, closed=is_closed(period), total=sum(v.total_amount for v in views))
+                  prices=prices, closed=is_closed(period), totals=sorted(totals.items()))
 
 
 @router.get("/billing/export")
@@ -148,6 +151,15 @@ def billing_export(request: Request, _context: ConsoleDep, services: ServicesDep
         return Response(statements_summary_csv(views), media_type="text/csv; charset=utf-8",
                         headers={"content-disposition": f'attachment; filename="statements-{period}.csv"'})
     return JSONResponse({"object": "list", "period": period, "data": [statement_dict(v) for v in views]})
+
+
+def by_currency(rows) -> list[tuple[str, int]]:
+    """(currency, amount) over report rows, per currency: amounts in different currencies never add up."""
+    totals: dict[str, int] = {}
+    for row in rows:
+        for currency, amount in row.amounts.items():
+            totals[currency] = totals.get(currency, 0) + amount
+    return sorted(totals.items())
 
 
 def _recent_periods(n: int) -> list[str]:
