@@ -67,7 +67,7 @@ def test_upload_zip_becomes_ready_and_serves(app, client, make_tenant, fake_engi
 
 
 def test_uploading_an_older_version_again_rolls_back_to_it(client, make_tenant, tiny_llama_dir, peft_adapter_zip,
-                                                           tmp_path, fake_engine):
+                                                           tmp_path, fake_engine, app):
     from loraplex.testing import make_peft_adapter
 
     tenant = make_tenant()
@@ -83,6 +83,9 @@ def test_uploading_an_older_version_again_rolls_back_to_it(client, make_tenant, 
     r = client.post("/v1/chat/completions", headers=tenant.headers,
                     json={"model": "bot", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
     assert r.status_code == 200 and fake_engine.requests[-1]["adapter"].content_hash.startswith(first["version"])
+    client.portal.call(app.state.services.usage.flush)
+    usage = client.get("/v1/usage", headers=tenant.headers).json()["data"]
+    assert [(u["adapter"], u["adapter_version"]) for u in usage] == [("bot", first["version"])]  # as typed after @
     ids = [m["id"] for m in client.get("/v1/models", headers=tenant.headers).json()["data"]]
     assert ids.count(f"bot@{first['version']}") == 1  # one version string, listed once
     # the newest upload again changes nothing

@@ -43,7 +43,8 @@ def usage_by_day(session: Session, tenant_id: int, start: date, end: date, *, ad
     out = []
     for d, name, version, count, failures, prompt, completion in session.execute(stmt):
         d = d if isinstance(d, date) else date.fromisoformat(d)
-        out.append(UsageBucket(date=d, adapter=name, adapter_version=version, requests=count,
-                               failed_requests=int(failures or 0), prompt_tokens=prompt or 0, completion_tokens=completion or 0,
-                               total_tokens=(prompt or 0) + (completion or 0)))
+        # the version as users type it after "@" (12 hex digits), as everywhere else in the API
+        out.append(UsageBucket(date=d, adapter=name, adapter_version=version[:12] if version else None,
+                               requests=count, failed_requests=int(failures or 0), prompt_tokens=prompt or 0,
+                               completion_tokens=completion or 0, total_tokens=(prompt or 0) + (completion or 0)))
     return out
