@@ -32,7 +32,7 @@ class Settings(BaseSettings):
     max_num_batched_tokens: int = 2048
     max_loras: int = 8
     max_cpu_loras: int = 64
-    max_lora_rank: int = 64
+    max_lora_rank: int = Field(default=64, ge=1, le=4096)
     lora_dtype: str = "auto"  # adapter weights in slots: auto (the model's) | float32 | float16 | bfloat16 (CPU)
     max_model_len: int | None = None  # default: the model's own context length
 

@@ -26,7 +26,7 @@ model.add_command(fetch)
 @click.option("--tenant", default=None,
               help="Resolve --adapter among this tenant's uploaded adapters (name or id), in the server's database "
                    "(LORAPLEX_DATA_DIR or LORAPLEX_DATABASE_URL).")
-@click.option("--max-rank", type=click.IntRange(min=1), default=None,
+@click.option("--max-rank", type=click.IntRange(1, 4096), default=None,
               help="Largest adapter rank accepted [default: LORAPLEX_MAX_LORA_RANK, 64].")
 @click.option("--max-tokens", default=128, show_default=True, type=int)
 @click.option("--temperature", default=0.0, show_default=True, type=float)

@@ -245,6 +245,8 @@ def test_cli_generate_takes_the_rank_limit_from_its_option_or_the_setting(tiny_l
     assert CliRunner().invoke(main, [*args, "--max-rank", "128"]).exit_code == 0
     monkeypatch.setenv("LORAPLEX_MAX_LORA_RANK", "128")
     assert CliRunner().invoke(main, args).exit_code == 0
+    absurd = CliRunner().invoke(main, [*args, "--max-rank", str(10**12)])  # would allocate terabytes
+    assert absurd.exit_code == 2 and "--max-rank" in absurd.output, absurd.output
     monkeypatch.setenv("LORAPLEX_MAX_LORA_RANK", "many")
     bad = CliRunner().invoke(main, args)
     assert bad.exit_code != 0 and "LORAPLEX_MAX_LORA_RANK" in bad.output and "Traceback" not in bad.output, bad.output

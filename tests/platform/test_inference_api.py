@@ -177,3 +177,31 @@ def test_usage_range_errors(client, make_tenant, query, param):
     tenant = make_tenant()
     r = client.get(f"/v1/usage?{query}", headers=tenant.headers)
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def test_min_tokens_beyond_the_token_rate_is_a_429_not_a_500(client, make_tenant):
+    tenant = make_tenant(tokens_per_minute=100)
+    r = _chat(client, tenant, max_tokens=None, min_tokens=90)
+    assert r.status_code == 429, r.text
+    assert "alone exceeds" in r.json()["error"]["message"] and r.headers["x-should-retry"] == "false"
+    assert _chat(client, tenant, max_tokens=None, min_tokens=3).status_code == 200
+
+
+def test_a_request_the_engine_refuses_is_a_400_and_no_usage(client, make_tenant, fake_engine, app, monkeypatch):
+    """A client error found by the engine (n above what it runs at once, say) is answered 400 and is neither
+    usage nor a failed request."""
+    from loraplex.engine.errors import InvalidRequestError
+
+    async def refuse(*args, **kwargs):
+        raise InvalidRequestError("n=100 is more completions than this engine runs at once", param="n")
+        yield  # an async generator, as the engine's generate is
+
+    tenant = make_tenant()
+    monkeypatch.setattr(fake_engine, "generate", refuse)
+    for stream in (False, True):
+        r = _chat(client, tenant, n=100, stream=stream)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "n", r.text
+    client.portal.call(app.state.services.usage.flush)
+    assert client.get("/v1/usage", headers=tenant.headers).json()["data"] == []
+    monkeypatch.undo()
+    assert _chat(client, tenant).status_code == 200  # its reservations were given back

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import anyio
 
-from loraplex.engine.errors import AdapterLoadError, EngineError, EngineOverloadedError
+from loraplex.engine.errors import AdapterLoadError, EngineError, EngineOverloadedError, InvalidRequestError
 from loraplex.engine.outputs import RequestOutput
 from loraplex.engine.sampling_params import SamplingParams
 from loraplex.platform.auth import TenantContext
@@ -45,6 +45,7 @@ class InferenceJob:
     generated: dict[int, int] = field(default_factory=dict)  # prompt index -> tokens generated so far
     finished_ok: bool = False
     failed: bool = False
+    refused: bool = False  # the engine refused it as a client error (InvalidRequestError): not usage
     _closed: bool = False
 
     @property
@@ -98,6 +99,11 @@ class InferenceJob:
                     self._observe(index, out)
                     yield index, out
             self.finished_ok = True
+        except InvalidRequestError as exc:
+            # the engine refused the request as it stands (n above what it runs at once, say): the client's
+            # error, answered 400 like any other, neither a failed request nor usage
+            self.refused = True
+            raise from_engine_error(exc) from exc
         except EngineError as exc:
             self.failed = True
             if isinstance(exc, EngineOverloadedError):
@@ -145,9 +151,20 @@ class InferenceJob:
         status = "ok" if self.finished_ok else ("error" if self.failed else "cancelled")
         await self.finish(status)
 
+    async def _release(self) -> None:
+        """A refused request's end: its reservation given back in full, no usage record."""
+        try:
+            await self.services.limiter.settle(self.reservation, 0)
+        except Exception:
+            log.exception("quota settle failed for %s", self.request_id)
+        self._record_metrics("rejected", 0, None)
+
     async def finish(self, status: str) -> None:
         """Settle the reservation and journal the usage record. Both happen once, whatever calls this."""
         if self.reservation is None or self.reservation.settled:
+            return
+        if self.refused and not self.completion_tokens:
+            await self._release()
             return
         used = self.billed_prompt_tokens + self.completion_tokens
         try:

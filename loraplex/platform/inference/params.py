@@ -154,7 +154,9 @@ def fit_unset_max_tokens(limits, prompt_tokens: int, sequences: int, params: Sam
     room = (limits.tokens_per_minute - prompt_tokens) // max(1, sequences)
     if room >= max_new:
         return max_new, params
-    capped = max(1, room)
+    # never below min_tokens: a request that needs more than the limit allows is refused by the quota as
+    # larger than the limit (429, not worth retrying), not failed by its own min_tokens
+    capped = max(1, room, params.min_tokens)
     return capped, dataclasses.replace(params, max_tokens=capped, max_tokens_is_ceiling=True)
 
 
