@@ -159,7 +159,23 @@ def _checked(key: tuple[int, str], a: torch.Tensor, b: torch.Tensor, *, finite: 
             if not torch.isfinite(t).all():
                 raise AdapterValidationError(f"{where}: {name} has non-finite values (NaN or inf)",
                                              ErrorCode.NON_FINITE)
+        check_update_bound(a, b, where)
     return LoraWeights(a, b)
+
+
+# Each entry of an update B @ A is at most r * max|A| * max|B|. Past this bound a plausible activation times
+# the update overflows fp32 and the model's output turns to inf and NaN; no trained adapter comes near it.
+MAX_UPDATE_BOUND = 1e30
+
+
+def check_update_bound(a: torch.Tensor, b: torch.Tensor, where: str) -> None:
+    if a.numel() == 0 or b.numel() == 0:
+        return
+    bound = a.shape[0] * float(a.abs().max()) * float(b.abs().max())
+    if not bound <= MAX_UPDATE_BOUND:  # also catches inf
+        raise AdapterValidationError(f"{where}: the weights are so large that the update B @ A can overflow "
+                                     f"(r * max|A| * max|B| = {bound:.3g}, over {MAX_UPDATE_BOUND:.0e})",
+                                     ErrorCode.NON_FINITE)
 
 
 def content_hash(weights: Mapping[tuple[int, str], LoraWeights]) -> str:

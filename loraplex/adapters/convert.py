@@ -6,7 +6,7 @@ import re
 
 import torch
 
-from .canonical import CanonicalAdapter, LoraWeights
+from .canonical import CanonicalAdapter, LoraWeights, check_update_bound
 from .errors import AdapterValidationError, ErrorCode
 from .peft_config import LoraSettings
 from .spec import BaseModelSpec
@@ -109,4 +109,5 @@ def _checked_pair(a_item, b_item, layer: int, module: str, settings: LoraSetting
             raise AdapterValidationError(f"{_WEIGHTS}: tensor {key!r} has {bad} non-finite values (NaN or inf)"
                                          f"{' after scaling' if t is b32 and torch.isfinite(b).all() else ''}",
                                          ErrorCode.NON_FINITE)
+    check_update_bound(a32, b32, f"{_WEIGHTS}: layer {layer} {module}")
     return a32, b32

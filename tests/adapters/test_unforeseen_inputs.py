@@ -140,3 +140,23 @@ def test_a_large_rank_limit_admits_a_large_adapter(tiny_llama_dir, llama_spec, t
     path = make_peft_adapter(tiny_llama_dir, tmp_path / "big", r=96, target_modules=["q_proj"])
     refused(path, llama_spec, ErrorCode.RANK_TOO_LARGE, "96")
     assert load_adapter(path, llama_spec, AdapterLimits(max_rank=128)).rank == 96
+
+
+def test_weights_whose_update_overflows_are_refused(adapter_copy, llama_spec, llama_adapter_dir, tmp_path, q_keys):
+    """Finite weights whose product B @ A overflows fp32 turn every output into inf and NaN: refused as
+    non-finite, from a PEFT file and from a hand-made canonical entry alike."""
+    q_a, q_b = q_keys
+    tensors = adapter_copy.tensors()
+    tensors[q_a][0, 0] = 1e30
+    tensors[q_b][0, 0] = 1e30
+    adapter_copy.save_tensors(tensors)
+    refused(adapter_copy.path, llama_spec, ErrorCode.NON_FINITE, "can overflow", "q_proj")
+
+    good = load_adapter(llama_adapter_dir, llama_spec)
+
+    def huge(t):
+        t["layers.0.q_proj.lora_a"][0, 0] = 1e20
+        t["layers.0.q_proj.lora_b"][0, 0] = 1e20
+
+    refused(_canonical_file(tmp_path / "huge.safetensors", good, huge), llama_spec, ErrorCode.NON_FINITE,
+            "can overflow")

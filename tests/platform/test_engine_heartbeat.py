@@ -46,6 +46,7 @@ def test_heartbeat_logs_the_outage_once_and_its_end(monkeypatch, caplog, tmp_pat
     assert "restored" in warnings[1].getMessage()
     (record,) = redis.stored.values()
     assert record["engine_id"] == "e1" and record["url"] == "http://e1:1"
+    assert {"kv_blocks_total", "lora_slots_total", "lora_pinned"} <= record["stats"].keys()  # the whole snapshot
 
 
 def test_a_draining_engine_withdraws_its_registration_at_once(tmp_path):

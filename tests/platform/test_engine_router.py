@@ -160,3 +160,23 @@ def test_tenants_see_an_engine_outage_as_503_without_internal_addresses(client, 
     else:
         assert "service_unavailable" in r.text or r.status_code == 503, r.text
     assert any("10.1.2.3" in rec.getMessage() for rec in caplog.records)  # the cause is in the server log
+
+
+def test_the_api_sees_every_engines_whole_snapshot():
+    """Pins, KV blocks and slots reach the API's /metrics and console from the engines' registrations (they
+    used to carry only running, waiting and the adapter lists)."""
+    from loraplex.engine.client import EngineStats
+    from loraplex.platform.remote.protocol import stats_to_json
+
+    one = EngineStats(num_running=2, kv_blocks_total=100, kv_blocks_used=10, lora_slots_total=8, lora_slots_used=3,
+                      lora_resident=["h1"], lora_loads_total=5, extra={"lora_pinned": ["h1"]})
+    two = EngineStats(num_waiting=1, kv_blocks_total=50, lora_slots_total=8, lora_resident=["h2"],
+                      extra={"lora_pinned": ["h2"], "other": "kept local"})
+    router = _router({"a": {"stats": stats_to_json(one)}, "b": {"stats": stats_to_json(two)},
+                      "old": {"running": 4, "resident": ["h3"]}})  # an engine that publishes no snapshot
+    total = router.stats()
+    assert (total.num_running, total.num_waiting) == (6, 1)
+    assert (total.kv_blocks_total, total.kv_blocks_used, total.lora_slots_total, total.lora_slots_used) == (150, 10,
+                                                                                                            16, 3)
+    assert sorted(total.lora_resident) == ["h1", "h2", "h3"] and total.lora_loads_total == 5
+    assert sorted(total.extra["lora_pinned"]) == ["h1", "h2"] and total.extra["engines"] == 3

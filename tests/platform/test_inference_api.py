@@ -205,3 +205,20 @@ def test_a_request_the_engine_refuses_is_a_400_and_no_usage(client, make_tenant,
     assert client.get("/v1/usage", headers=tenant.headers).json()["data"] == []
     monkeypatch.undo()
     assert _chat(client, tenant).status_code == 200  # its reservations were given back
+
+
+def test_logprobs_json_never_carries_nan_or_infinity():
+    """-inf (a token a filter removed) and NaN (only a broken model gives it) are OpenAI's -9999.0: JSON has no
+    NaN, and a response holding one was a 500 (or an SSE chunk no parser accepts)."""
+    import json
+
+    from loraplex.engine.outputs import Logprob, TokenLogprobs
+    from loraplex.platform.inference import format as fmt
+
+    entries = [TokenLogprobs(chosen=Logprob(1, "a", float("nan")),
+                             top=[Logprob(1, "a", float("-inf")), Logprob(2, "b", -0.5)])]
+    chat = fmt.chat_logprobs(entries)
+    completion = fmt.completion_logprobs(entries)
+    json.dumps([chat, completion], allow_nan=False)
+    assert chat["content"][0]["logprob"] == -9999.0 and chat["content"][0]["top_logprobs"][0]["logprob"] == -9999.0
+    assert completion["token_logprobs"] == [-9999.0] and completion["top_logprobs"] == [{"a": -9999.0, "b": -0.5}]

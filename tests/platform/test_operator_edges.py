@@ -184,3 +184,22 @@ def test_console_totals_are_per_currency(console, client, admin_key, make_tenant
     assert "1.000000 USD" in billing and "2.000000 EUR" in billing and "3.000000" not in billing
     usage = console.client.get("/console/usage").text
     assert "1.000000 USD" in usage and "2.000000 EUR" in usage and "3.000000" not in usage
+
+
+def test_a_prefetch_with_no_engine_reachable_is_a_503(client, admin_key, make_tenant, peft_adapter_zip, fake_engine,
+                                                      monkeypatch):
+    from platform_helpers import upload
+
+    from loraplex.engine.errors import EngineUnreachableError
+
+    tenant = make_tenant()
+    version = upload(client, tenant, "bot", [("adapter.zip", peft_adapter_zip.read_bytes())]).json()
+
+    async def gone(*args, **kwargs):
+        raise EngineUnreachableError("engine http://10.0.0.9:8001 is unreachable: connection refused")
+
+    monkeypatch.setattr(fake_engine, "prefetch_adapter", gone)
+    r = client.post(f"/admin/api/adapter-versions/{version['id']}/prefetch", headers=_admin(admin_key),
+                    json={"pin": True})
+    assert r.status_code == 503 and r.headers["retry-after"], r.text
+    assert "10.0.0.9" not in r.text

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 from loraplex.engine.outputs import CompletionOutput, Logprob, TokenLogprobs
@@ -32,12 +33,17 @@ def _bytes(logprob: Logprob) -> list[int]:
     return list(logprob.token.encode("utf-8", errors="replace"))
 
 
+def _lp(value: float) -> float:
+    """A logprob JSON can carry: -inf (and NaN, which only a broken model gives) as OpenAI's -9999.0."""
+    return value if math.isfinite(value) else -9999.0
+
+
 def chat_logprobs(entries: list[TokenLogprobs] | None) -> dict[str, Any] | None:
     if entries is None:
         return None
     return {"content": [
-        {"token": e.chosen.token, "logprob": e.chosen.logprob, "bytes": _bytes(e.chosen),
-         "top_logprobs": [{"token": t.token, "logprob": t.logprob, "bytes": _bytes(t)} for t in e.top]}
+        {"token": e.chosen.token, "logprob": _lp(e.chosen.logprob), "bytes": _bytes(e.chosen),
+         "top_logprobs": [{"token": t.token, "logprob": _lp(t.logprob), "bytes": _bytes(t)} for t in e.top]}
         for e in entries
     ]}
 
@@ -51,8 +57,8 @@ def completion_logprobs(entries: list[TokenLogprobs] | None, offset: int = 0) ->
         pos += len(e.chosen.token)
     return {
         "tokens": [e.chosen.token for e in entries],
-        "token_logprobs": [e.chosen.logprob for e in entries],
-        "top_logprobs": [{t.token: t.logprob for t in e.top} for e in entries],
+        "token_logprobs": [_lp(e.chosen.logprob) for e in entries],
+        "top_logprobs": [{t.token: _lp(t.logprob) for t in e.top} for e in entries],
         "text_offset": offsets,
     }
 

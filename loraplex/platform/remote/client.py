@@ -87,8 +87,13 @@ class RemoteEngine:
         return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
 
     async def prefetch_adapter(self, adapter: LoRARequest, *, pin: bool | None = None) -> None:
-        r = await self._http.post(f"{self.url}/engine/prefetch", json={"adapter": adapter_to_json(adapter),
-                                                                        "pin": pin}, headers=self._headers)
+        try:
+            r = await self._http.post(f"{self.url}/engine/prefetch", json={"adapter": adapter_to_json(adapter),
+                                                                            "pin": pin}, headers=self._headers)
+        except httpx.TransportError as exc:
+            raise EngineUnreachableError(f"engine {self.url} is unreachable: {exc}") from exc
+        if r.status_code >= 500:
+            raise EngineUnreachableError(f"engine {self.url} answered {r.status_code}")
         r.raise_for_status()
 
     async def remove_adapter(self, content_hash: str) -> None:

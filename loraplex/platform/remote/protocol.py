@@ -7,6 +7,7 @@ import hmac
 from dataclasses import asdict, fields
 from typing import Any
 
+from loraplex.engine.client import EngineStats
 from loraplex.engine.lora_request import LoRARequest
 from loraplex.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, TokenLogprobs
 from loraplex.engine.sampling_params import SamplingParams
@@ -59,3 +60,26 @@ def output_from_json(data: dict[str, Any]) -> RequestOutput:
                          prompt_token_ids=data["prompt_token_ids"], outputs=outputs, finished=data["finished"],
                          metrics=metrics, error=data.get("error"),
                          error_kind=data.get("error_kind"))
+
+
+def stats_to_json(stats: EngineStats) -> dict[str, Any]:
+    """An engine's stats for its registration record: the numbers and adapter lists, and its pinned adapters
+    (the only part of `extra` other processes use)."""
+    out = {k: v for k, v in asdict(stats).items() if k != "extra"}
+    out["lora_pinned"] = list(stats.extra.get("lora_pinned", ()))
+    return out
+
+
+def add_stats(total: EngineStats, data: dict[str, Any]) -> None:
+    """Add one engine's `stats_to_json` into `total`: numbers summed, adapter lists joined."""
+    for f in fields(EngineStats):
+        value = data.get(f.name)
+        if isinstance(value, bool) or value is None:
+            continue
+        if isinstance(value, int) and isinstance(getattr(total, f.name), int):
+            setattr(total, f.name, getattr(total, f.name) + value)
+        elif isinstance(value, list) and isinstance(getattr(total, f.name), list):
+            getattr(total, f.name).extend(str(v) for v in value)
+    pinned = data.get("lora_pinned")
+    if isinstance(pinned, list):
+        total.extra.setdefault("lora_pinned", []).extend(str(v) for v in pinned)

@@ -22,6 +22,7 @@ from loraplex.engine.outputs import RequestOutput
 from loraplex.engine.sampling_params import SamplingParams
 from loraplex.platform.outage import OutageLog, every
 from loraplex.platform.remote.client import RemoteEngine
+from loraplex.platform.remote.protocol import add_stats
 from loraplex.platform.remote.server import REGISTRATION_TTL, registry_key
 
 log = logging.getLogger(__name__)
@@ -161,6 +162,10 @@ class EngineRouter:
     def stats(self) -> EngineStats:
         total = EngineStats()
         for rec in self.records.values():
+            if isinstance(rec.get("stats"), dict):
+                add_stats(total, rec["stats"])
+                continue
+            # a registration from an engine that publishes no full snapshot
             total.num_running += rec["running"]
             total.num_waiting += rec["waiting"]
             total.lora_resident.extend(rec.get("resident", ()))

@@ -26,6 +26,7 @@ from loraplex.platform.remote.protocol import (
     engine_token,
     output_to_json,
     params_from_json,
+    stats_to_json,
 )
 
 log = logging.getLogger(__name__)
@@ -209,7 +210,9 @@ async def _heartbeat(redis, settings: Settings, engine: EngineClient, engine_id:
             record = {"engine_id": engine_id, "url": advertise, "model_name": engine.model_name,
                       "max_model_len": engine.max_model_len, "running": s.num_running, "waiting": s.num_waiting,
                       "max_num_seqs": settings.max_num_seqs, "resident": list(s.lora_resident),
-                      "host_cached": list(s.lora_host_cached), "updated": time.time()}
+                      "host_cached": list(s.lora_host_cached), "updated": time.time(),
+                      # the rest of the snapshot, for the API processes' /metrics and console
+                      "stats": stats_to_json(s)}
             await redis.set(key, json.dumps(record), ex=REGISTRATION_TTL)
             outage.ok()
         except asyncio.CancelledError:

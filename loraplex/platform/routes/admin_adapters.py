@@ -2,19 +2,24 @@
 
 from __future__ import annotations
 
+import logging
+
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 from sqlalchemy import select
 
+from loraplex.engine.errors import EngineOverloadedError
 from loraplex.platform.adapter_registry import adapter_public
 from loraplex.platform.deps import AdminDep, IdPath, RowId, ServicesDep, SessionDep
-from loraplex.platform.errors import bad_request, not_found
+from loraplex.platform.errors import bad_request, from_engine_error, not_found
 from loraplex.platform.models import Adapter, AdapterVersion, Tenant, VersionStatus
 from loraplex.platform.routes.adapters import handle_delete, handle_upload
 from loraplex.platform.schemas.adapters import AdapterDeleted, AdapterPublic, PrefetchRequest
 from loraplex.platform.tasks.jobs import lora_request_for
 from loraplex.platform.tenants import get_tenant
+
+log = logging.getLogger(__name__)
 
 router = APIRouter(prefix="/admin/api", tags=["admin"])
 
@@ -75,7 +80,11 @@ async def prefetch_version(*, _admin: AdminDep, services: ServicesDep, version_i
 
     lora = lora_request_for(TaskContext(services.settings, services.sessions), version_id)
     if services.engine is not None:
-        await services.engine.prefetch_adapter(lora, pin=body.pin)
+        try:
+            await services.engine.prefetch_adapter(lora, pin=body.pin)
+        except EngineOverloadedError as exc:  # no engine process, or none reachable: 503 as for inference
+            log.warning("prefetch of adapter version %s not done: %s", version_id, exc)
+            raise from_engine_error(exc) from exc
         where = "engine"
     else:
         await services.tasks.send_async("loraplex.prefetch_adapter", version_id, body.pin)
