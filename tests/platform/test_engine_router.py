@@ -180,3 +180,37 @@ def test_the_api_sees_every_engines_whole_snapshot():
                                                                                                             16, 3)
     assert sorted(total.lora_resident) == ["h1", "h2", "h3"] and total.lora_loads_total == 5
     assert sorted(total.extra["lora_pinned"]) == ["h1", "h2"] and total.extra["engines"] == 3
+
+
+def test_readiness_follows_engines_found_unreachable():
+    """An engine killed stays registered for a few seconds; meanwhile /readyz and require_engine say no engine
+    is there (every request would fail), and a heartbeat newer than the failure makes it available again."""
+    import asyncio
+    import json
+
+    from loraplex.engine.errors import EngineUnreachableError
+
+    router = _router({"a": {"updated": time.time() - 1}})
+    router.engines["a"] = _Stub("http://a", fail_before=True)
+    assert router.available
+    with pytest.raises(EngineUnreachableError):
+        _collect(router)
+    assert not router.available
+
+    class Registry:  # Redis as refresh() reads it
+        def __init__(self, record):
+            self.record = record
+
+        async def scan_iter(self, pattern):
+            yield "k"
+
+        async def mget(self, keys):
+            return [json.dumps(self.record)]
+
+    stale = dict(router.records["a"])
+    router.redis = Registry(stale)
+    asyncio.run(router.refresh())
+    assert not router.available  # its last beat is older than the failure
+    router.redis = Registry({**stale, "updated": time.time() + 0.01})
+    asyncio.run(router.refresh())
+    assert router.available

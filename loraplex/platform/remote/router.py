@@ -44,10 +44,14 @@ class EngineRouter:
         # engines found unreachable, passed over until this time (monotonic) unless nothing else is left:
         # their registrations live on in Redis for up to REGISTRATION_TTL after they die
         self._down: dict[str, float] = {}
+        self._down_at: dict[str, float] = {}  # when it was found unreachable (wall clock, as heartbeats are)
 
     @property
     def available(self) -> bool:
-        return bool(self.records)
+        """Whether some registered engine can be tried: one found unreachable does not count until its
+        registration lapses or a heartbeat newer than the failure shows it alive."""
+        now = time.monotonic()
+        return any(self._down.get(e, 0.0) <= now for e in self.records)
 
     async def start(self) -> None:
         await self.refresh()
@@ -75,6 +79,9 @@ class EngineRouter:
             if time.time() - rec.get("updated", 0) <= REGISTRATION_TTL:
                 records[rec["engine_id"]] = rec
         for engine_id, rec in records.items():
+            if engine_id in self._down_at and rec.get("updated", 0.0) > self._down_at[engine_id]:
+                self._down.pop(engine_id, None)  # it beat since it failed us: alive again
+                self._down_at.pop(engine_id, None)
             if engine_id not in self.engines:
                 self.engines[engine_id] = RemoteEngine(rec["url"], self.settings.secret_key,
                                                        model_name=rec["model_name"],
@@ -82,6 +89,7 @@ class EngineRouter:
             self.max_model_len = self.max_model_len or rec["max_model_len"]
         for engine_id in set(self.engines) - set(records):
             self._down.pop(engine_id, None)
+            self._down_at.pop(engine_id, None)
             engine = self.engines.pop(engine_id)
             if not engine.inflight:
                 await engine.shutdown()
@@ -135,6 +143,7 @@ class EngineRouter:
             except EngineUnreachableError as exc:
                 tried.add(engine_id)
                 self._down[engine_id] = time.monotonic() + REGISTRATION_TTL
+                self._down_at[engine_id] = time.time()
                 log.warning("request %s: %s; trying another engine", request_id, exc)
                 if not [e for e in self.records if e in self.engines and e not in tried]:
                     raise
