@@ -263,10 +263,6 @@ class LoraManager:
             self._names[name] = lora
         return lora
 
-    def registered(self) -> dict[str, LoRARequest]:
-        with self._lock:
-            return dict(self._names)
-
     def resolve(self, adapter) -> LoRARequest:
         """A LoRARequest for a registered name (`register`), or for a PEFT folder/archive path (validated now);
         refused with AdapterLoadError."""

@@ -10,6 +10,7 @@ from loraplex.engine.errors import InvalidRequestError
 from loraplex.engine.sampling_params import SamplingParams
 from loraplex.platform.errors import bad_request, from_engine_error
 from loraplex.platform.schemas.openai import ChatCompletionRequest, CompletionRequest
+from loraplex.platform.schemas.text import refuse_unstorable
 
 
 def _sampling(req, *, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
@@ -161,9 +162,9 @@ def fit_unset_max_tokens(limits, prompt_tokens: int, sequences: int, params: Sam
 
 
 def check_text(value: str, param: str) -> str:
-    """JSON can carry lone surrogates ("\\ud800") that no database or tokenizer accepts: refuse them here."""
+    """A value from outside the request body (a path, say) that reaches the database: refused as the body's
+    DbText fields are (NUL, lone surrogates)."""
     try:
-        value.encode("utf-8")
-    except UnicodeEncodeError:
-        raise bad_request(f"'{param}' is not valid Unicode text (it holds a lone surrogate)", param=param) from None
-    return value
+        return refuse_unstorable(value)
+    except ValueError as exc:
+        raise bad_request(f"'{param}' {exc}", param=param) from None

@@ -19,7 +19,6 @@ from loraplex.platform.inference.job import InferenceJob
 from loraplex.platform.inference.params import (
     chat_sampling,
     check_context,
-    check_text,
     completion_prompts,
     completion_sampling,
     encode_chat,
@@ -34,7 +33,7 @@ log = logging.getLogger(__name__)
 
 
 async def resolve_target(services: Services, tenant: TenantContext, model: str) -> ModelTarget:
-    check_text(model, "model")
+    """`model` comes from a body whose schema already refused text no database can store (DbText)."""
     base = services.base_model_name
     if model == base:  # the common case needs no database round trip
         return ModelTarget(model=model)
