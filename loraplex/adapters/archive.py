@@ -22,6 +22,14 @@ _CHUNK = 1024 * 1024
 # path of thousands of folders costs the file system (and a recursive cleanup) dearly.
 MAX_DEPTH = 16
 MAX_NAME_BYTES = 255  # one path component, as most file systems allow
+# tarfile reads a GNU long-name or pax extended header whole into memory before returning its member, and a
+# gzip stream inflates a few hundred KB into gigabytes of such a header: its size is checked first. A long
+# name is at most MAX_DEPTH components of MAX_NAME_BYTES; a pax header of an adapter's files is a few records.
+MAX_TAR_LONG_NAME_BYTES = MAX_DEPTH * (MAX_NAME_BYTES + 1)
+MAX_TAR_PAX_BYTES = 64 * 1024
+# A zip's central directory is parsed whole by ZipFile, however many entries its end record declares: one
+# entry is 46 bytes plus its name, extra fields and comment.
+_MAX_ZIP_ENTRY_BYTES = 46 + MAX_TAR_LONG_NAME_BYTES + 1024
 
 
 def archive_kind(path: Path) -> str | None:
@@ -69,13 +77,13 @@ class _Budget:
         self.members += 1
         if self.members > self.limits.max_members:
             raise AdapterValidationError(
-                f"archive has more than {self.limits.max_members} members (at {name!r})",
+                f"archive has more than {self.limits.max_members} members (at {_shown(name)})",
                 ErrorCode.ARCHIVE_TOO_MANY_MEMBERS)
 
     def check_declared(self, name: str, declared: int) -> None:
         if declared > self.limits.max_member_bytes:
             raise AdapterValidationError(
-                f"archive member {name!r} is {declared} bytes, over the per-file limit of "
+                f"archive member {_shown(name)} is {declared} bytes, over the per-file limit of "
                 f"{self.limits.max_member_bytes}", ErrorCode.ARCHIVE_MEMBER_TOO_LARGE)
         self.declared_total += declared
         if self.declared_total > self.limits.max_total_bytes:
@@ -90,7 +98,7 @@ class _Budget:
                 self.total += len(chunk)
                 if written > self.limits.max_member_bytes:
                     raise AdapterValidationError(
-                        f"archive member {name!r} inflates past the per-file limit of "
+                        f"archive member {_shown(name)} inflates past the per-file limit of "
                         f"{self.limits.max_member_bytes} bytes", ErrorCode.ARCHIVE_MEMBER_TOO_LARGE)
                 if self.total > self.limits.max_total_bytes:
                     raise _total_error(name, self.limits)
@@ -99,20 +107,20 @@ class _Budget:
 
 def _total_error(name: str, limits: AdapterLimits) -> AdapterValidationError:
     return AdapterValidationError(
-        f"archive inflates past the limit of {limits.max_total_bytes} bytes in total (at {name!r})",
+        f"archive inflates past the limit of {limits.max_total_bytes} bytes in total (at {_shown(name)})",
         ErrorCode.ARCHIVE_TOO_LARGE)
 
 
 def _safe_target(dest: Path, name: str) -> Path:
     """The path a member named `name` may be written to, or a refusal."""
     if not name or "\x00" in name:
-        raise AdapterValidationError(f"archive member has an invalid name {name!r}", ErrorCode.ARCHIVE_UNSAFE_PATH)
+        raise AdapterValidationError(f"archive member has an invalid name {_shown(name)}", ErrorCode.ARCHIVE_UNSAFE_PATH)
     posix = name.replace("\\", "/")
     parts = PurePosixPath(posix).parts
     if posix.startswith("/") or (parts and (":" in parts[0])):
-        raise AdapterValidationError(f"archive member {name!r} has an absolute path", ErrorCode.ARCHIVE_UNSAFE_PATH)
+        raise AdapterValidationError(f"archive member {_shown(name)} has an absolute path", ErrorCode.ARCHIVE_UNSAFE_PATH)
     if ".." in parts:
-        raise AdapterValidationError(f"archive member {name!r} escapes the archive with '..'",
+        raise AdapterValidationError(f"archive member {_shown(name)} escapes the archive with '..'",
                                      ErrorCode.ARCHIVE_UNSAFE_PATH)
     parts = tuple(p for p in parts if p not in ("", "."))
     if not parts:
@@ -128,7 +136,7 @@ def _safe_target(dest: Path, name: str) -> Path:
     # Parents were made by us from checked names, so resolve() cannot follow a link we did not create;
     # the check stays as a second line of defence.
     if not target.parent.resolve().is_relative_to(root):
-        raise AdapterValidationError(f"archive member {name!r} lands outside the destination",
+        raise AdapterValidationError(f"archive member {_shown(name)} lands outside the destination",
                                      ErrorCode.ARCHIVE_UNSAFE_PATH)
     return target
 
@@ -150,23 +158,28 @@ def _make_dirs(dest: Path, target: Path) -> None:
         current.mkdir(exist_ok=True)
 
 
-def _declared_zip_entries(archive: Path) -> int | None:
-    """The entry count in the zip's end record, read before ZipFile builds an object per entry: a small
-    archive can declare millions of entries."""
+def _zip_directory(archive: Path) -> tuple[int, int] | None:
+    """The entry count and central directory size in the zip's end record, read before ZipFile builds an
+    object per entry: a small archive can declare millions of entries, or declare few and hold millions."""
     with open(archive, "rb") as f:
         end = zipfile._EndRecData(f)  # stable since Python 2; handles zip64
-    return None if end is None else end[zipfile._ECD_ENTRIES_TOTAL]
+    return None if end is None else (end[zipfile._ECD_ENTRIES_TOTAL], end[zipfile._ECD_SIZE])
 
 
 def _extract_zip(archive: Path, dest: Path, budget: _Budget) -> None:
-    declared = _declared_zip_entries(archive)
-    if declared is not None and declared > budget.limits.max_members:
-        raise AdapterValidationError(f"archive declares {declared} members, more than {budget.limits.max_members}",
+    directory = _zip_directory(archive)
+    most = budget.limits.max_members
+    if directory is not None and directory[0] > most:
+        raise AdapterValidationError(f"archive declares {directory[0]} members, more than {most}",
                                      ErrorCode.ARCHIVE_TOO_MANY_MEMBERS)
+    if directory is not None and directory[1] > most * _MAX_ZIP_ENTRY_BYTES:
+        raise AdapterValidationError(
+            f"archive's central directory is {directory[1]} bytes, more than {most} members can take "
+            f"({most * _MAX_ZIP_ENTRY_BYTES})", ErrorCode.ARCHIVE_TOO_MANY_MEMBERS)
     try:
         zf = zipfile.ZipFile(archive)
     except (zipfile.BadZipFile, OSError) as exc:
-        raise AdapterValidationError(f"{archive.name} is not a readable zip: {exc}", ErrorCode.ARCHIVE_CORRUPT) from exc
+        raise AdapterValidationError(f"{archive.name} is not a readable zip: {_why(exc)}", ErrorCode.ARCHIVE_CORRUPT) from exc
     with zf:
         infos = zf.infolist()
         for info in infos:  # check every member before writing any
@@ -175,10 +188,10 @@ def _extract_zip(archive: Path, dest: Path, budget: _Budget) -> None:
             # type 0), which means a plain file or folder.
             mode = info.external_attr >> 16
             if stat.S_ISLNK(mode):
-                raise AdapterValidationError(f"archive member {info.filename!r} is a symbolic link",
+                raise AdapterValidationError(f"archive member {_shown(info.filename)} is a symbolic link",
                                              ErrorCode.ARCHIVE_LINK)
             if stat.S_IFMT(mode) and not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
-                raise AdapterValidationError(f"archive member {info.filename!r} is not a regular file",
+                raise AdapterValidationError(f"archive member {_shown(info.filename)} is not a regular file",
                                              ErrorCode.ARCHIVE_SPECIAL_FILE)
             _safe_target(dest, info.filename)
             budget.check_declared(info.filename, info.file_size)
@@ -188,7 +201,7 @@ def _extract_zip(archive: Path, dest: Path, budget: _Budget) -> None:
                 _make_dirs(dest, target)
                 continue
             if target == dest:
-                raise AdapterValidationError(f"archive member {info.filename!r} is a file without a name",
+                raise AdapterValidationError(f"archive member {_shown(info.filename)} is a file without a name",
                                              ErrorCode.ARCHIVE_UNSAFE_PATH)
             _make_dirs(dest, target.parent)
             try:
@@ -196,19 +209,44 @@ def _extract_zip(archive: Path, dest: Path, budget: _Budget) -> None:
                     budget.copy(info.filename, src, target)
             except (zipfile.BadZipFile, EOFError, OSError, NotImplementedError, RuntimeError) as exc:
                 if isinstance(exc, FileExistsError):
-                    raise AdapterValidationError(f"archive member {info.filename!r} appears twice",
+                    raise AdapterValidationError(f"archive member {_shown(info.filename)} appears twice",
                                                  ErrorCode.ARCHIVE_UNSAFE_PATH) from exc
-                raise AdapterValidationError(f"cannot read archive member {info.filename!r}: {exc}",
+                raise AdapterValidationError(f"cannot read archive member {_shown(info.filename)}: {_why(exc)}",
                                              ErrorCode.ARCHIVE_CORRUPT) from exc
+
+
+def _why(exc: BaseException) -> str:
+    """What went wrong, without the scratch folder's path that an OSError's text carries."""
+    if isinstance(exc, OSError) and exc.strerror:
+        return exc.strerror
+    return str(exc)
+
+
+class _CheckedTarInfo(tarfile.TarInfo):
+    """A tar header whose extended parts are sized before tarfile reads them into memory."""
+
+    def _proc_member(self, tarfile_):
+        if self.type in (tarfile.GNUTYPE_LONGNAME, tarfile.GNUTYPE_LONGLINK) and self.size > MAX_TAR_LONG_NAME_BYTES:
+            raise AdapterValidationError(
+                f"archive has a long-name header of {self.size} bytes; no path of an adapter's files takes more "
+                f"than {MAX_TAR_LONG_NAME_BYTES}", ErrorCode.ARCHIVE_UNSAFE_PATH)
+        if self.type in (tarfile.XHDTYPE, tarfile.XGLTYPE, tarfile.SOLARIS_XHDTYPE) and self.size > MAX_TAR_PAX_BYTES:
+            raise AdapterValidationError(
+                f"archive has an extended (pax) header of {self.size} bytes, more than {MAX_TAR_PAX_BYTES}",
+                ErrorCode.ARCHIVE_CORRUPT)
+        if self.type == tarfile.GNUTYPE_SPARSE:  # its map of holes would be read first, block after block
+            raise AdapterValidationError(f"archive member {_shown(self.name)} is a sparse file",
+                                         ErrorCode.ARCHIVE_SPECIAL_FILE)
+        return super()._proc_member(tarfile_)
 
 
 def _extract_tar(archive: Path, dest: Path, budget: _Budget) -> None:
     # Streaming mode ("r|*") reads each header and its data once, in order; no random access, no index
     # of all members held in memory before the count limit applies.
     try:
-        tf = tarfile.open(archive, mode="r|*")
+        tf = tarfile.open(archive, mode="r|*", tarinfo=_CheckedTarInfo)
     except (tarfile.TarError, OSError, EOFError) as exc:
-        raise AdapterValidationError(f"{archive.name} is not a readable tar: {exc}", ErrorCode.ARCHIVE_CORRUPT) from exc
+        raise AdapterValidationError(f"{archive.name} is not a readable tar: {_why(exc)}", ErrorCode.ARCHIVE_CORRUPT) from exc
     try:
         with tf:
             for member in tf:
@@ -217,31 +255,31 @@ def _extract_tar(archive: Path, dest: Path, budget: _Budget) -> None:
         # RuntimeError: tarfile recurses once per chained extended header; a long chain overflows the stack.
         if isinstance(exc, AdapterValidationError):
             raise
-        raise AdapterValidationError(f"cannot read {archive.name}: {exc}", ErrorCode.ARCHIVE_CORRUPT) from exc
+        raise AdapterValidationError(f"cannot read {archive.name}: {_why(exc)}", ErrorCode.ARCHIVE_CORRUPT) from exc
 
 
 def _extract_tar_member(tf: tarfile.TarFile, member: tarfile.TarInfo, dest: Path, budget: _Budget) -> None:
     name = member.name
     budget.add_member(name)
     if member.issym() or member.islnk():
-        raise AdapterValidationError(f"archive member {name!r} is a link to {member.linkname!r}",
+        raise AdapterValidationError(f"archive member {_shown(name)} is a link to {_shown(member.linkname)}",
                                      ErrorCode.ARCHIVE_LINK)
     if member.ischr() or member.isblk() or member.isfifo() or member.issparse() or not (
             member.isreg() or member.isdir()):
-        raise AdapterValidationError(f"archive member {name!r} is not a regular file (device, FIFO or special)",
+        raise AdapterValidationError(f"archive member {_shown(name)} is not a regular file (device, FIFO or special)",
                                      ErrorCode.ARCHIVE_SPECIAL_FILE)
     target = _safe_target(dest, name)
     if member.isdir():
         _make_dirs(dest, target)
         return
     if target == dest:
-        raise AdapterValidationError(f"archive member {name!r} is a file without a name", ErrorCode.ARCHIVE_UNSAFE_PATH)
+        raise AdapterValidationError(f"archive member {_shown(name)} is a file without a name", ErrorCode.ARCHIVE_UNSAFE_PATH)
     budget.check_declared(name, member.size)
     _make_dirs(dest, target.parent)
     src = tf.extractfile(member)
     if src is None:
-        raise AdapterValidationError(f"archive member {name!r} has no data", ErrorCode.ARCHIVE_CORRUPT)
+        raise AdapterValidationError(f"archive member {_shown(name)} has no data", ErrorCode.ARCHIVE_CORRUPT)
     try:
         budget.copy(name, src, target)
     except FileExistsError:
-        raise AdapterValidationError(f"archive member {name!r} appears twice", ErrorCode.ARCHIVE_UNSAFE_PATH) from None
+        raise AdapterValidationError(f"archive member {_shown(name)} appears twice", ErrorCode.ARCHIVE_UNSAFE_PATH) from None

@@ -3,6 +3,7 @@ canonical store entry."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -36,7 +37,7 @@ def load_adapter(path: str | Path, spec: BaseModelSpec, limits: AdapterLimits | 
     sub-folder); either of those two files; a .zip / .tar / .tar.gz / .tgz of such a folder; or a canonical
     entry written by an AdapterStore. Raises AdapterValidationError naming the first problem found.
     """
-    limits = limits or AdapterLimits()
+    limits = _for_model(limits or AdapterLimits(), spec)
     try:
         return _load(Path(path), spec, limits)
     except AdapterValidationError:
@@ -50,6 +51,31 @@ def load_adapter(path: str | Path, spec: BaseModelSpec, limits: AdapterLimits | 
         detail = re.sub(r"\S*loraplex-adapter-[^/\s'\"]*/?", "", str(exc))  # no scratch folder paths
         raise AdapterValidationError(f"the adapter could not be read ({type(exc).__name__}: {detail})"[:500],
                                      ErrorCode.UNREADABLE) from exc
+
+
+# Files an adapter folder may hold beside its weights (a README, a tokenizer's files), in all.
+_OTHER_FILES_BYTES = 64 * 1024 * 1024
+
+
+def _weights_bound(spec: BaseModelSpec, limits: AdapterLimits) -> int:
+    return spec.max_adapter_bytes(limits.max_rank) + limits.max_header_bytes
+
+
+def _for_model(limits: AdapterLimits, spec: BaseModelSpec) -> AdapterLimits:
+    """The limits, with what an archive may inflate to cut down to what an adapter of this model can need:
+    a small archive of zeros must not fill the disk before its content is found to be no adapter."""
+    weights = _weights_bound(spec, limits)
+    return dataclasses.replace(limits, max_member_bytes=min(limits.max_member_bytes, weights),
+                               max_total_bytes=min(limits.max_total_bytes, weights + _OTHER_FILES_BYTES))
+
+
+def _check_weights_size(path: Path, spec: BaseModelSpec, limits: AdapterLimits) -> None:
+    """Refuse a weights file larger than any adapter of this model before reading its tensors."""
+    size, most = path.stat().st_size, _weights_bound(spec, limits)
+    if size > most:
+        raise AdapterValidationError(
+            f"{path.name} is {size} bytes, more than a LoRA adapter of rank <= {limits.max_rank} for this base "
+            f"model can take ({most} bytes with its header)", ErrorCode.ARCHIVE_MEMBER_TOO_LARGE)
 
 
 def _load(path: Path, spec: BaseModelSpec, limits: AdapterLimits) -> CanonicalAdapter:
@@ -134,11 +160,13 @@ def _load_pair(config_path: Path, weights_path: Path, spec: BaseModelSpec, limit
     except RecursionError:
         raise AdapterValidationError(f"{CONFIG_NAME} is JSON nested too deeply", ErrorCode.CONFIG_INVALID) from None
     settings = parse_lora_config(config, spec, limits)
+    _check_weights_size(weights_path, spec, limits)
     tensors, _ = read_tensors(weights_path, limits)
     return to_canonical(tensors, settings, spec)
 
 
 def _load_canonical_entry(path: Path, spec: BaseModelSpec, limits: AdapterLimits) -> CanonicalAdapter | None:
+    _check_weights_size(path, spec, limits)
     _, _, meta = read_header(path, limits)
     if meta.get("format") != FORMAT:
         return None

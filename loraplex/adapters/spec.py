@@ -76,6 +76,12 @@ class BaseModelSpec:
         slices = self.peft_modules[peft_module]
         return ModuleShape(self.modules[slices[0].module].in_features, slices[-1].stop)
 
+    def max_adapter_bytes(self, max_rank: int) -> int:
+        """The most the weights of a LoRA adapter of rank <= max_rank can take for this model: A and B of all
+        seven projections in every layer, in fp32 (the widest dtype accepted); fused names cover no more."""
+        per_layer = sum(shape.in_features + shape.out_features for shape in self.modules.values())
+        return self.num_layers * per_layer * max_rank * 4
+
     @classmethod
     def from_model_dir(cls, model_dir: str | Path) -> BaseModelSpec:
         path = Path(model_dir) / "config.json"

@@ -51,8 +51,9 @@ class ParsedUpload:
 
 
 def safe_filename(name: str) -> str:
-    base = name.replace("\\", "/").rsplit("/", 1)[-1].strip() or "upload"
-    return _SAFE_NAME.sub("_", base)[:200]
+    base = name.replace("\\", "/").rsplit("/", 1)[-1].strip()
+    base = _SAFE_NAME.sub("_", base)[:200]
+    return "upload" if base.strip(".") == "" else base  # "", "." and ".." name the folder, not a file
 
 
 async def parse_upload(stream: AsyncIterator[bytes], content_type: str, directory: Path, limit: int) -> ParsedUpload:

@@ -375,3 +375,11 @@ def test_an_adapter_stored_under_the_base_models_name_is_listed_by_version_only(
     with app.state.services.sessions() as session:
         ids = [m for m, _c, _n in registry.list_model_ids(session, tenant.tenant_id, "bot")]
     assert ids == [f"bot@{first['version']}"]
+
+
+@pytest.mark.parametrize("filename", ["..", ".", "...", "dir/.."])
+def test_upload_whose_file_name_names_a_folder_is_served(client, make_tenant, peft_adapter_zip, filename):
+    """A part's file name of "." or ".." names no file: the upload is kept under a name of its own."""
+    tenant = make_tenant()
+    r = upload(client, tenant, "dots", [(filename, peft_adapter_zip.read_bytes())])
+    assert r.status_code == 201 and r.json()["status"] == "ready", r.text
