@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 
 from fastapi import FastAPI
@@ -39,11 +40,36 @@ def build_services(settings: Settings, *, engine: EngineClient | None = None,
     services = Services(settings=settings, db=db, sessions=make_session_factory(db), limiter=limiter,
                         engine=engine, redis=redis)
     services.owns_engine = engine is None
+    if getattr(limiter, "month_seed", False) is None:
+        limiter.month_seed = functools.partial(month_tokens, services)
     services.usage = _usage_recorder(services)
     from loraplex.platform.tasks.dispatch import TaskDispatcher
 
     services.tasks = TaskDispatcher(settings)
     return services
+
+
+async def month_tokens(services: Services, tenant_id: int, month: str) -> int:
+    """The tokens a tenant's usage records count in `month` (YYYYMM), as settled quotas count them."""
+    from datetime import UTC, datetime
+
+    from sqlalchemy import func, select
+
+    from loraplex.platform.db import session_scope
+    from loraplex.platform.models import UsageRecord
+
+    year, mon = int(month[:4]), int(month[4:])
+    start = datetime(year, mon, 1, tzinfo=UTC)
+    end = datetime(year + (mon == 12), mon % 12 + 1, 1, tzinfo=UTC)
+
+    def count() -> int:
+        with session_scope(services.sessions) as session:
+            return int(session.scalar(
+                select(func.coalesce(func.sum(UsageRecord.prompt_tokens + UsageRecord.completion_tokens), 0))
+                .where(UsageRecord.tenant_id == tenant_id, UsageRecord.created_at >= start,
+                       UsageRecord.created_at < end)))
+
+    return await asyncio.to_thread(count)
 
 
 def _usage_recorder(services: Services):

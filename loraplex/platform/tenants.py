@@ -7,6 +7,8 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from loraplex.config import Settings
+from loraplex.platform.billing.models import ALWAYS, TenantPlan
+from loraplex.platform.billing.prices import record_plan
 from loraplex.platform.models import MAX_ROW_ID, AdminKey, ApiKey, Plan, Tenant, TenantStatus, utcnow
 from loraplex.platform.quotas import QuotaLimits
 from loraplex.platform.schemas.tenants import (
@@ -90,6 +92,8 @@ def create_tenant(session: Session, data: TenantCreate) -> Tenant:
         session.flush()
     except IntegrityError as exc:  # a concurrent create with the same name
         raise TenantError(f"a tenant named {data.name!r} already exists", status=409, param="name") from exc
+    session.add(TenantPlan(tenant_id=tenant.id, effective_period=ALWAYS, plan_id=tenant.plan_id))
+    session.flush()
     return tenant
 
 
@@ -108,8 +112,10 @@ def get_tenant(session: Session, ref: int | str) -> Tenant:
 def update_tenant(session: Session, tenant: Tenant, data: TenantUpdate) -> Tenant:
     changes = data.model_dump(exclude_unset=True)
     if "plan" in changes:
-        tenant.plan = _plan_by_name(session, changes.pop("plan")) if changes["plan"] else None
-        changes.pop("plan", None)
+        plan = _plan_by_name(session, changes["plan"]) if changes["plan"] else None
+        record_plan(session, tenant, plan.id if plan is not None else None)
+        session.expire(tenant, ["plan"])
+        changes.pop("plan")
     if "status" in changes:
         if changes["status"] is None:
             raise TenantError("status cannot be null", param="status")

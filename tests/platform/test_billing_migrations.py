@@ -36,3 +36,18 @@ def test_prices_carry_over_to_periods_and_back(tmp_path):
     with sqlite3.connect(path) as db:
         assert db.execute("SELECT tenant_id, prompt_price FROM tenant_price_overrides").fetchall() == [(1, 11)]
         assert db.execute("SELECT currency, prompt_price FROM plan_prices").fetchall() == [("EUR", 5)]
+
+
+def test_every_tenant_starts_its_plan_history_on_its_current_plan(tmp_path):
+    path = tmp_path / "plans.db"
+    config = alembic_config(f"sqlite:///{path}")
+    command.upgrade(config, "0103")
+    with sqlite3.connect(path) as db:
+        db.execute("INSERT INTO plans VALUES (3, 'pro', 10, 1000, 4, 100000, '2026-11-01')")
+        db.execute("INSERT INTO tenants (id, name, status, plan_id, created_at) "
+                   "VALUES (1, 'acme', 'active', 3, '2026-11-01'), (2, 'globex', 'active', NULL, '2026-11-01')")
+    command.upgrade(config, "head")
+    with sqlite3.connect(path) as db:
+        assert db.execute("SELECT tenant_id, effective_period, plan_id FROM tenant_plans ORDER BY tenant_id"
+                          ).fetchall() == [(1, "2000-01", 3), (2, "2000-01", None)]
+    command.downgrade(config, "0103")

@@ -200,3 +200,24 @@ async def test_a_reservation_never_settled_is_not_kept_alive_for_ever(monkeypatc
         if keys:
             await client.delete(*keys)
         await client.aclose()
+
+
+async def test_a_month_without_a_counter_starts_from_the_usage_records(limiter):
+    """As after a restart of the embedded server or an emptied Redis: the month's count is seeded once."""
+    calls = []
+
+    async def seed(tenant_id, month):
+        calls.append((tenant_id, month))
+        return {1: 200, 2: 0}[tenant_id]
+
+    limiter.month_seed = seed
+    limits = QuotaLimits(requests_per_minute=100, tokens_per_minute=1000, max_concurrent=10,
+                         monthly_token_budget=250)
+    r = await limiter.acquire(1, limits, "s0", 40, now=T0)
+    await limiter.settle(r, 40)
+    with pytest.raises(QuotaExceeded) as info:
+        await limiter.acquire(1, limits, "s1", 20, now=T0 + 1)
+    assert info.value.kind == "monthly_budget" and "240 used" in info.value.message
+    assert await limiter.month_used(1, now=T0 + 2) == 240
+    assert await limiter.month_used(2, now=T0 + 2) == 0
+    assert sorted(calls) == [(1, calls[0][1]), (2, calls[0][1])]  # once per tenant and month

@@ -67,3 +67,19 @@ def test_text_completions_default_to_16_tokens_as_openai_does(client, make_tenan
     # chat completions keep no default: up to the context
     r = _chat(client, tenant)
     assert r.status_code == 200 and fake_engine.requests[-1]["params"].max_tokens is None
+
+
+def test_unset_max_tokens_fits_what_is_left_of_the_monthly_budget(client, make_tenant, fake_engine):
+    """A budget below the context (256) still serves a request without max_tokens, to what is left of it."""
+    tenant = make_tenant(monthly_token_budget=150)
+    r = _chat(client, tenant)
+    assert r.status_code == 200, r.text
+    first = r.json()["usage"]["total_tokens"]
+    assert first == 150 and r.json()["choices"][0]["finish_reason"] == "length"
+    tenant2 = make_tenant(monthly_token_budget=200)
+    used = _chat(client, tenant2, max_tokens=5).json()["usage"]["total_tokens"]
+    r = _chat(client, tenant2)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["total_tokens"] == 200 - used  # the rest of the month, not the whole budget
+    r = _chat(client, tenant2)  # nothing left: the budget's 429, not a one-token answer
+    assert r.status_code == 429 and r.json()["error"]["code"] == "insufficient_quota"

@@ -49,6 +49,20 @@ class TenantPrice(Base):
     updated_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow, onupdate=utcnow)
 
 
+class TenantPlan(Base):
+    """The plan a tenant is on from `effective_period` (YYYY-MM) until a later row; plan_id NULL is no plan.
+    Statements and reports price a month at the plan of that month, so a plan change re-prices neither
+    billed months nor any month before the one it is made in."""
+
+    __tablename__ = "tenant_plans"
+    __table_args__ = (UniqueConstraint("tenant_id", "effective_period", name="uq_tenant_plans_tenant_id_period"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    tenant_id: Mapped[int] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"))
+    effective_period: Mapped[str] = mapped_column(String(7), default=ALWAYS)
+    plan_id: Mapped[int | None] = mapped_column(ForeignKey("plans.id", ondelete="SET NULL"), nullable=True)
+
+
 class UsageRollup(Base):
     """Usage of one UTC day per tenant, key and adapter version. Rebuilt whole by each rollup run of the day."""
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from loraplex.platform.billing.models import ALWAYS, PlanPrice, Statement, TenantPrice
+from loraplex.platform.billing.models import ALWAYS, PlanPrice, Statement, TenantPlan, TenantPrice
 from loraplex.platform.billing.periods import next_period, parse_period, period_of, today_utc
 from loraplex.platform.billing.pricing import Price, PriceOverride, effective_price
 from loraplex.platform.models import Plan, Tenant
@@ -100,10 +100,40 @@ def set_tenant_override(
     session.flush()
 
 
+def plan_of(session: Session, tenant: Tenant, period: str | None = None) -> int | None:
+    """The id of the plan `tenant` is on in `period` (default: now); None for no plan."""
+    row = session.scalars(
+        select(TenantPlan).where(TenantPlan.tenant_id == tenant.id, TenantPlan.effective_period <= _period(period))
+        .order_by(TenantPlan.effective_period.desc()).limit(1)
+    ).first()
+    return tenant.plan_id if row is None else row.plan_id  # no history yet: the plan it has always had
+
+
+def record_plan(session: Session, tenant: Tenant, plan_id: int | None) -> None:
+    """Put `tenant` on plan `plan_id` (None: no plan) for the whole current month and on. Earlier months keep
+    the plan they were on, so their statements and reports keep their prices and currency."""
+    period = _period(None)
+    if not session.scalar(select(func.count()).select_from(TenantPlan).where(TenantPlan.tenant_id == tenant.id)):
+        # the plan so far holds for every earlier month (tenant.plan_id is still the old one here)
+        session.add(TenantPlan(tenant_id=tenant.id, effective_period=ALWAYS, plan_id=tenant.plan_id))
+        session.flush()
+    if plan_of(session, tenant, period) != plan_id:
+        row = session.scalars(
+            select(TenantPlan).where(TenantPlan.tenant_id == tenant.id, TenantPlan.effective_period == period)
+        ).first()
+        if row is None:
+            session.add(TenantPlan(tenant_id=tenant.id, effective_period=period, plan_id=plan_id))
+        else:
+            row.plan_id = plan_id
+    tenant.plan_id = plan_id
+    session.flush()
+
+
 def price_for_tenant(session: Session, tenant: Tenant, period: str | None = None) -> Price:
-    """The prices a tenant pays in `period` (default: now): its plan's list, else the no-plan list, then
-    its own overrides field by field."""
-    plan = plan_price(session, tenant.plan_id, period) if tenant.plan_id is not None else None
+    """The prices a tenant pays in `period` (default: now): the list of the plan it was on in that month,
+    else the no-plan list, then its own overrides field by field."""
+    plan_id = plan_of(session, tenant, period)
+    plan = plan_price(session, plan_id, period) if plan_id is not None else None
     return effective_price(plan or plan_price(session, None, period), tenant_override(session, tenant.id, period))
 
 
@@ -124,6 +154,6 @@ def price_lists(session: Session, period: str | None = None) -> list[dict]:
 
 
 __all__ = [
-    "ALWAYS", "plan_price", "price_for_tenant", "price_lists", "set_plan_price", "set_tenant_override",
-    "tenant_override",
+    "ALWAYS", "plan_of", "plan_price", "price_for_tenant", "price_lists", "record_plan", "set_plan_price",
+    "set_tenant_override", "tenant_override",
 ]

@@ -27,9 +27,9 @@ from loraplex.platform.billing.schemas import (
     StatementSummary,
     UsageReportPublic,
 )
-from loraplex.platform.billing.statements import get_statement, list_statements
+from loraplex.platform.billing.statements import get_statement, list_statements, tenants_of_period
 from loraplex.platform.deps import RowId, SessionDep, UsageKeyDep
-from loraplex.platform.errors import bad_request
+from loraplex.platform.errors import bad_request, not_found
 from loraplex.platform.models import Tenant
 
 router = APIRouter(prefix="/v1", tags=["billing"])
@@ -64,7 +64,9 @@ def statements(*, caller: UsageKeyDep, session: SessionDep) -> StatementList:
     tenant = session.get(Tenant, caller.tenant_id)
     today = today_utc()
     final = {r.period for r in list_statements(session, tenant_ids=[caller.tenant_id])}
-    drafts = [p for p in (period_of(today), previous_period(today)) if p not in final]
+    # a month before the tenant existed (and had no usage) has no statement, as the admin views say
+    drafts = [p for p in (period_of(today), previous_period(today))
+              if p not in final and tenants_of_period(session, p, [caller.tenant_id])]
     data = [statement_dict(get_statement(session, tenant, p)) for p in sorted(set(drafts) | final, reverse=True)]
     return StatementList(data=[StatementSummary.model_validate(item) for item in data])
 
@@ -76,6 +78,8 @@ def statement(*, caller: UsageKeyDep, session: SessionDep, period: str, format: 
         parse_period(period)
     except ValueError as exc:
         raise bad_request(str(exc), param="period") from exc
+    if not tenants_of_period(session, period, [caller.tenant_id]):
+        raise not_found(f"there is no statement for {period}: the tenant did not exist then", param="period")
     tenant = session.get(Tenant, caller.tenant_id)
     return statement_response(get_statement(session, tenant, period), format)
 

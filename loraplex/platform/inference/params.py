@@ -145,14 +145,16 @@ def check_context(engine: EngineClient, prompt_len: int, params: SamplingParams,
 
 
 def fit_unset_max_tokens(limits, prompt_tokens: int, sequences: int, params: SamplingParams,
-                         max_new: int) -> tuple[int, SamplingParams]:
+                         max_new: int, month_used: int = 0) -> tuple[int, SamplingParams]:
     """A request that leaves max_tokens unset may run to the end of the context, and the quota reserves
-    that much up front: a tenant whose per-minute token limit is below the context would be refused every
-    such request. Instead the completion gets the budget the limit allows (finish_reason "length" when it
-    runs out); a prompt that alone exceeds the limit is still refused by the quota."""
+    that much up front: a tenant whose per-minute token limit or remaining monthly budget is below the
+    context would be refused every such request. Instead the completion gets the budget the limits allow
+    (finish_reason "length" when it runs out); a prompt that alone exceeds them is still refused by the
+    quota."""
     if params.max_tokens is not None:
         return max_new, params
-    room = (limits.tokens_per_minute - prompt_tokens) // max(1, sequences)
+    allowed = min(limits.tokens_per_minute, limits.monthly_token_budget - month_used)
+    room = (allowed - prompt_tokens) // max(1, sequences)
     if room >= max_new:
         return max_new, params
     # never below min_tokens: a request that needs more than the limit allows is refused by the quota as

@@ -60,6 +60,14 @@ async def _tokenize(request: Request, fn, *args):
     return await asyncio.to_thread(fn, *args)
 
 
+async def _month_used(services: Services, tenant: TenantContext, params) -> int:
+    """What the tenant's month has used, for a request that leaves max_tokens to the limits (others: 0)."""
+    if params.max_tokens is not None:
+        return 0
+    month_used = getattr(services.limiter, "month_used", None)
+    return await month_used(tenant.tenant_id) if month_used is not None else 0
+
+
 async def chat_completion(services: Services, tenant: TenantContext, request: Request,
                           body: ChatCompletionRequest) -> Response:
     engine = services.require_engine()
@@ -68,7 +76,8 @@ async def chat_completion(services: Services, tenant: TenantContext, request: Re
     prompt = await _tokenize(request, encode_chat, engine, body)
     max_new = check_context(engine, len(prompt), params, "messages",
                             "max_completion_tokens" if body.max_completion_tokens else "max_tokens")
-    max_new, params = fit_unset_max_tokens(tenant.limits, len(prompt), params.n, params, max_new)
+    max_new, params = fit_unset_max_tokens(tenant.limits, len(prompt), params.n, params, max_new,
+                                           await _month_used(services, tenant, params))
     job = InferenceJob(services, tenant, request.state.request_id, "chat.completions", target, [prompt], params,
                        max_new, user=body.user)
     await job.admit()
@@ -96,7 +105,8 @@ async def text_completion(services: Services, tenant: TenantContext, request: Re
     prompts = await _tokenize(request, completion_prompts, engine, body)
     max_new = min(check_context(engine, len(p), params, "prompt") for p in prompts)
     max_new, params = fit_unset_max_tokens(
-        tenant.limits, sum(len(p) for p in prompts), len(prompts) * params.n, params, max_new)
+        tenant.limits, sum(len(p) for p in prompts), len(prompts) * params.n, params, max_new,
+        await _month_used(services, tenant, params))
     job = InferenceJob(services, tenant, request.state.request_id, "completions", target, prompts, params,
                        max_new, user=body.user)
     await job.admit()

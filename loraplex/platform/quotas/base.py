@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Protocol
@@ -41,9 +42,21 @@ class QuotaExceeded(Exception):
         self.headers = headers
 
 
+# (tenant id, YYYYMM) -> the tokens the tenant's usage records count in that month: where a limiter's monthly
+# counter starts when it has none (a restarted embedded server, an emptied Redis), so a restart does not hand
+# a tenant its monthly budget again
+MonthSeed = Callable[[int, str], Awaitable[int]]
+
+
 class QuotaLimiter(Protocol):
+    month_seed: MonthSeed | None
+
     async def acquire(self, tenant_id: int, limits: QuotaLimits, request_id: str,
                       reserve_tokens: int) -> Reservation: ...
+
+    async def month_used(self, tenant_id: int) -> int:
+        """Tokens counted against the tenant's monthly budget so far this month."""
+        ...
 
     async def settle(self, reservation: Reservation, used_tokens: int) -> None: ...
 

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections import defaultdict
 
 from loraplex.platform.quotas.base import (
     WINDOW_SECONDS,
+    MonthSeed,
     QuotaLimits,
     Reservation,
     exceeded,
@@ -15,11 +17,14 @@ from loraplex.platform.quotas.base import (
 )
 
 INFLIGHT_TTL_SECONDS = 600
+log = logging.getLogger(__name__)
 
 
 class MemoryQuotaLimiter:
-    def __init__(self, clock=None) -> None:
+    def __init__(self, clock=None, month_seed: MonthSeed | None = None) -> None:
         self._clock = clock  # a fixed clock lets tests pin every request into one window
+        self.month_seed = month_seed
+        self._seeded: set[tuple[int, str]] = set()
         self._lock = threading.Lock()
         self._requests: dict[tuple[int, int], int] = defaultdict(int)  # (tenant, minute) -> count
         self._tokens: dict[tuple[int, int], int] = defaultdict(int)
@@ -33,6 +38,7 @@ class MemoryQuotaLimiter:
             now = self._clock()
         t, minute, month = now_parts(now)
         reset_in = (minute + 1) * WINDOW_SECONDS - t
+        await self._seed(tenant_id, month)
         with self._lock:
             self._forget_old_windows(minute)
             reqs = self._requests[(tenant_id, minute)]
@@ -58,6 +64,30 @@ class MemoryQuotaLimiter:
             inflight[request_id] = t
         return Reservation(tenant_id, request_id, reserve_tokens, minute, month,
                            headers=rate_headers(limits, reqs + 1, toks + reserve_tokens, reset_in))
+
+    async def _seed(self, tenant_id: int, month: str) -> None:
+        """This process's first count of a tenant's month starts from its usage records (a restart)."""
+        key = (tenant_id, month)
+        if self.month_seed is None or key in self._seeded:
+            return
+        try:
+            used = await self.month_seed(tenant_id, month)
+        except Exception:
+            log.warning("could not count tenant %s's usage for %s; its monthly budget counts from 0 until it "
+                        "can", tenant_id, month, exc_info=True)
+            return
+        with self._lock:
+            if key not in self._seeded:
+                self._seeded.add(key)
+                self._monthly[key] += used
+
+    async def month_used(self, tenant_id: int, *, now: float | None = None) -> int:
+        if now is None and self._clock is not None:
+            now = self._clock()
+        month = now_parts(now)[2]
+        await self._seed(tenant_id, month)
+        with self._lock:
+            return self._monthly.get((tenant_id, month), 0)
 
     async def settle(self, reservation: Reservation, used_tokens: int) -> None:
         with self._lock:

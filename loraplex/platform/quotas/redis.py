@@ -9,6 +9,7 @@ import time
 from loraplex.platform.outage import OutageLog, every
 from loraplex.platform.quotas.base import (
     WINDOW_SECONDS,
+    MonthSeed,
     QuotaLimits,
     Reservation,
     exceeded,
@@ -93,12 +94,15 @@ _KINDS = {1: "concurrent", 2: "requests", 3: "tokens", 4: "monthly_budget"}
 INFLIGHT_TTL_MS = 90 * 1000
 KEEP_ALIVE_SECONDS = 20.0
 MAX_REQUEST_SECONDS = 6 * 3600  # no request runs this long: one still unsettled is kept alive no more
+MONTH_TTL_SECONDS = 40 * 24 * 3600
 
 
 class RedisQuotaLimiter:
-    def __init__(self, redis, prefix: str = "lpx"):
+    def __init__(self, redis, prefix: str = "lpx", month_seed: MonthSeed | None = None):
         self.redis = redis
         self.prefix = prefix
+        self.month_seed = month_seed
+        self._seeded: set[tuple[int, str]] = set()
         self._acquire = redis.register_script(_ACQUIRE)
         self._settle = redis.register_script(_SETTLE)
         self._keep_alive = redis.register_script(_KEEP_ALIVE)
@@ -117,11 +121,12 @@ class RedisQuotaLimiter:
                       reserve_tokens: int, *, now: float | None = None) -> Reservation:
         t, minute, month = now_parts(now)
         reset_in = (minute + 1) * WINDOW_SECONDS - t
+        await self._seed(tenant_id, month)
         code, reqs, toks, spent = await self._acquire(
             keys=self._keys(tenant_id, minute, month),
             args=[int(t * 1000), limits.requests_per_minute, limits.tokens_per_minute, limits.max_concurrent,
                   limits.monthly_token_budget, reserve_tokens, request_id, INFLIGHT_TTL_MS,
-                  2 * WINDOW_SECONDS, 40 * 24 * 3600, self._base(tenant_id), month],
+                  2 * WINDOW_SECONDS, MONTH_TTL_SECONDS, self._base(tenant_id), month],
         )
         if code:
             raise exceeded(_KINDS[int(code)], limits, int(reqs), int(toks), reset_in, t, reserve_tokens,
@@ -130,6 +135,29 @@ class RedisQuotaLimiter:
                                   headers=rate_headers(limits, int(reqs), int(toks), reset_in))
         self._live[(tenant_id, request_id)] = time.monotonic()
         return reservation
+
+    def _month_key(self, tenant_id: int, month: str) -> str:
+        return f"{self._base(tenant_id)}:month:{month}"
+
+    async def _seed(self, tenant_id: int, month: str) -> None:
+        """A month with no counter in Redis (its first request, or a Redis that lost its data) starts from
+        the tenant's usage records; SET NX keeps the counter another process made first."""
+        key = (tenant_id, month)
+        if self.month_seed is None or key in self._seeded:
+            return
+        try:
+            if not await self.redis.exists(self._month_key(tenant_id, month)):
+                used = await self.month_seed(tenant_id, month)
+                await self.redis.set(self._month_key(tenant_id, month), used, nx=True, ex=MONTH_TTL_SECONDS)
+        except Exception:
+            log.warning("could not seed tenant %s's monthly counter for %s", tenant_id, month, exc_info=True)
+            return
+        self._seeded.add(key)
+
+    async def month_used(self, tenant_id: int, *, now: float | None = None) -> int:
+        month = now_parts(now)[2]
+        await self._seed(tenant_id, month)
+        return int(await self.redis.get(self._month_key(tenant_id, month)) or 0)
 
     async def keep_alive(self, *, now: float | None = None) -> int:
         """Push this process's unsettled reservations' expiry forward; returns how many."""
