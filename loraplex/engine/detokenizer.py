@@ -82,16 +82,18 @@ class StopStringMatcher:
         self._pending = ""
         self.matched: str | None = None
 
-    def feed(self, delta: str) -> tuple[str, str | None]:
+    def feed(self, delta: str, match: bool = True) -> tuple[str, str | None]:
         """Add new text. Returns (text safe to emit now, the stop string matched or None). After a
-        match the text is cut at the stop string and further input is ignored."""
+        match the text is cut at the stop string and further input is ignored. With `match` False (before
+        min_tokens) no stop string ends the text; a tail that could begin one is still held back, so one that
+        ends once matching is on is caught whole."""
         if self.matched is not None:
             return "", self.matched
         self._pending += delta
         if not self.stop:
             emit, self._pending = self._pending, ""
             return emit, None
-        hits = [(self._pending.find(s), s) for s in self.stop]
+        hits = [(self._pending.find(s), s) for s in self.stop] if match else []
         hits = [(pos, s) for pos, s in hits if pos >= 0]
         if hits:
             pos, stop = min(hits, key=lambda hit: (hit[0], -len(hit[1])))

@@ -95,9 +95,10 @@ class RequestState:
             delta = "" if hide else comp.detok.step([token])
             if finish is not None:
                 delta += comp.detok.flush() if not hide else ""
-            emit, matched = comp.stops.feed(delta)
+            # before min_tokens no stop string is looked for (as vLLM); text that could begin one is held
+            emit, matched = comp.stops.feed(delta, match=min_reached)
             comp.text += emit
-            if matched is not None and min_reached:
+            if matched is not None:
                 return ("stop", matched)
             if finish is not None:
                 comp.text += comp.stops.flush()

@@ -129,6 +129,23 @@ def test_stop_strings_and_stop_tokens(llm):
     assert out.finish_reason == "length" and len(out.token_ids) == 5
 
 
+def test_stop_strings_wait_for_min_tokens(llm):
+    """A stop string in the text of the first min_tokens tokens ends nothing and stays in the text, which
+    always equals the tokens' text; one after that ends the request there."""
+    prompt, greedy = "Hello world", dict(temperature=0, max_tokens=16, ignore_eos=True)
+    base = llm.generate(prompt, SamplingParams(**greedy), use_tqdm=False)[0].outputs[0]
+    early = base.text[1:3]  # a string the first few tokens' text holds
+    assert early and early in llm.tokenizer.decode(base.token_ids[:4])
+    out = llm.generate(prompt, SamplingParams(**greedy, stop=[early], min_tokens=16), use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "length" and out.token_ids == base.token_ids and out.text == base.text
+    # with min_tokens met earlier, the first occurrence after it (if any) stops the text there
+    out = llm.generate(prompt, SamplingParams(**greedy, stop=[early], min_tokens=4), use_tqdm=False)[0].outputs[0]
+    assert base.text.startswith(out.text) and out.token_ids == base.token_ids[:len(out.token_ids)]
+    if out.finish_reason == "stop":
+        assert base.text[len(out.text):].startswith(early)
+        assert len(out.token_ids) >= 4
+
+
 def test_eos_stops_unless_ignored(tiny_llama_dir):
     import dataclasses
 

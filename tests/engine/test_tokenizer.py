@@ -216,3 +216,13 @@ def test_no_stop_strings_passes_through():
     matcher = StopStringMatcher([])
     assert matcher.feed("abc") == ("abc", None)
     assert matcher.flush() == ""
+
+
+def test_stop_strings_are_not_matched_until_asked_to_be():
+    """Before min_tokens a stop string ends nothing and its text is released; a stop string that begins
+    before and ends after matching resumes is still caught whole."""
+    matcher = StopStringMatcher(["STOP"])
+    assert matcher.feed("a STOP b", match=False) == ("a STOP b", None)
+    assert matcher.feed(" ST", match=False) == (" ", None)
+    assert matcher.feed("OP c", match=True) == ("", "STOP")
+    assert matcher.flush() == ""
