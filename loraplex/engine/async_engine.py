@@ -16,7 +16,7 @@ from typing import Any
 
 from loraplex.engine.client import EngineStats
 from loraplex.engine.config import EngineConfig
-from loraplex.engine.errors import EngineOverloadedError, InvalidRequestError
+from loraplex.engine.errors import EngineError, EngineOverloadedError, InvalidRequestError
 from loraplex.engine.llm_engine import LLMEngine
 from loraplex.engine.lora_request import LoRARequest
 from loraplex.engine.outputs import RequestOutput
@@ -48,13 +48,15 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._num_aborted = 0
+        self.failure: str | None = None  # why the step thread stopped, if it stopped on an error
 
     # -- lifecycle --------------------------------------------------------------------------------------
     async def start(self) -> None:
         if self._thread is not None:
             return
         self._stopping = False
-        self._thread = threading.Thread(target=self._loop, name="loraplex-engine", daemon=True)
+        self.failure = None
+        self._thread = threading.Thread(target=self._run, name="loraplex-engine", daemon=True)
         self._thread.start()
 
     async def shutdown(self) -> None:
@@ -78,6 +80,8 @@ class AsyncEngine:
         adapter: LoRARequest | None = None,
         tenant: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
+        if self.failure is not None:
+            raise EngineError(f"the engine stopped: {self.failure}")
         if self._thread is None or self._stopping:
             raise EngineOverloadedError("the engine is not running")
         if request_id in self._streams:
@@ -106,6 +110,11 @@ class AsyncEngine:
             self._streams.pop(request_id, None)
             if not finished:
                 self._send(("abort", request_id, None))
+
+    @property
+    def available(self) -> bool:
+        """False once the step thread has stopped on an error: nothing would be served."""
+        return self.failure is None
 
     async def abort(self, request_id: str) -> None:
         done: Future = Future()
@@ -161,6 +170,8 @@ class AsyncEngine:
     def _send(self, command: tuple) -> None:
         self._commands.put(command)
         self._wake.set()
+        if self.failure is not None:  # no step thread will take it: answer it here
+            self._refuse_commands()
 
     def _drain_commands(self) -> None:
         while True:
@@ -168,20 +179,63 @@ class AsyncEngine:
                 command = self._commands.get_nowait()
             except queue.Empty:
                 return
-            kind = command[0]
-            if kind == "add":
-                _, request_id, ids, params, adapter, tenant, added = command
-                try:
-                    self.engine.add_request(request_id, ids, params, lora=adapter, tenant=tenant)
-                    added.set_result(None)
-                except Exception as exc:  # the request is refused; the engine goes on
-                    added.set_exception(exc)
-            elif kind == "abort":
-                _, request_id, done = command
+            try:
+                self._run_command(command)
+            except Exception:  # one command's failure must not stop the step thread
+                log.exception("engine command %r failed", command[:2])
+
+    def _run_command(self, command: tuple) -> None:
+        kind = command[0]
+        if kind == "add":
+            _, request_id, ids, params, adapter, tenant, added = command
+            # The caller gave up (a client that left while its request waited here) and cancelled the future:
+            # nothing is added, and its abort, which follows, finds nothing to do.
+            if not added.set_running_or_notify_cancel():
+                return
+            try:
+                self.engine.add_request(request_id, ids, params, lora=adapter, tenant=tenant)
+            except Exception as exc:  # the request is refused; the engine goes on
+                added.set_exception(exc)
+            else:
+                added.set_result(None)
+        elif kind == "abort":
+            _, request_id, done = command
+            if done is not None and not done.set_running_or_notify_cancel():
+                done = None
+            try:
                 if self.engine.abort_request(request_id) is not None:
                     self._num_aborted += 1
+            finally:
                 if done is not None:
                     done.set_result(None)
+
+    def _refuse_commands(self) -> None:
+        """Answer every queued command of a stopped engine: requests fail, aborts are done."""
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            future = command[-1]
+            if future is None or not future.set_running_or_notify_cancel():
+                continue
+            if command[0] == "add":
+                future.set_exception(EngineError(f"the engine stopped: {self.failure}"))
+            else:
+                future.set_result(None)
+
+    def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as exc:
+            # Whatever stopped the step thread: say so (readiness turns false) and fail what waits on it,
+            # rather than leave every request hanging on a server that still looks ready.
+            log.critical("the engine's step thread stopped; no request can be served", exc_info=True)
+            self.failure = f"{type(exc).__name__} in its step thread (the server log has the cause)"
+            self._refuse_commands()
+            for request_id, stream in list(self._streams.items()):
+                stream.put(EngineError(f"the engine stopped: {self.failure}"))
+                self._streams.pop(request_id, None)
 
     def _loop(self) -> None:
         while not self._stopping:

@@ -6,6 +6,7 @@ import json
 import logging
 import uuid
 
+from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from loraplex.platform.errors import error_body
@@ -41,6 +42,9 @@ class RequestIdMiddleware:
 
         try:
             await self.app(scope, receive, send_with_id)
+        except ClientDisconnect:
+            # the client left while its body was being read (a cut upload): nobody to answer, nothing failed
+            log.info("request %s: the client disconnected before its body was read", request_id)
         except Exception:
             log.exception("unhandled error in request %s", request_id)
             if started:

@@ -51,6 +51,9 @@ class Services:
         `serve --no-engine`) no engine process registered."""
         if self.engine is None:
             return "The inference engine is not available in this process."
+        failure = getattr(self.engine, "failure", None)
+        if failure:
+            return f"The inference engine stopped: {failure}."
         if not getattr(self.engine, "available", True):
             return "No engine process is serving right now; retry shortly."
         return None

@@ -121,3 +121,66 @@ async def test_more_completions_than_max_num_seqs_are_refused_not_left_waiting(t
         assert eng.engine.last_step_idle is False  # the last step ran the request
     finally:
         await eng.shutdown()
+
+
+async def _hold_steps(engine):
+    """Make the step thread wait inside its next step until the returned event is set."""
+    import threading
+
+    release, inside = threading.Event(), threading.Event()
+    step = engine.engine.step
+
+    def held_step():
+        inside.set()
+        release.wait(10)
+        return step()
+
+    engine.engine.step = held_step
+    return release, inside
+
+
+async def test_a_caller_that_gives_up_while_its_request_is_queued_leaves_the_engine_running(engine):
+    """The client leaves while its request waits for the step thread (busy in a step): its add and abort
+    commands both find it gone, and the thread goes on serving everyone else."""
+    release, inside = await _hold_steps(engine)
+    busy = asyncio.create_task(_collect(engine, "Hello world", "busy"))
+    while not inside.is_set():
+        await asyncio.sleep(0.01)
+    leaver = asyncio.create_task(_collect(engine, "The quick brown fox", "leaver"))
+    await asyncio.sleep(0.05)  # its add command is queued and it waits on the step thread's answer
+    leaver.cancel()
+    abort = asyncio.create_task(engine.abort("leaver"))
+    await asyncio.sleep(0.05)
+    abort.cancel()  # a caller that gives up on its abort, too
+    release.set()
+    assert (await asyncio.wait_for(busy, 30))[-1].finished
+    later = await asyncio.wait_for(_collect(engine, "Hello", "later"), 30)
+    assert later[-1].finished and engine.failure is None and engine.available
+    assert engine._thread.is_alive() and engine.stats().kv_blocks_used == 0
+
+
+async def test_a_step_thread_that_stops_fails_requests_and_turns_unavailable(engine):
+    """Whatever kills the step thread, waiting requests get an error instead of hanging, new ones are
+    refused at once, and `available` (readiness) turns false."""
+    from loraplex.engine.errors import EngineError
+
+    release, inside = await _hold_steps(engine)
+    waiting = asyncio.create_task(_collect(engine, "Hello world", "waiting"))
+    while not inside.is_set():
+        await asyncio.sleep(0.01)
+
+    def broken():
+        raise SystemError("a defect outside any one step")
+
+    engine.engine.has_unfinished_requests = broken
+    release.set()
+    with pytest.raises(EngineError, match="engine stopped"):
+        await asyncio.wait_for(waiting, 30)
+    assert not engine.available and "SystemError" in engine.failure
+    with pytest.raises(EngineError, match="engine stopped"):
+        await _collect(engine, "Hello", "after")
+    await asyncio.wait_for(engine.abort("waiting"), 5)  # answered, not left waiting on a dead thread
+
+
+async def _collect(engine, prompt, request_id):
+    return [out async for out in engine.generate(prompt, GREEDY, request_id)]

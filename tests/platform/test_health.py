@@ -25,3 +25,15 @@ def test_not_ready_when_the_database_does_not_answer(client, app, monkeypatch):
     monkeypatch.setattr(app.state.services, "sessions", broken)
     r = client.get("/readyz")
     assert r.status_code == 503 and r.json()["problems"] == ["database: ConnectionRefusedError"]
+
+
+def test_not_ready_once_the_embedded_engine_has_stopped(client, fake_engine, monkeypatch, make_tenant):
+    monkeypatch.setattr(fake_engine, "failure", "SystemError in its step thread (the server log has the cause)",
+                        raising=False)
+    r = client.get("/readyz")
+    assert r.status_code == 503 and r.json()["problems"] == [
+        "engine: The inference engine stopped: SystemError in its step thread (the server log has the cause)."]
+    tenant = make_tenant()
+    r = client.post("/v1/chat/completions", headers=tenant.headers,
+                    json={"model": "fake-base", "messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 503 and "engine stopped" in r.json()["error"]["message"]
