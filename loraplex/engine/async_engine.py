@@ -7,11 +7,12 @@ command queue, and each step's outputs are handed back to the request's asyncio 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import queue
 import threading
 from collections.abc import AsyncIterator, Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from typing import Any
 
 from loraplex.engine.client import EngineStats
@@ -173,16 +174,23 @@ class AsyncEngine:
         if self.failure is not None:  # no step thread will take it: answer it here
             self._refuse_commands()
 
-    def _drain_commands(self) -> None:
+    def _queued_commands(self):
         while True:
             try:
-                command = self._commands.get_nowait()
+                yield self._commands.get_nowait()
             except queue.Empty:
                 return
+
+    def _drain_commands(self) -> None:
+        for command in self._queued_commands():
             try:
                 self._run_command(command)
-            except Exception:  # one command's failure must not stop the step thread
+            except Exception as exc:  # one command's failure must not stop the step thread
                 log.exception("engine command %r failed", command[:2])
+                future = command[-1]
+                if future is not None and not future.done():
+                    with contextlib.suppress(InvalidStateError):  # its caller gave up meanwhile
+                        future.set_exception(exc)
 
     def _run_command(self, command: tuple) -> None:
         kind = command[0]
@@ -211,11 +219,7 @@ class AsyncEngine:
 
     def _refuse_commands(self) -> None:
         """Answer every queued command of a stopped engine: requests fail, aborts are done."""
-        while True:
-            try:
-                command = self._commands.get_nowait()
-            except queue.Empty:
-                return
+        for command in self._queued_commands():
             future = command[-1]
             if future is None or not future.set_running_or_notify_cancel():
                 continue
