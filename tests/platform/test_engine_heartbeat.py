@@ -74,3 +74,30 @@ def test_a_draining_engine_withdraws_its_registration_at_once(tmp_path):
 
     asyncio.run(run())
     assert deleted == [server.registry_key("hb-test", "e1")] and not redis.stored
+
+
+def test_an_engine_whose_step_thread_stopped_withdraws_its_registration(tmp_path, caplog):
+    """An engine process that can no longer serve leaves the registry, so API processes route elsewhere
+    (or answer 503) instead of sending every request to it."""
+    deleted = []
+
+    class Redis(FlakyRedis):
+        async def delete(self, key):
+            deleted.append(key)
+            self.stored.pop(key, None)
+
+    redis = Redis(failures=0)
+    settings = Settings(data_dir=tmp_path, redis_prefix="hb-test")
+    engine = FakeEngine()
+
+    async def run():
+        task = asyncio.create_task(server._heartbeat(redis, settings, engine, "e1", "http://e1:1"))
+        while not redis.stored:
+            await asyncio.sleep(0)
+        engine.failure = "SystemError in its step thread (the server log has the cause)"
+        await asyncio.wait_for(task, timeout=60)
+
+    with caplog.at_level(logging.INFO, logger=server.log.name):
+        asyncio.run(run())
+    assert deleted == [server.registry_key("hb-test", "e1")] and not redis.stored
+    assert any(r.levelno == logging.ERROR and "engine stopped" in r.getMessage() for r in caplog.records)

@@ -221,3 +221,35 @@ async def test_a_month_without_a_counter_starts_from_the_usage_records(limiter):
     assert await limiter.month_used(1, now=T0 + 2) == 240
     assert await limiter.month_used(2, now=T0 + 2) == 0
     assert sorted(calls) == [(1, calls[0][1]), (2, calls[0][1])]  # once per tenant and month
+
+
+async def test_a_counter_lost_while_the_process_runs_is_seeded_again():
+    """Redis emptied under a running API process: the next request seeds the month again from the usage
+    records instead of counting from 0."""
+    from loraplex.platform.quotas.redis import RedisQuotaLimiter
+
+    client = await _redis_or_skip()
+    prefix = f"lpxtest-{uuid.uuid4().hex[:8]}"
+    recorded = {"tokens": 0}
+
+    async def seed(tenant_id, month):
+        return recorded["tokens"]
+
+    limiter = RedisQuotaLimiter(client, prefix=prefix, month_seed=seed)
+    limits = QuotaLimits(requests_per_minute=100, tokens_per_minute=1000, max_concurrent=10,
+                         monthly_token_budget=250)
+    try:
+        r = await limiter.acquire(1, limits, "a", 200, now=T0)
+        await limiter.settle(r, 200)
+        recorded["tokens"] = 200  # what the usage records now hold
+        await client.delete(*[k async for k in client.scan_iter(f"{prefix}:*month*")])
+        with pytest.raises(QuotaExceeded) as info:
+            await limiter.acquire(1, limits, "b", 100, now=T0 + 1)
+        assert info.value.kind == "monthly_budget" and "200 used" in info.value.message
+        await client.delete(*[k async for k in client.scan_iter(f"{prefix}:*month*")])
+        assert await limiter.month_used(1, now=T0 + 2) == 200
+    finally:
+        keys = [k async for k in client.scan_iter(f"{prefix}:*")]
+        if keys:
+            await client.delete(*keys)
+        await client.aclose()

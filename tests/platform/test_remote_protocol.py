@@ -99,3 +99,34 @@ def test_the_api_gives_up_on_an_engine_that_sends_nothing():
     remote = RemoteEngine("http://engine", "s", model_name="m", max_model_len=8, tokenizer=None)
     assert remote._http.timeout.read == server.STREAM_READ_TIMEOUT
     assert server.STREAM_READ_TIMEOUT >= 5 * server.STREAM_HEARTBEAT_SECONDS
+
+
+def test_an_api_process_that_leaves_before_its_request_is_read_is_no_engine_error(caplog):
+    """The API process gave up (its client left) before the engine read the body: no ASGI error is logged."""
+    import asyncio
+    import logging
+
+    from fake_engine import FakeEngine
+
+    from loraplex.config import Settings
+    from loraplex.platform.remote import server
+    from loraplex.platform.remote.protocol import SECRET_HEADER, engine_token
+
+    settings = Settings(environment="test", secret_key="wire-secret-0123456789")
+    app = server.build_engine_app(settings, FakeEngine(), advertise="http://engine")
+    sent = []
+
+    async def receive():
+        return {"type": "http.disconnect"}
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {"type": "http", "method": "POST", "path": "/engine/generate", "raw_path": b"/engine/generate",
+             "query_string": b"", "root_path": "", "scheme": "http", "server": ("engine", 80),
+             "headers": [(SECRET_HEADER.lower().encode(), engine_token(settings.secret_key).encode()),
+                         (b"content-type", b"application/json"), (b"content-length", b"100")]}
+    with caplog.at_level(logging.ERROR):
+        asyncio.run(app(scope, receive, send))
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], [r.getMessage() for r in caplog.records]
+    assert sent[0]["status"] == 499

@@ -19,7 +19,8 @@ from loraplex.platform.quotas.base import (
 
 # KEYS: requests-window, tokens-window, monthly, in-flight zset, reservations hash
 # ARGV: now_ms, rpm, tpm, max_concurrent, monthly_budget, reserve, request_id, inflight_ttl_ms,
-#       window_ttl_s, month_ttl_s, tenant key base, month
+#       window_ttl_s, month_ttl_s, tenant key base, month, "1" to answer 5 (and count nothing) when the month
+#       has no counter yet, so that the caller seeds it first
 # An in-flight entry past its expiry belongs to a process that died mid-request (live ones are kept alive by
 # their process, `keep_alive`): its slot is freed and its token reservation taken back off its month.
 _ACQUIRE = """
@@ -41,6 +42,7 @@ for _, id in ipairs(redis.call('ZRANGEBYSCORE', KEYS[4], '-inf', now)) do
   end
 end
 redis.call('ZREMRANGEBYSCORE', KEYS[4], '-inf', now)
+if ARGV[13] == '1' and redis.call('EXISTS', KEYS[3]) == 0 then return {5, 0, 0, 0} end
 local inflight = redis.call('ZCARD', KEYS[4])
 local reqs = tonumber(redis.call('GET', KEYS[1]) or '0')
 local toks = tonumber(redis.call('GET', KEYS[2]) or '0')
@@ -102,7 +104,6 @@ class RedisQuotaLimiter:
         self.redis = redis
         self.prefix = prefix
         self.month_seed = month_seed
-        self._seeded: set[tuple[int, str]] = set()
         self._acquire = redis.register_script(_ACQUIRE)
         self._settle = redis.register_script(_SETTLE)
         self._keep_alive = redis.register_script(_KEEP_ALIVE)
@@ -121,13 +122,20 @@ class RedisQuotaLimiter:
                       reserve_tokens: int, *, now: float | None = None) -> Reservation:
         t, minute, month = now_parts(now)
         reset_in = (minute + 1) * WINDOW_SECONDS - t
-        await self._seed(tenant_id, month)
-        code, reqs, toks, spent = await self._acquire(
-            keys=self._keys(tenant_id, minute, month),
-            args=[int(t * 1000), limits.requests_per_minute, limits.tokens_per_minute, limits.max_concurrent,
-                  limits.monthly_token_budget, reserve_tokens, request_id, INFLIGHT_TTL_MS,
-                  2 * WINDOW_SECONDS, MONTH_TTL_SECONDS, self._base(tenant_id), month],
-        )
+        # A month with no counter (its first request, or a Redis that lost its data, whenever that happened)
+        # is seeded from the usage records first; the script says so without counting anything.
+        seed = self.month_seed is not None
+        while True:
+            code, reqs, toks, spent = await self._acquire(
+                keys=self._keys(tenant_id, minute, month),
+                args=[int(t * 1000), limits.requests_per_minute, limits.tokens_per_minute, limits.max_concurrent,
+                      limits.monthly_token_budget, reserve_tokens, request_id, INFLIGHT_TTL_MS,
+                      2 * WINDOW_SECONDS, MONTH_TTL_SECONDS, self._base(tenant_id), month, "1" if seed else "0"],
+            )
+            if int(code) != 5:
+                break
+            await self._seed(tenant_id, month)
+            seed = False  # seeded, or the records could not be read: count from here either way
         if code:
             raise exceeded(_KINDS[int(code)], limits, int(reqs), int(toks), reset_in, t, reserve_tokens,
                            month_used=int(spent))
@@ -140,24 +148,23 @@ class RedisQuotaLimiter:
         return f"{self._base(tenant_id)}:month:{month}"
 
     async def _seed(self, tenant_id: int, month: str) -> None:
-        """A month with no counter in Redis (its first request, or a Redis that lost its data) starts from
-        the tenant's usage records; SET NX keeps the counter another process made first."""
-        key = (tenant_id, month)
-        if self.month_seed is None or key in self._seeded:
+        """A month with no counter in Redis starts from the tenant's usage records; SET NX keeps the counter
+        another process made first."""
+        if self.month_seed is None:
             return
         try:
-            if not await self.redis.exists(self._month_key(tenant_id, month)):
-                used = await self.month_seed(tenant_id, month)
-                await self.redis.set(self._month_key(tenant_id, month), used, nx=True, ex=MONTH_TTL_SECONDS)
+            used = await self.month_seed(tenant_id, month)
+            await self.redis.set(self._month_key(tenant_id, month), used, nx=True, ex=MONTH_TTL_SECONDS)
         except Exception:
             log.warning("could not seed tenant %s's monthly counter for %s", tenant_id, month, exc_info=True)
-            return
-        self._seeded.add(key)
 
     async def month_used(self, tenant_id: int, *, now: float | None = None) -> int:
-        month = now_parts(now)[2]
-        await self._seed(tenant_id, month)
-        return int(await self.redis.get(self._month_key(tenant_id, month)) or 0)
+        key = self._month_key(tenant_id, now_parts(now)[2])
+        value = await self.redis.get(key)
+        if value is None:
+            await self._seed(tenant_id, now_parts(now)[2])
+            value = await self.redis.get(key)
+        return int(value or 0)
 
     async def keep_alive(self, *, now: float | None = None) -> int:
         """Push this process's unsettled reservations' expiry forward; returns how many."""

@@ -14,7 +14,8 @@ from dataclasses import asdict
 
 import anyio
 from fastapi import Depends, FastAPI, Header, HTTPException, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.requests import ClientDisconnect
 
 from loraplex.config import Settings
 from loraplex.engine.client import EngineClient
@@ -98,6 +99,10 @@ def build_engine_app(settings: Settings, engine: EngineClient, *, advertise: str
             await engine.shutdown()
 
     app = FastAPI(title="loraplex engine", lifespan=lifespan, dependencies=[Depends(check)])
+
+    @app.exception_handler(ClientDisconnect)
+    async def client_left(_request, _exc):  # the API process gave up before its request was read
+        return Response(status_code=499)
 
     @app.exception_handler(EngineError)
     async def engine_error(_request, exc: EngineError):
@@ -198,12 +203,15 @@ async def _heartbeat(redis, settings: Settings, engine: EngineClient, engine_id:
     outage = OutageLog(log, "engine heartbeat", HEARTBEAT_SECONDS,
                        ", API processes cannot find this engine until it is restored")
     while True:
-        if draining is not None and draining.is_set():
+        failure = getattr(engine, "failure", None)
+        if failure or (draining is not None and draining.is_set()):
+            why = f"the engine stopped ({failure})" if failure else "draining"
             try:
                 await redis.delete(key)
-                log.info("draining: registration withdrawn, finishing the running requests")
+                log.log(logging.ERROR if failure else logging.INFO,
+                        "%s: registration withdrawn, API processes send it no more requests", why)
             except Exception as exc:  # it lapses after REGISTRATION_TTL anyway
-                log.warning("draining: could not withdraw the registration: %s", exc)
+                log.warning("%s: could not withdraw the registration: %s", why, exc)
             return
         try:
             s = engine.stats()
