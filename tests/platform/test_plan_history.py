@@ -105,3 +105,6 @@ def test_no_statement_for_a_month_before_the_tenant_existed(client, make_tenant)
     r = client.get(f"/v1/billing/statements/{last}", headers=tenant.headers)
     assert r.status_code == 404 and r.json()["error"]["param"] == "period", r.text
     assert client.get(f"/v1/billing/statements/{this}", headers=tenant.headers).status_code == 200
+    future = f"{int(this[:4]) + 1}{this[4:]}"
+    r = client.get(f"/v1/billing/statements/{future}", headers=tenant.headers)
+    assert r.status_code == 404 and "has not begun" in r.json()["error"]["message"], r.text

@@ -78,6 +78,8 @@ def statement(*, caller: UsageKeyDep, session: SessionDep, period: str, format: 
         parse_period(period)
     except ValueError as exc:
         raise bad_request(str(exc), param="period") from exc
+    if period > period_of(today_utc()):
+        raise not_found(f"there is no statement for {period}: the month has not begun", param="period")
     if not tenants_of_period(session, period, [caller.tenant_id]):
         raise not_found(f"there is no statement for {period}: the tenant did not exist then", param="period")
     tenant = session.get(Tenant, caller.tenant_id)
