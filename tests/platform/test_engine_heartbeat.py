@@ -26,6 +26,16 @@ class FlakyRedis:
         self.stored[key] = json.loads(value)
 
 
+class DeletingRedis(FlakyRedis):
+    def __init__(self, failures: int):
+        super().__init__(failures)
+        self.deleted: list[str] = []
+
+    async def delete(self, key):
+        self.deleted.append(key)
+        self.stored.pop(key, None)
+
+
 def test_heartbeat_logs_the_outage_once_and_its_end(monkeypatch, caplog, tmp_path):
     monkeypatch.setattr(server, "HEARTBEAT_SECONDS", 0)
     redis = FlakyRedis(failures=5)
@@ -54,14 +64,7 @@ def test_a_draining_engine_withdraws_its_registration_at_once(tmp_path):
     elsewhere) rather than staying listed until its running requests finish."""
     import threading
 
-    deleted = []
-
-    class Redis(FlakyRedis):
-        async def delete(self, key):
-            deleted.append(key)
-            self.stored.pop(key, None)
-
-    redis = Redis(failures=0)
+    redis = DeletingRedis(failures=0)
     settings = Settings(data_dir=tmp_path, redis_prefix="hb-test")
     draining = threading.Event()
 
@@ -73,20 +76,13 @@ def test_a_draining_engine_withdraws_its_registration_at_once(tmp_path):
         await asyncio.wait_for(task, timeout=60)  # returns by itself, well before the next beat is due
 
     asyncio.run(run())
-    assert deleted == [server.registry_key("hb-test", "e1")] and not redis.stored
+    assert redis.deleted == [server.registry_key("hb-test", "e1")] and not redis.stored
 
 
 def test_an_engine_whose_step_thread_stopped_withdraws_its_registration(tmp_path, caplog):
     """An engine process that can no longer serve leaves the registry, so API processes route elsewhere
     (or answer 503) instead of sending every request to it."""
-    deleted = []
-
-    class Redis(FlakyRedis):
-        async def delete(self, key):
-            deleted.append(key)
-            self.stored.pop(key, None)
-
-    redis = Redis(failures=0)
+    redis = DeletingRedis(failures=0)
     settings = Settings(data_dir=tmp_path, redis_prefix="hb-test")
     engine = FakeEngine()
 
@@ -99,5 +95,5 @@ def test_an_engine_whose_step_thread_stopped_withdraws_its_registration(tmp_path
 
     with caplog.at_level(logging.INFO, logger=server.log.name):
         asyncio.run(run())
-    assert deleted == [server.registry_key("hb-test", "e1")] and not redis.stored
+    assert redis.deleted == [server.registry_key("hb-test", "e1")] and not redis.stored
     assert any(r.levelno == logging.ERROR and "engine stopped" in r.getMessage() for r in caplog.records)
