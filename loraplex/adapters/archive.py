@@ -275,11 +275,14 @@ def _extract_tar_member(tf: tarfile.TarFile, member: tarfile.TarInfo, dest: Path
     if target == dest:
         raise AdapterValidationError(f"archive member {_shown(name)} is a file without a name", ErrorCode.ARCHIVE_UNSAFE_PATH)
     budget.check_declared(name, member.size)
-    _make_dirs(dest, target.parent)
     src = tf.extractfile(member)
     if src is None:
         raise AdapterValidationError(f"archive member {_shown(name)} has no data", ErrorCode.ARCHIVE_CORRUPT)
     try:
+        _make_dirs(dest, target.parent)
         budget.copy(name, src, target)
     except FileExistsError:
         raise AdapterValidationError(f"archive member {_shown(name)} appears twice", ErrorCode.ARCHIVE_UNSAFE_PATH) from None
+    except OSError as exc:  # a path the file system refuses (too long, say), named by the member, not the archive
+        raise AdapterValidationError(f"cannot read archive member {_shown(name)}: {_why(exc)}",
+                                     ErrorCode.ARCHIVE_CORRUPT) from exc
