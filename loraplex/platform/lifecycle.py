@@ -51,16 +51,14 @@ def build_services(settings: Settings, *, engine: EngineClient | None = None,
 
 async def month_tokens(services: Services, tenant_id: int, month: str) -> int:
     """The tokens a tenant's usage records count in `month` (YYYYMM), as settled quotas count them."""
-    from datetime import UTC, datetime
-
     from sqlalchemy import func, select
 
+    from loraplex.platform.billing.periods import day_start, period_bounds
     from loraplex.platform.db import session_scope
     from loraplex.platform.models import UsageRecord
 
-    year, mon = int(month[:4]), int(month[4:])
-    start = datetime(year, mon, 1, tzinfo=UTC)
-    end = datetime(year + (mon == 12), mon % 12 + 1, 1, tzinfo=UTC)
+    first, nxt = period_bounds(f"{month[:4]}-{month[4:]}")
+    start, end = day_start(first), day_start(nxt)
 
     def count() -> int:
         with session_scope(services.sessions) as session:
