@@ -18,8 +18,9 @@ def test_broken_source_gives_none_once(caplog, tmp_path, monkeypatch):
 
 
 def test_functions_release_the_interpreter_lock(tmp_path, monkeypatch):
-    """Another Python thread keeps running while an extension function works (here: sleeps 300 ms)."""
+    """Another Python thread keeps running while an extension function works (here: sleeps 600 ms)."""
     import threading
+    import time
 
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     source = "#include <torch/extension.h>\n#include <chrono>\n#include <thread>\n" \
@@ -29,28 +30,29 @@ def test_functions_release_the_interpreter_lock(tmp_path, monkeypatch):
         import pytest
 
         pytest.skip("no C++ compiler")
-    counted = []
+    stamps: list[float] = []
     started = threading.Event()
     stop = threading.Event()
 
     def count():
         started.set()
-        n = 0
         while not stop.is_set():
-            n += 1
-        counted.append(n)
+            stamps.append(time.monotonic())
+            time.sleep(0.001)
 
     worker = threading.Thread(target=count)
     worker.start()
     started.wait()
-    before = threading.active_count()
-    assert mod.nap(300) == 300
+    begun = time.monotonic()
+    assert mod.nap(600) == 600
+    ended = time.monotonic()
     stop.set()
     worker.join()
-    assert before >= 2
-    # Holding the lock, the call would leave the counter a few thousand steps at most (one 5 ms switch
-    # interval before the call); released, the thread counts freely for the whole 300 ms.
-    assert counted[0] > 1_000_000
+    # Holding the lock for its 600 ms, the call would leave the other thread no moment to run in its middle
+    # (one switch interval, 5 ms, at most after it began); released, the thread runs all along, however
+    # busy the machine is otherwise.
+    middle = [t for t in stamps if begun + 0.15 < t < ended - 0.15]
+    assert middle, f"the other thread never ran during the call ({len(stamps)} stamps in all)"
 
 
 def test_builds_are_kept_apart_per_processor_and_environment(tmp_path, monkeypatch):
