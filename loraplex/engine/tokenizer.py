@@ -124,6 +124,12 @@ class Tokenizer:
                 "this model has no chat template; send a plain prompt instead", param="messages"
             )
         normalized = [_normalize_message(i, m) for i, m in enumerate(_check_messages(messages))]
+        if "developer" not in self.chat_template:
+            # OpenAI's developer messages take the place of system messages; a template that knows no
+            # developer role would render one as a turn the model never saw, after its default system prompt
+            for message in normalized:
+                if message["role"] == "developer":
+                    message["role"] = "system"
         # transformers' renderer: a hardened Jinja sandbox, because chat templates are untrusted code
         from transformers.utils.chat_template_utils import render_jinja_template
 
@@ -173,6 +179,8 @@ def _normalize_message(index: int, message: Any) -> dict[str, Any]:
     content = message.get("content")
     if isinstance(content, list):
         # OpenAI's content parts: only text can be rendered by a text model
+        if not content:
+            raise InvalidRequestError(f"{where}.content must hold at least one part", param="messages")
         texts = []
         for part in content:
             if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):

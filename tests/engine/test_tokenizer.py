@@ -123,11 +123,25 @@ def test_chat_template(tokenizer):
         ([{"role": "wizard", "content": "hi"}], "role must be one of"),
         ([{"role": "user", "content": 3}], "content must be a string"),
         ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], "only hold text"),
+        ([{"role": "user", "content": []}], "at least one part"),
     ],
 )
 def test_bad_messages(tokenizer, messages, match):
     with pytest.raises(InvalidRequestError, match=match):
         tokenizer.apply_chat_template(messages)
+
+
+def test_developer_messages_take_the_place_of_system_messages(tokenizer, tiny_llama_dir):
+    """OpenAI's developer role replaces the system role; a template without a developer role renders it as
+    the system turn, not as an unknown turn after the template's default system prompt."""
+    def rendered(tok, role):
+        return tok.render_chat([{"role": role, "content": "Be terse."}, {"role": "user", "content": "Hi"}])
+
+    assert rendered(tokenizer, "developer") == rendered(tokenizer, "system")
+    assert "<|im_start|>system\nBe terse." in rendered(tokenizer, "developer")
+    aware = Tokenizer.from_pretrained(tiny_llama_dir)  # a template that knows the role keeps it
+    aware.chat_template = "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}{# developer #}"
+    assert rendered(aware, "developer").startswith("[developer] Be terse.")
 
 
 def test_template_errors_and_missing_template(tiny_llama_dir):

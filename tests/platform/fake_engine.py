@@ -29,8 +29,9 @@ def _token_text(token_id: int) -> str:
 
 class FakeEngine:
     def __init__(self, *, model_name: str = "fake-base", max_model_len: int = 256, token_delay: float = 0.0,
-                 eos_rate: int = 0):
+                 eos_rate: int = 0, first_token_delay: float = 0.0):
         self.model_name = model_name
+        self.first_token_delay = first_token_delay  # a request waiting in the queue or in its prefill
         self.max_model_len = max_model_len
         self.token_delay = token_delay
         self.eos_rate = eos_rate  # 1 in eos_rate steps emits EOS; 0: never
@@ -111,6 +112,8 @@ class FakeEngine:
                                                  self.running_by_tenant[tenant])
         done = False
         try:
+            if self.first_token_delay:
+                await asyncio.sleep(self.first_token_delay)
             for step in range(max_tokens):
                 if step == self.fail_at_step:
                     raise RuntimeError("engine step failed: device lost")

@@ -66,6 +66,33 @@ def test_client_disconnect_on_non_streaming_request_aborts(data_dir, tiny_llama_
         assert _wait_until(lambda: not limiter._inflight[tenant.tenant_id], timeout=2.0)  # slot given back
 
 
+def test_client_that_leaves_a_stream_before_its_first_token_aborts_it(data_dir, tiny_llama_dir,
+                                                                       make_tenant_factory):
+    """A streamed request still in the queue or its prefill when its client gives up is aborted there and
+    billed nothing, as one that is not streamed is; the engine must not run it for nobody."""
+    engine = FakeEngine(first_token_delay=4.0)
+    app, make = make_tenant_factory(make_settings(data_dir, model=str(tiny_llama_dir)), engine)
+    with live_server(app) as url:
+        tenant = make()
+        for path, body in (("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+                           ("/v1/completions", {"prompt": "hi"})):
+            before = len(engine.aborted)
+            try:
+                httpx.post(f"{url}{path}", headers=tenant.headers, timeout=1.0,
+                           json={"model": "fake-base", "max_tokens": 5, "stream": True, **body})
+            except httpx.TimeoutException:
+                pass
+            # the first token was due 4 s after the request; the abort comes right after the client left
+            assert _wait_until(lambda n=before + 1: len(engine.aborted) == n, timeout=2.0), (path, engine.aborted)
+            assert not engine.finished and engine.generated_tokens == 0
+            assert _wait_until(lambda: not app.state.services.limiter._inflight[tenant.tenant_id], timeout=2.0)
+        asyncio.run_coroutine_threadsafe(app.state.services.usage.flush(), _loop()).result(10)
+        with app.state.services.sessions() as session:
+            records = session.scalars(select(UsageRecord)).all()
+        assert sorted(r.endpoint for r in records) == ["chat.completions", "completions"]
+        assert all(r.status == "cancelled" and r.prompt_tokens == 0 and r.completion_tokens == 0 for r in records)
+
+
 def test_streamed_upload_is_cut_off_at_the_limit(data_dir, tiny_llama_dir, make_tenant_factory):
     limit = 256 * 1024
     app, make = make_tenant_factory(make_settings(data_dir, model=str(tiny_llama_dir), max_upload_bytes=limit),

@@ -253,3 +253,17 @@ async def test_a_counter_lost_while_the_process_runs_is_seeded_again():
         if keys:
             await client.delete(*keys)
         await client.aclose()
+
+
+async def test_used_now_reads_the_current_window_and_month(limiter):
+    """What a request without max_tokens is fitted to: the tokens the current minute and month have counted,
+    reservations of running requests included; a new minute starts its window from 0."""
+    limits = QuotaLimits(requests_per_minute=100, tokens_per_minute=1000, max_concurrent=10,
+                         monthly_token_budget=5000)
+    assert await limiter.used_now(7, now=T0) == (0, 0)
+    r = await limiter.acquire(7, limits, "u0", 40, now=T0)
+    await limiter.settle(r, 30)
+    await limiter.acquire(7, limits, "u1", 100, now=T0 + 1)  # still running: its reservation counts
+    assert await limiter.used_now(7, now=T0 + 2) == (130, 130)
+    assert await limiter.used_now(8, now=T0 + 2) == (0, 0)
+    assert await limiter.used_now(7, now=T0 + 61) == (0, 130)

@@ -83,3 +83,21 @@ def test_unset_max_tokens_fits_what_is_left_of_the_monthly_budget(client, make_t
     assert r.json()["usage"]["total_tokens"] == 200 - used  # the rest of the month, not the whole budget
     r = _chat(client, tenant2)  # nothing left: the budget's 429, not a one-token answer
     assert r.status_code == 429 and r.json()["error"]["code"] == "insufficient_quota"
+
+
+def test_unset_max_tokens_fits_what_is_left_of_the_minute(app, client, make_tenant, fake_engine):
+    """After a first request in a minute, one without max_tokens gets the rest of the minute's tokens, not a
+    429 for asking the whole per-minute limit again."""
+    import time
+
+    pinned = time.time()
+    app.state.services.limiter._clock = lambda: pinned  # every request in one rate window
+    tenant = make_tenant(tokens_per_minute=200)  # below the 256-token context
+    used = _chat(client, tenant, max_tokens=5).json()["usage"]["total_tokens"]
+    r = _chat(client, tenant)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["total_tokens"] == 200 - used
+    assert r.json()["choices"][0]["finish_reason"] == "length"
+    r = _chat(client, tenant)  # the minute is spent: the rate limit's 429, with the time to wait
+    assert r.status_code == 429 and r.json()["error"]["code"] == "rate_limit_exceeded"
+    assert int(r.headers["retry-after"]) >= 1

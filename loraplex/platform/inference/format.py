@@ -48,17 +48,42 @@ def chat_logprobs(entries: list[TokenLogprobs] | None) -> dict[str, Any] | None:
     ]}
 
 
+def legacy_token(logprob: Logprob) -> str:
+    """A token as the legacy completions' logprobs name it: its text, or for part of a UTF-8 character
+    "bytes:" and its bytes (as OpenAI does), so that such pieces are told apart instead of all reading
+    U+FFFD and overwriting one another among the top alternatives."""
+    if logprob.token_bytes is not None:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in logprob.token_bytes)
+    return logprob.token
+
+
+def text_width(logprob: Logprob) -> int:
+    """How many characters of the completion's text a token starts (for text_offset): a piece of a UTF-8
+    character counts only if it holds the character's first byte."""
+    if logprob.token_bytes is None:
+        return len(logprob.token)
+    return sum(1 for b in logprob.token_bytes if b & 0xC0 != 0x80)
+
+
 def completion_logprobs(entries: list[TokenLogprobs] | None, offset: int = 0) -> dict[str, Any] | None:
     if entries is None:
         return None
     offsets, pos = [], offset
     for e in entries:
-        offsets.append(pos)
-        pos += len(e.chosen.token)
+        raw = e.chosen.token_bytes
+        # a token that continues a character started before it points at that character
+        offsets.append(pos - 1 if raw and raw[0] & 0xC0 == 0x80 and pos > 0 else pos)
+        pos += text_width(e.chosen)
+    top: list[dict[str, float]] = []
+    for e in entries:
+        alternatives: dict[str, float] = {}
+        for t in e.top:  # most likely first: two tokens of the same text keep the likelier one's value
+            alternatives.setdefault(legacy_token(t), _lp(t.logprob))
+        top.append(alternatives)
     return {
-        "tokens": [e.chosen.token for e in entries],
+        "tokens": [legacy_token(e.chosen) for e in entries],
         "token_logprobs": [_lp(e.chosen.logprob) for e in entries],
-        "top_logprobs": [{t.token: _lp(t.logprob) for t in e.top} for e in entries],
+        "top_logprobs": top,
         "text_offset": offsets,
     }
 

@@ -145,15 +145,16 @@ def check_context(engine: EngineClient, prompt_len: int, params: SamplingParams,
 
 
 def fit_unset_max_tokens(limits, prompt_tokens: int, sequences: int, params: SamplingParams,
-                         max_new: int, month_used: int = 0) -> tuple[int, SamplingParams]:
+                         max_new: int, minute_used: int = 0, month_used: int = 0) -> tuple[int, SamplingParams]:
     """A request that leaves max_tokens unset may run to the end of the context, and the quota reserves
     that much up front: a tenant whose per-minute token limit or remaining monthly budget is below the
-    context would be refused every such request. Instead the completion gets the budget the limits allow
-    (finish_reason "length" when it runs out); a prompt that alone exceeds them is still refused by the
-    quota."""
+    context would be refused every such request (or every one after the first in a minute). Instead the
+    completion gets what the limits have left (finish_reason "length" when it runs out): the current
+    minute's remaining tokens and the month's remaining budget. A prompt that alone exceeds what is left is
+    still refused by the quota, with the time to wait."""
     if params.max_tokens is not None:
         return max_new, params
-    allowed = min(limits.tokens_per_minute, limits.monthly_token_budget - month_used)
+    allowed = min(limits.tokens_per_minute - minute_used, limits.monthly_token_budget - month_used)
     room = (allowed - prompt_tokens) // max(1, sequences)
     if room >= max_new:
         return max_new, params

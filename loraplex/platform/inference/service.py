@@ -60,12 +60,13 @@ async def _tokenize(request: Request, fn, *args):
     return await asyncio.to_thread(fn, *args)
 
 
-async def _month_used(services: Services, tenant: TenantContext, params) -> int:
-    """What the tenant's month has used, for a request that leaves max_tokens to the limits (others: 0)."""
+async def _used_now(services: Services, tenant: TenantContext, params) -> tuple[int, int]:
+    """What the tenant's current minute and month have used, for a request that leaves max_tokens to the
+    limits (others: nothing to look up)."""
     if params.max_tokens is not None:
-        return 0
-    month_used = getattr(services.limiter, "month_used", None)
-    return await month_used(tenant.tenant_id) if month_used is not None else 0
+        return 0, 0
+    used_now = getattr(services.limiter, "used_now", None)
+    return await used_now(tenant.tenant_id) if used_now is not None else (0, 0)
 
 
 async def chat_completion(services: Services, tenant: TenantContext, request: Request,
@@ -77,7 +78,7 @@ async def chat_completion(services: Services, tenant: TenantContext, request: Re
     max_new = check_context(engine, len(prompt), params, "messages",
                             "max_completion_tokens" if body.max_completion_tokens else "max_tokens")
     max_new, params = fit_unset_max_tokens(tenant.limits, len(prompt), params.n, params, max_new,
-                                           await _month_used(services, tenant, params))
+                                           *await _used_now(services, tenant, params))
     job = InferenceJob(services, tenant, request.state.request_id, "chat.completions", target, [prompt], params,
                        max_new, user=body.user)
     await job.admit()
@@ -86,7 +87,10 @@ async def chat_completion(services: Services, tenant: TenantContext, request: Re
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         outputs = job.run()
-        first = await _prime(outputs)
+        try:
+            first = await _prime_unless_disconnected(job, outputs, request)
+        except ClientDisconnected:
+            return Response(status_code=499)
         return EventStreamResponse(_chat_events(job, outputs, first, response_id, created, body.model,
                                                 include_usage), headers=job.rate_headers, on_close=outputs.aclose)
     last = await _collect_unless_disconnected(job, request)
@@ -106,7 +110,7 @@ async def text_completion(services: Services, tenant: TenantContext, request: Re
     max_new = min(check_context(engine, len(p), params, "prompt") for p in prompts)
     max_new, params = fit_unset_max_tokens(
         tenant.limits, sum(len(p) for p in prompts), len(prompts) * params.n, params, max_new,
-        await _month_used(services, tenant, params))
+        *await _used_now(services, tenant, params))
     job = InferenceJob(services, tenant, request.state.request_id, "completions", target, prompts, params,
                        max_new, user=body.user)
     await job.admit()
@@ -115,7 +119,10 @@ async def text_completion(services: Services, tenant: TenantContext, request: Re
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         outputs = job.run()
-        first = await _prime(outputs)
+        try:
+            first = await _prime_unless_disconnected(job, outputs, request)
+        except ClientDisconnected:
+            return Response(status_code=499)
         return EventStreamResponse(_completion_events(job, outputs, first, response_id, created, body.model,
                                                       include_usage), headers=job.rate_headers,
                                    on_close=outputs.aclose)
@@ -148,6 +155,20 @@ async def _collect(job: InferenceJob) -> dict[int, RequestOutput]:
     async for index, out in job.run():
         last[index] = out
     return last
+
+
+async def _prime_unless_disconnected(job: InferenceJob, outputs: AsyncIterator,
+                                     request: Request) -> tuple[int, RequestOutput] | None:
+    """The stream's first output, awaited while watching the client: one that leaves while its request
+    waits in the queue or in its prefill aborts it there (ClientDisconnected), as a request that is not
+    streamed does, instead of leaving the engine to run it for nobody."""
+    try:
+        return await unless_disconnected(request, _prime(outputs))
+    except ClientDisconnected:
+        with anyio.CancelScope(shield=True):
+            await outputs.aclose()
+            await job.finish("cancelled")  # a no-op when the run settled it already
+        raise
 
 
 async def _prime(outputs: AsyncIterator) -> tuple[int, RequestOutput] | None:
@@ -221,7 +242,7 @@ async def _completion_events(job: InferenceJob, outputs, first, response_id: str
                 # text_offset counts the tokens' own texts, as the whole response's does (the text itself
                 # may lag behind them: a stop string held back, a character's UTF-8 pieces)
                 offset = offsets.get(choice_index, 0)
-                offsets[choice_index] = offset + sum(len(e.chosen.token) for e in o.delta_logprobs or ())
+                offsets[choice_index] = offset + sum(fmt.text_width(e.chosen) for e in o.delta_logprobs or ())
                 choices.append({"index": choice_index, "text": o.delta_text,
                                 "logprobs": fmt.completion_logprobs(o.delta_logprobs, offset),
                                 "finish_reason": reason})

@@ -82,12 +82,15 @@ class MemoryQuotaLimiter:
                 self._monthly[key] += used
 
     async def month_used(self, tenant_id: int, *, now: float | None = None) -> int:
+        return (await self.used_now(tenant_id, now=now))[1]
+
+    async def used_now(self, tenant_id: int, *, now: float | None = None) -> tuple[int, int]:
         if now is None and self._clock is not None:
             now = self._clock()
-        month = now_parts(now)[2]
+        _, minute, month = now_parts(now)
         await self._seed(tenant_id, month)
         with self._lock:
-            return self._monthly.get((tenant_id, month), 0)
+            return self._tokens.get((tenant_id, minute), 0), self._monthly.get((tenant_id, month), 0)
 
     async def settle(self, reservation: Reservation, used_tokens: int) -> None:
         with self._lock:

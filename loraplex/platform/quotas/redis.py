@@ -159,12 +159,16 @@ class RedisQuotaLimiter:
             log.warning("could not seed tenant %s's monthly counter for %s", tenant_id, month, exc_info=True)
 
     async def month_used(self, tenant_id: int, *, now: float | None = None) -> int:
-        key = self._month_key(tenant_id, now_parts(now)[2])
-        value = await self.redis.get(key)
-        if value is None:
-            await self._seed(tenant_id, now_parts(now)[2])
-            value = await self.redis.get(key)
-        return int(value or 0)
+        return (await self.used_now(tenant_id, now=now))[1]
+
+    async def used_now(self, tenant_id: int, *, now: float | None = None) -> tuple[int, int]:
+        _, minute, month = now_parts(now)
+        keys = self._keys(tenant_id, minute, month)
+        window, spent = await self.redis.mget(keys[1], keys[2])
+        if spent is None:
+            await self._seed(tenant_id, month)
+            spent = await self.redis.get(keys[2])
+        return int(window or 0), int(spent or 0)
 
     async def keep_alive(self, *, now: float | None = None) -> int:
         """Push this process's unsettled reservations' expiry forward; returns how many."""
