@@ -50,9 +50,11 @@ def build_services(settings: Settings, *, engine: EngineClient | None = None,
 
 
 async def month_tokens(services: Services, tenant_id: int, month: str) -> int:
-    """The tokens a tenant's usage records count in `month` (YYYYMM), as settled quotas count them."""
+    """The tokens a tenant's usage records count in `month` (YYYYMM), as settled quotas count them: failed
+    requests count nothing, as in usage reports and billing."""
     from sqlalchemy import func, select
 
+    from loraplex.platform.billing.aggregate import FAILED_STATUSES
     from loraplex.platform.billing.periods import day_start, period_bounds
     from loraplex.platform.db import session_scope
     from loraplex.platform.models import UsageRecord
@@ -65,7 +67,7 @@ async def month_tokens(services: Services, tenant_id: int, month: str) -> int:
             return int(session.scalar(
                 select(func.coalesce(func.sum(UsageRecord.prompt_tokens + UsageRecord.completion_tokens), 0))
                 .where(UsageRecord.tenant_id == tenant_id, UsageRecord.created_at >= start,
-                       UsageRecord.created_at < end)))
+                       UsageRecord.created_at < end, UsageRecord.status.not_in(FAILED_STATUSES))))
 
     return await asyncio.to_thread(count)
 

@@ -27,6 +27,11 @@ def test_usage_of_an_earlier_run_counts_against_the_monthly_budget(app, client, 
                           model="fake-base", adapter_name=None, adapter_version=None, endpoint="chat",
                           prompt_tokens=400, completion_tokens=95, ttft_ms=1, latency_ms=10, status="ok",
                           created_at=datetime.now(UTC)))
+        # a request that failed on the server's side: neither billed nor counted against the budget
+        s.add(UsageRecord(request_id=uuid.uuid4().hex, tenant_id=tenant.tenant_id, api_key_id=tenant.key_id,
+                          model="fake-base", adapter_name=None, adapter_version=None, endpoint="chat",
+                          prompt_tokens=300, completion_tokens=30, ttft_ms=1, latency_ms=10, status="error",
+                          created_at=datetime.now(UTC)))
     r = _chat(client, tenant)
     assert r.status_code == 429 and r.json()["error"]["code"] == "insufficient_quota", r.text
     assert "495 used" in r.json()["error"]["message"]
@@ -66,3 +71,21 @@ async def test_a_seed_that_fails_counts_from_zero_and_is_tried_again():
     await limiter.acquire(1, limits, "a", 10, now=1_800_000_000)
     assert await limiter.month_used(1, now=1_800_000_001) == 60
     assert len(attempts) == 2
+
+
+def test_a_request_that_fails_in_the_engine_gives_its_tokens_back(app, client, make_tenant, fake_engine):
+    """Its tokens are not in the tenant's usage nor bill, so the budget and the minute's tokens do not keep
+    them either."""
+    import asyncio
+
+    tenant = make_tenant(monthly_token_budget=10_000)
+    assert _chat(client, tenant).status_code == 200
+    limiter = app.state.services.limiter
+    before = asyncio.run(limiter.used_now(tenant.tenant_id))
+    fake_engine.fail_at_step = 3  # three tokens out, then the device is lost
+    try:
+        r = _chat(client, tenant, max_tokens=20)
+    finally:
+        fake_engine.fail_at_step = None
+    assert r.status_code == 500, r.text
+    assert asyncio.run(limiter.used_now(tenant.tenant_id)) == before

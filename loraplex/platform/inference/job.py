@@ -166,7 +166,9 @@ class InferenceJob:
         if self.refused and not self.completion_tokens:
             await self._release()
             return
-        used = self.billed_prompt_tokens + self.completion_tokens
+        # a request that failed on the server's side is neither counted in usage nor billed: its tokens
+        # come back to the tenant's limits too (what the month counts is what the usage records bill)
+        used = 0 if status == "error" else self.billed_prompt_tokens + self.completion_tokens
         try:
             await self.services.limiter.settle(self.reservation, used)
         except Exception:
