@@ -71,7 +71,10 @@ def test_tenant_usage_report_filters_and_never_leaks(client, usage):
     adapters = {row["adapter"]: row for row in r.json()["data"]}
     assert set(adapters) == {"", "sql@" + "a" * 12}
     only_sql = client.get("/v1/usage/report?adapter=sql&group_by=day", headers=a.headers).json()
-    assert only_sql["totals"] == {"requests": 1, "prompt_tokens": 100, "completion_tokens": 10}
+    totals = only_sql["totals"]
+    assert {k: totals[k] for k in ("requests", "prompt_tokens", "completion_tokens")} == {
+        "requests": 1, "prompt_tokens": 100, "completion_tokens": 10}
+    assert set(totals["amounts"]) == {only_sql["data"][0]["currency"]}
     last = last_month.date()
     older = client.get(f"/v1/usage/report?start={last}&end={last}", headers=a.headers).json()
     assert older["totals"]["prompt_tokens"] == 1000

@@ -320,3 +320,40 @@ def test_amounts_in_different_currencies_are_never_added(session):
     rows = usage_report(session, date(2026, 11, 1), date(2026, 11, 30), group_by=("tenant",))
     assert {(r.tenant, r.currency, r.as_dict(("tenant",))["amount"]) for r in rows} == {
         ("d", "USD", 1_000_000), ("e", "EUR", 2_000_000)}
+
+
+def test_a_report_over_several_currencies_renders_as_json_and_csv(session):
+    """The API's JSON and the CSV export of such a report: the mixed row has no one amount and its amount
+    per currency; the totals add up each currency on its own."""
+    import json
+
+    from loraplex.platform.billing.responses import report_response
+
+    euro_plan = Plan(name="euro", requests_per_minute=10, tokens_per_minute=1000, max_concurrent=2,
+                     monthly_token_budget=10_000)
+    session.add(euro_plan)
+    session.flush()
+    set_plan_price(session, None, Price(prompt=1_000_000, completion=1_000_000, adapter_surcharge=0), "2026-11")
+    set_plan_price(session, euro_plan.id, Price(prompt=2_000_000, completion=2_000_000, adapter_surcharge=0,
+                                                 currency="EUR"), "2026-11")
+    dollars, euros = _tenant(session, "d"), _tenant(session, "e", plan=euro_plan)
+    _record(session, dollars, at=NOV + timedelta(days=2), prompt=1_000_000, completion=0)
+    _record(session, euros, at=NOV + timedelta(days=2, hours=1), prompt=1_000_000, completion=0)
+    _record(session, euros, at=NOV + timedelta(days=3), prompt=500_000, completion=0)
+    session.flush()
+    start, end = date(2026, 11, 1), date(2026, 11, 30)
+    rows = usage_report(session, start, end, group_by=("day",))
+    response = report_response(rows, ("day",), start, end, "json", "usage")
+    assert response.status_code == 200
+    body = json.loads(response.body)
+    mixed, euro_only = body["data"]
+    assert mixed["currency"] == "mixed" and mixed["amount"] is None and mixed["amount_decimal"] is None
+    assert mixed["amounts"] == {"EUR": 2_000_000, "USD": 1_000_000}
+    assert mixed["amounts_decimal"] == {"EUR": "2.000000", "USD": "1.000000"}
+    assert euro_only["amount"] == 1_000_000 and euro_only["currency"] == "EUR"
+    assert body["totals"]["amounts"] == {"EUR": 3_000_000, "USD": 1_000_000}
+    assert body["totals"]["amounts_decimal"] == {"EUR": "3.000000", "USD": "1.000000"}
+    csv_text = report_response(rows, ("day",), start, end, "csv", "usage").body.decode()
+    header, first, second = csv_text.strip().splitlines()
+    assert header.endswith("amount,currency,amounts")
+    assert first.endswith(",mixed,EUR 2.000000; USD 1.000000") and second.endswith("1.000000,EUR,EUR 1.000000")

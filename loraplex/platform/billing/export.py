@@ -33,6 +33,8 @@ FORMULA_STARTS = ("=", "+", "-", "@", "\t", "\r")
 def _cell(key: str, value):
     if key in AMOUNT_FIELDS and isinstance(value, int):
         return format_micros(value)
+    if key == "amounts" and isinstance(value, dict):  # "EUR 1.250000; USD 0.300000"
+        return "; ".join(f"{currency} {format_micros(amount)}" for currency, amount in value.items())
     if isinstance(value, str) and value.startswith(FORMULA_STARTS):
         # a key name like "=HYPERLINK(...)" must stay text when finance opens the file in a spreadsheet
         return "'" + value
@@ -45,6 +47,10 @@ def with_decimal_amounts(row: dict) -> dict:
     for key in AMOUNT_FIELDS:
         if isinstance(row.get(key), int):
             out[f"{key}_decimal"] = format_micros(row[key])
+        elif key in row and row[key] is None:  # a row with no one amount (several currencies)
+            out[f"{key}_decimal"] = None
+    if isinstance(row.get("amounts"), dict):
+        out["amounts_decimal"] = {currency: format_micros(v) for currency, v in row["amounts"].items()}
     return out
 
 

@@ -89,7 +89,7 @@ class ReportRow:
             completion_tokens=self.completion_tokens, total_tokens=self.total_tokens,
             # a row over prices in different currencies has no one amount (group by tenant to split it)
             avg_latency_ms=self.avg_latency_ms, amount=None if self.currency == "mixed" else self.amount,
-            currency=self.currency,
+            currency=self.currency, amounts=dict(sorted(self.amounts.items())),
         )
         return out
 

@@ -45,11 +45,16 @@ def report_response(
         return Response(rows_to_csv(data, ReportRow.columns(dims)), media_type="text/csv; charset=utf-8", headers={
             "content-disposition": f'attachment; filename="{filename}-{start}-{end}.csv"',
         })
-    totals = {
+    amounts: dict[str, int] = {}
+    for r in rows:
+        for currency, amount in r.amounts.items():
+            amounts[currency] = amounts.get(currency, 0) + amount
+    totals = with_decimal_amounts({
         "requests": sum(r.requests for r in rows),
         "prompt_tokens": sum(r.prompt_tokens for r in rows),
         "completion_tokens": sum(r.completion_tokens for r in rows),
-    }
+        "amounts": dict(sorted(amounts.items())),
+    })
     body = UsageReportPublic(
         start=start.isoformat(), end=end.isoformat(), group_by=list(dims), totals=totals,
         data=[with_decimal_amounts(d) for d in data],

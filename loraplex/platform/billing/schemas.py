@@ -56,15 +56,20 @@ class ReportRowPublic(BaseModel):
     completion_tokens: int
     total_tokens: int
     avg_latency_ms: int | None
-    amount: int
-    amount_decimal: str
+    # null when the row spans prices in more than one currency (currency "mixed"): `amounts` splits it
+    amount: int | None
+    amount_decimal: str | None
     currency: str
+    amounts: dict[str, int]  # currency -> amount in micro-units
+    amounts_decimal: dict[str, str]
 
 
 class ReportTotals(BaseModel):
     requests: int
     prompt_tokens: int
     completion_tokens: int
+    amounts: dict[str, int]  # currency -> the rows' amounts added up; never summed across currencies
+    amounts_decimal: dict[str, str]
 
 
 class UsageReportPublic(BaseModel):
