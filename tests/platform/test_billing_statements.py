@@ -357,3 +357,34 @@ def test_a_report_over_several_currencies_renders_as_json_and_csv(session):
     header, first, second = csv_text.strip().splitlines()
     assert header.endswith("amount,currency,amounts")
     assert first.endswith(",mixed,EUR 2.000000; USD 1.000000") and second.endswith("1.000000,EUR,EUR 1.000000")
+
+
+def test_a_rollup_made_while_its_day_ran_is_not_taken_for_the_days_total(session):
+    """The hourly task rolls today up too: such a rollup holds the day's first hours only. If no later run
+    replaced it, reports sum that day live (and agree with the statement) instead of reading it."""
+    from loraplex.platform.billing.models import RollupRun
+
+    tenant = _tenant(session, "a")
+    day = date(2026, 11, 2)
+    _record(session, tenant, at=datetime(2026, 11, 2, 9, tzinfo=UTC), prompt=10, completion=1)
+    session.flush()
+    rollup_day(session, day)
+    session.get(RollupRun, day).rolled_at = datetime(2026, 11, 2, 10, tzinfo=UTC)  # made that morning
+    _record(session, tenant, at=datetime(2026, 11, 2, 15, tzinfo=UTC), prompt=20, completion=2)
+    session.flush()
+
+    def prompt_tokens():
+        (row,) = usage_report(session, day, day, group_by=("tenant",))
+        return row.prompt_tokens
+
+    assert prompt_tokens() == 30
+    assert compute_statement(session, tenant, "2026-11").prompt_tokens == 30
+    # one made after the day was over is the day's total, and is what reports read
+    rollup_day(session, day)
+    session.get(RollupRun, day).rolled_at = datetime(2026, 11, 3, 2, tzinfo=UTC)
+    session.flush()
+    assert prompt_tokens() == 30
+    (rolled,) = session.scalars(select(UsageRollup).where(UsageRollup.day == day)).all()
+    rolled.prompt_tokens = 31  # a mark: reports read the rollup, not the records
+    session.flush()
+    assert prompt_tokens() == 31

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from datetime import date
+from datetime import UTC, date, datetime, timedelta
 
 from sqlalchemy import delete, select
 from sqlalchemy.orm import Session
@@ -43,6 +43,20 @@ def rollup_day(session: Session, day: date) -> int:
     return len(totals)
 
 
+# Usage records reach the database in batches a few seconds behind their requests: a rollup made this long
+# after its day ended holds the whole day.
+LATE_WRITES = timedelta(hours=1)
+
+
 def rolled_up_days(session: Session, start: date, end: date) -> set[date]:
-    rows = session.scalars(select(RollupRun.day).where(RollupRun.day >= start, RollupRun.day <= end))
-    return set(rows)
+    """The days in [start, end] whose rollup is final: made after the day was over (and its late writes
+    had landed). A rollup made while its day still ran (the hourly task rolls today up too) holds only its
+    first hours; if no later one replaced it (a server stopped that afternoon, a worker down the next day),
+    reports must not take it for the day's total."""
+    rows = session.execute(select(RollupRun.day, RollupRun.rolled_at)
+                           .where(RollupRun.day >= start, RollupRun.day <= end))
+    return {day for day, rolled_at in rows if _aware(rolled_at) >= day_range(day)[1] + LATE_WRITES}
+
+
+def _aware(moment: datetime) -> datetime:
+    return moment if moment.tzinfo is not None else moment.replace(tzinfo=UTC)
