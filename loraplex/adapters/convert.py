@@ -69,8 +69,9 @@ def _module_path(key: str) -> str | None:
         raise AdapterValidationError(f"{_WEIGHTS}: tensor {key!r} is a full copy of a base module "
                                      f"(modules_to_save), which is not supported", ErrorCode.MODULES_TO_SAVE_UNSUPPORTED)
     if key.endswith(".bias"):
-        raise AdapterValidationError(f"{_WEIGHTS}: tensor {key!r} is a bias; adapters with biases are not supported",
-                                     ErrorCode.BIAS_UNSUPPORTED)
+        raise AdapterValidationError(f"{_WEIGHTS}: tensor {key!r} is a bias (trained with PEFT's bias='all' or "
+                                     f"'lora_only'); adapters that change the base model's biases are not "
+                                     f"supported (retrain with bias='none')", ErrorCode.BIAS_UNSUPPORTED)
     m = _KEY.match(key)
     if m is None or not key.startswith(_PREFIX):
         return None

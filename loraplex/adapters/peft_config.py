@@ -118,11 +118,14 @@ def _refuse_unsupported(config: dict) -> None:
             f"adapter_config.json: modules_to_save={config['modules_to_save']!r}; adapters that save full copies "
             f"of base modules are not supported (only LoRA A/B weights are served)",
             ErrorCode.MODULES_TO_SAVE_UNSUPPORTED)
+    # bias "all" or "lora_only" trains the base model's own biases; on a model whose projections have none
+    # (Llama, Mistral) the file holds none and the adapter is plain LoRA, as PEFT loads it. Bias tensors
+    # that are there are refused where the weights are read.
     bias = config.get("bias", "none")
-    if bias != "none":
+    if bias not in ("none", "all", "lora_only"):
         raise AdapterValidationError(
-            f"adapter_config.json: bias is {bias!r}; only bias 'none' is supported (trained biases would change "
-            f"the shared base model)", ErrorCode.BIAS_UNSUPPORTED)
+            f"adapter_config.json: bias is {bias!r}; PEFT's values are 'none', 'all' and 'lora_only'",
+            ErrorCode.CONFIG_INVALID)
     if config.get("lora_bias"):
         raise AdapterValidationError("adapter_config.json: lora_bias is true; a bias on lora_B is not supported",
                                      ErrorCode.BIAS_UNSUPPORTED)

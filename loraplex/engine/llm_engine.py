@@ -281,6 +281,14 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
+    def _fail_request(self, state: RequestState, error: str, kind: str = "engine") -> None:
+        """End every sequence of the request with an error; its output carries it to the caller."""
+        if state.error is None:
+            state.error, state.error_kind = error, kind
+        self.scheduler.abort([s for s in state.seqs if not s.is_finished])
+        for s in state.seqs:
+            s.finish_reason = "error"
+
     # -- the loop ---------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         batch = self.scheduler.schedule()
@@ -288,11 +296,7 @@ class LLMEngine:
         for seq, exc in batch.failed:
             state = self.requests.get(seq.request_id)
             if state is not None:
-                state.error = str(exc)
-                state.error_kind = "adapter_load" if isinstance(exc, AdapterLoadError) else "engine"
-                self.scheduler.abort([s for s in state.seqs if not s.is_finished])
-                for s in state.seqs:
-                    s.finish_reason = "error"
+                self._fail_request(state, str(exc), "adapter_load" if isinstance(exc, AdapterLoadError) else "engine")
                 touched[seq.request_id] = state
         if not batch.empty:
             with self._cpu_threads_beside_loads(batch):
@@ -301,9 +305,17 @@ class LLMEngine:
             for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
                 self.prompt_tokens_total += max(0, min(n, seq.num_prompt_tokens - seq.num_computed_tokens))
             self.scheduler.postprocess(batch, sampled)
+            nonfinite = set(out.nonfinite_rows) if out is not None else set()
             for row, seq in enumerate(sample_seqs):
                 state = self.requests.get(seq.request_id)
                 if state is None or seq.is_finished:
+                    continue
+                if row in nonfinite:
+                    # NaN or inf logits (an adapter whose weights make the model overflow, say): the request
+                    # fails with an error rather than answering tokens drawn from noise
+                    self._fail_request(state, "the model's output for this request was not finite (NaN or "
+                                              "inf); with an adapter, its weights make the model overflow")
+                    touched[seq.request_id] = state
                     continue
                 self.generation_tokens_total += 1
                 comp = state.completions[seq.index]

@@ -7,7 +7,7 @@ its tokens do not depend on what else is in the batch.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -19,6 +19,8 @@ class SamplerOutput:
     token_ids: list[int]
     # per row: (chosen logprob, [(token_id, logprob) top alternatives]) where logprobs were asked for
     logprobs: list[tuple[float, list[tuple[int, float]]] | None]
+    # rows whose logits were not all finite (NaN or inf): their token means nothing and their request fails
+    nonfinite_rows: list[int] = field(default_factory=list)
 
 
 def _apply_penalties(logits: torch.Tensor, rows: list[int], seqs: list[Sequence]) -> None:
@@ -70,6 +72,8 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
         logits = logits.float()
         num_rows = logits.shape[0]
+        # one reduction per row: its sum is finite only if every logit is (or they are absurdly large)
+        nonfinite = (~torch.isfinite(logits.sum(dim=-1))).nonzero().flatten().tolist() if num_rows else []
         want_logprobs = [s.params.logprobs is not None for s in seqs]
         raw_logprobs = logits.log_softmax(dim=-1) if any(want_logprobs) else None
 
@@ -115,4 +119,4 @@ class Sampler:
                     vals, ids = raw_logprobs[r].topk(s.params.logprobs)
                     top = list(zip(ids.tolist(), vals.tolist(), strict=True))
                 out_logprobs[r] = (chosen, top)
-        return SamplerOutput(token_list, out_logprobs)
+        return SamplerOutput(token_list, out_logprobs, nonfinite)

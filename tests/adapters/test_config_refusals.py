@@ -16,8 +16,7 @@ def test_good_adapter_loads(adapter_copy, llama_spec):
 @pytest.mark.parametrize(("changes", "code", "words"), [
     ({"use_dora": True}, ErrorCode.DORA_UNSUPPORTED, ["use_dora", "DoRA"]),
     ({"modules_to_save": ["lm_head"]}, ErrorCode.MODULES_TO_SAVE_UNSUPPORTED, ["modules_to_save", "lm_head"]),
-    ({"bias": "all"}, ErrorCode.BIAS_UNSUPPORTED, ["bias", "'all'"]),
-    ({"bias": "lora_only"}, ErrorCode.BIAS_UNSUPPORTED, ["lora_only"]),
+    ({"bias": "some"}, ErrorCode.CONFIG_INVALID, ["bias", "'some'"]),
     ({"lora_bias": True}, ErrorCode.BIAS_UNSUPPORTED, ["lora_bias"]),
     ({"peft_type": "IA3"}, ErrorCode.PEFT_TYPE, ["IA3"]),
     ({"peft_type": None}, ErrorCode.PEFT_TYPE, ["peft_type"]),
@@ -54,6 +53,20 @@ def test_good_adapter_loads(adapter_copy, llama_spec):
 def test_config_refusals(adapter_copy, llama_spec, changes, code, words):
     adapter_copy.update_config(**changes)
     refused(adapter_copy.path, llama_spec, code, *words)
+
+
+@pytest.mark.parametrize("bias", ["all", "lora_only"])
+def test_a_bias_setting_with_no_bias_tensors_is_plain_lora(adapter_copy, llama_spec, bias):
+    """PEFT's bias='all' on a model whose projections have no biases (Llama) saves no bias tensors: the
+    adapter is plain LoRA, as PEFT loads it. One whose file holds a bias is refused, naming the tensor."""
+    plain = load_adapter(adapter_copy.path, llama_spec)
+    adapter_copy.update_config(bias=bias)
+    loaded = load_adapter(adapter_copy.path, llama_spec)
+    assert loaded.content_hash == plain.content_hash
+    tensors = adapter_copy.tensors()
+    tensors["base_model.model.model.layers.0.self_attn.q_proj.bias"] = next(iter(tensors.values()))[0].clone()
+    adapter_copy.save_tensors(tensors)
+    refused(adapter_copy.path, llama_spec, ErrorCode.BIAS_UNSUPPORTED, "q_proj.bias", "bias='none'")
 
 
 def test_target_names_that_match_nothing_are_passed_over_as_peft_does(adapter_copy, llama_spec):

@@ -10,6 +10,7 @@ import struct
 import tarfile
 import zipfile
 
+import pytest
 import torch
 from adapter_helpers import refused
 
@@ -160,3 +161,16 @@ def test_weights_whose_update_overflows_are_refused(adapter_copy, llama_spec, ll
 
     refused(_canonical_file(tmp_path / "huge.safetensors", good, huge), llama_spec, ErrorCode.NON_FINITE,
             "can overflow")
+
+
+@pytest.mark.parametrize("alpha", [1e30, 1e9])
+def test_a_scaling_that_makes_the_update_overflow_is_refused(adapter_copy, llama_spec, alpha):
+    """lora_alpha 1e30 (or a billion) over r 8: finite weights, but the model's output turns to noise and
+    NaN; refused at upload, naming the module, instead of served."""
+    adapter_copy.update_config(lora_alpha=alpha)
+    refused(adapter_copy.path, llama_spec, ErrorCode.NON_FINITE, "can overflow")
+
+
+def test_a_large_but_plausible_scaling_is_accepted(adapter_copy, llama_spec):
+    adapter_copy.update_config(lora_alpha=1024, use_rslora=True)  # a scaling of 362 at r 8
+    assert load_adapter(adapter_copy.path, llama_spec).rank == 8

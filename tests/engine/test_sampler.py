@@ -178,3 +178,44 @@ def test_n_samples_with_seed_differ_but_reproduce(llm):
     b = llm.generate("The quick", p, use_tqdm=False)[0]
     assert [c.token_ids for c in a.outputs] == [c.token_ids for c in b.outputs]
     assert len({tuple(c.token_ids) for c in a.outputs}) > 1
+
+
+def test_rows_with_nonfinite_logits_are_reported():
+    logits = LOGITS.repeat(3, 1)
+    logits[1, 2] = float("nan")
+    logits[2, 0] = float("inf")
+    out = Sampler()(logits, _rows([SamplingParams(temperature=0)] * 3))
+    assert out.nonfinite_rows == [1, 2]
+    assert Sampler()(LOGITS.view(1, -1), _rows([SamplingParams()])).nonfinite_rows == []
+
+
+def test_a_request_whose_logits_are_not_finite_fails_and_the_others_go_on(llm):
+    """NaN logits (an adapter that makes the model overflow, say) end that request with an error instead of
+    tokens drawn from noise; the batch's other requests are not touched."""
+    engine = llm.engine
+    real = engine.runner.sampler
+
+    def poisoned(logits, seqs):
+        for row, seq in enumerate(seqs):
+            if seq.request_id == "bad" and seq.num_output_tokens >= 2:
+                logits[row, 7] = float("nan")
+        return real(logits, seqs)
+
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    engine.runner.sampler = poisoned
+    try:
+        engine.add_request("bad", "The quick brown fox", params)
+        engine.add_request("good", "The quick brown fox", params)
+        final = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    final[out.request_id] = out
+    finally:
+        engine.runner.sampler = real
+    assert final["bad"].error is not None and "not finite" in final["bad"].error
+    assert final["bad"].outputs[0].finish_reason == "error"
+    assert len(final["bad"].outputs[0].token_ids) == 2
+    assert final["good"].error is None and len(final["good"].outputs[0].token_ids) == 8
+    alone = llm.generate("The quick brown fox", params, use_tqdm=False)[0].outputs[0].token_ids
+    assert final["good"].outputs[0].token_ids == alone
