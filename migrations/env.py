@@ -40,11 +40,19 @@ def run_migrations_online() -> None:
     engine.dispose()
 
 
+# Several processes may start on one new database at once (API replicas, an admin command beside them):
+# on PostgreSQL each takes this transaction-scoped advisory lock before it reads the schema's version, so
+# the second waits for the first's migrations to commit and then finds nothing left to do.
+MIGRATION_LOCK_KEY = 0x6C6F7261706C6578  # "loraplex"
+
+
 def _run(connection) -> None:
     # batch mode lets ALTER-style migrations work on SQLite too
     context.configure(connection=connection, target_metadata=target_metadata, render_as_batch=True,
                       compare_type=True)
     with context.begin_transaction():
+        if connection.dialect.name == "postgresql":
+            connection.exec_driver_sql(f"SELECT pg_advisory_xact_lock({MIGRATION_LOCK_KEY})")
         context.run_migrations()
 
 

@@ -37,6 +37,9 @@ def _session():
     except OperationalError as exc:
         raise click.ClickException(f"cannot reach the database {masked_url(settings.resolved_database_url)}: "
                                    f"{exc.orig}") from exc
+    except Exception as exc:  # a migration that failed: said in one line, as `loraplex serve` says it
+        raise click.ClickException(f"cannot prepare the database {masked_url(settings.resolved_database_url)}: "
+                                   f"{exc}") from exc
     if is_new:
         click.echo(f"loraplex admin: there was no database at {sqlite_file}, so a new, empty one was created. "
                    "`loraplex serve` uses the one under its data folder (LORAPLEX_DATA_DIR, by default "
