@@ -217,10 +217,15 @@ def revoke_key_cmd(key_id):
 
 
 def _key_name(_ctx, _param, value: str) -> str:
+    from loraplex.platform.schemas.tenants import refuse_control_characters
+
     # what the column holds (64 characters; PostgreSQL refuses more)
     if not value or len(value) > 64:
         raise click.BadParameter(f"a key name is 1-64 characters, got {len(value)}")
-    return value
+    try:
+        return refuse_control_characters(value)
+    except ValueError as exc:
+        raise click.BadParameter(f"a key name {exc}") from None
 
 
 @admin.command("create-admin-key")
@@ -232,6 +237,32 @@ def create_admin_key_cmd(name):
     with _session() as (session, settings):
         _, secret = create_admin_key(session, settings, name=name)
         click.echo(secret)
+
+
+@admin.command("list-admin-keys")
+def list_admin_keys_cmd():
+    """Admin keys: id, display prefix, name, created, state (never the secret)."""
+    from sqlalchemy import select
+
+    from loraplex.platform.models import AdminKey
+
+    with _session() as (session, _):
+        for key in session.scalars(select(AdminKey).order_by(AdminKey.id)):
+            state = f"revoked {key.revoked_at:%Y-%m-%d %H:%M}" if key.revoked_at else "active"
+            click.echo(f"{key.id}\t{key.prefix}...\t{key.name}\t{key.created_at:%Y-%m-%d %H:%M}\t{state}")
+
+
+@admin.command("revoke-admin-key")
+@click.argument("key_id", type=click.IntRange(1, MAX_ROW_ID))
+def revoke_admin_key_cmd(key_id):
+    """Revoke an admin key by id: /admin/api refuses it at once and its console sessions end."""
+    from loraplex.platform.tenants import active_admin_keys, revoke_admin_key
+
+    with _session() as (session, _):
+        key = revoke_admin_key(session, key_id)
+        click.echo(f"admin key {key_id} ({key.prefix}...) revoked")
+        if not active_admin_keys(session):
+            click.echo("no active admin key is left: `loraplex admin create-admin-key` makes one", err=True)
 
 
 admin.add_command(billing)

@@ -142,6 +142,24 @@ def revoke_api_key(session: Session, key: ApiKey) -> ApiKey:
     return key
 
 
+def revoke_admin_key(session: Session, key_id: int) -> AdminKey:
+    """Revoke an admin key: every check of it (the admin API, console sessions made with it) fails from the
+    next request on."""
+    key = session.get(AdminKey, key_id)
+    if key is None:
+        raise TenantError(f"no admin key with id {key_id}")
+    if key.revoked_at is None:
+        key.revoked_at = utcnow()
+        session.flush()
+    return key
+
+
+def active_admin_keys(session: Session) -> int:
+    from sqlalchemy import func
+
+    return int(session.scalar(select(func.count()).select_from(AdminKey).where(AdminKey.revoked_at.is_(None))))
+
+
 def create_admin_key(session: Session, settings: Settings, name: str = "admin") -> tuple[AdminKey, str]:
     secret = generate_key(admin=True)
     key = AdminKey(name=name, prefix=display_prefix(secret), key_hash=hash_key(settings.secret_key, secret))

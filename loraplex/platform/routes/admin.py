@@ -7,8 +7,9 @@ from sqlalchemy import select
 
 from loraplex.platform.deps import AdminDep, IdPath, ServicesDep, SessionDep
 from loraplex.platform.errors import not_found
-from loraplex.platform.models import ApiKey, Plan, Tenant
+from loraplex.platform.models import AdminKey, ApiKey, Plan, Tenant
 from loraplex.platform.schemas.tenants import (
+    AdminKeyPublic,
     KeyCreate,
     KeyCreated,
     KeyPublic,
@@ -24,6 +25,7 @@ from loraplex.platform.tenants import (
     create_tenant,
     get_tenant,
     key_public,
+    revoke_admin_key,
     revoke_api_key,
     tenant_public,
     update_tenant,
@@ -82,3 +84,16 @@ def revoke_key(*, _admin: AdminDep, session: SessionDep, key_id: IdPath) -> KeyP
     if key is None:
         raise not_found(f"no API key with id {key_id}", param="key_id")
     return key_public(revoke_api_key(session, key))
+
+
+@router.get("/admin-keys", response_model=list[AdminKeyPublic])
+def list_admin_keys(*, _admin: AdminDep, session: SessionDep) -> list[AdminKey]:
+    return list(session.scalars(select(AdminKey).order_by(AdminKey.id)))
+
+
+@router.delete("/admin-keys/{key_id}", response_model=AdminKeyPublic)
+def revoke_admin(*, _admin: AdminDep, session: SessionDep, key_id: IdPath) -> AdminKey:
+    """Revoke an admin key (this request's own too: it is refused from the next request on)."""
+    if session.get(AdminKey, key_id) is None:
+        raise not_found(f"no admin key with id {key_id}", param="key_id")
+    return revoke_admin_key(session, key_id)

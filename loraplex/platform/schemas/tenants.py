@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import unicodedata
 from datetime import datetime
 from typing import Literal
 
@@ -9,6 +10,15 @@ from loraplex.platform.models import ALL_SCOPES
 from loraplex.platform.schemas.text import DbText
 
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
+
+
+def refuse_control_characters(value: str) -> str:
+    """A free-text name (a key's) is printed by the CLI and in CSV exports: no newline, tab or terminal
+    escape may ride in it."""
+    bad = next((c for c in value if unicodedata.category(c) == "Cc"), None)
+    if bad is not None:
+        raise ValueError(f"must not contain control characters (found U+{ord(bad):04X})")
+    return value
 
 
 # Quotas are stored in INTEGER (32-bit on PostgreSQL) and BIGINT columns: larger numbers are refused here
@@ -87,6 +97,11 @@ class KeyCreate(BaseModel):
     name: DbText = Field(default="default", min_length=1, max_length=64)
     scopes: list[str] = Field(default_factory=lambda: list(ALL_SCOPES))
 
+    @field_validator("name")
+    @classmethod
+    def _printable_name(cls, name: str) -> str:
+        return refuse_control_characters(name)
+
     @field_validator("scopes")
     @classmethod
     def _known_scopes(cls, scopes: list[str]) -> list[str]:
@@ -110,3 +125,11 @@ class KeyPublic(BaseModel):
 
 class KeyCreated(KeyPublic):
     key: str = Field(description="the secret; shown only in this response")
+
+
+class AdminKeyPublic(BaseModel):
+    id: int
+    name: str
+    prefix: str
+    created_at: datetime
+    revoked_at: datetime | None

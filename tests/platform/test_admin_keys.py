@@ -1,0 +1,74 @@
+"""Admin keys are listed and revoked (a leaked one must stop working at once), from the admin API and the
+CLI; key names carry no control characters into terminals and CSV files."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from click.testing import CliRunner
+
+from loraplex.platform.commands import admin
+
+
+def _admin(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+def test_an_admin_key_revoked_over_the_api_stops_working_at_once(app, client, admin_key):
+    from loraplex.platform.db import session_scope
+    from loraplex.platform.tenants import create_admin_key
+
+    with session_scope(app.state.services.sessions) as session:
+        leaked, leaked_secret = create_admin_key(session, app.state.services.settings, name="leaked")
+        leaked_id = leaked.id
+    assert client.get("/admin/api/tenants", headers=_admin(leaked_secret)).status_code == 200
+    listed = client.get("/admin/api/admin-keys", headers=_admin(admin_key)).json()
+    assert {k["name"] for k in listed} >= {"admin", "leaked"}
+    assert all("key" not in k and "key_hash" not in k for k in listed)
+    r = client.delete(f"/admin/api/admin-keys/{leaked_id}", headers=_admin(admin_key))
+    assert r.status_code == 200 and r.json()["revoked_at"]
+    assert client.get("/admin/api/tenants", headers=_admin(leaked_secret)).status_code == 401
+    assert client.get("/admin/api/tenants", headers=_admin(admin_key)).status_code == 200
+    assert client.delete("/admin/api/admin-keys/999999", headers=_admin(admin_key)).status_code == 404
+
+
+def test_api_key_names_with_control_characters_are_refused(client, admin_key, make_tenant):
+    tenant = make_tenant()
+    for name in ("evil\x1b]0;pwned\x07", "line1\nline2", "tab\there"):
+        r = client.post(f"/admin/api/tenants/{tenant.tenant_id}/keys", headers=_admin(admin_key),
+                        json={"name": name})
+        assert r.status_code == 400, (name, r.text)
+        assert "control characters" in r.json()["error"]["message"]
+    r = client.post(f"/admin/api/tenants/{tenant.tenant_id}/keys", headers=_admin(admin_key),
+                    json={"name": "ünïcode ✓ ok"})
+    assert r.status_code == 201
+
+
+@pytest.fixture
+def cli(monkeypatch, tmp_path):
+    for key in list(os.environ):
+        if key.startswith("LORAPLEX_"):
+            monkeypatch.delenv(key)
+    monkeypatch.chdir(tmp_path)
+    return CliRunner()
+
+
+def test_the_cli_lists_and_revokes_admin_keys(cli):
+    first = cli.invoke(admin, ["create-admin-key", "--name", "ops"])
+    assert first.exit_code == 0, first.output
+    listed = cli.invoke(admin, ["list-admin-keys"])
+    assert listed.exit_code == 0
+    (row,) = [line for line in listed.stdout.splitlines() if "\tops\t" in line]
+    key_id = row.split("\t")[0]
+    assert row.endswith("active")
+    revoked = cli.invoke(admin, ["revoke-admin-key", key_id])
+    assert revoked.exit_code == 0 and "revoked" in revoked.stdout
+    assert "no active admin key is left" in revoked.stderr
+    (row,) = [line for line in cli.invoke(admin, ["list-admin-keys"]).stdout.splitlines() if "\tops\t" in line]
+    assert "revoked" in row
+    missing = cli.invoke(admin, ["revoke-admin-key", "4242"])
+    assert missing.exit_code != 0 and "no admin key with id 4242" in missing.output
+    assert "Traceback" not in missing.output
+    bad = cli.invoke(admin, ["create-key", "acme", "--name", "a\x1bb"])
+    assert bad.exit_code != 0 and "control characters" in bad.output
