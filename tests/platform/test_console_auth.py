@@ -118,6 +118,21 @@ def test_sign_in_needs_the_admin_key_and_its_own_csrf_token(console):
     assert tenant_key.status_code == 401
 
 
+def test_sign_in_pages_open_in_two_tabs_both_work(console):
+    """A session that expired under several tabs sends each to the sign-in page; the one signed in from
+    first must not be refused because another tab loaded the page later."""
+    first = FORM_TOKEN.search(console.client.get("/console/login?next=/console/tenants").text).group(1)
+    second = FORM_TOKEN.search(console.client.get("/console/login?next=/console/usage").text).group(1)
+    assert second == first
+    r = console.client.post("/console/login", data={"csrf_token": first, "credential": console.admin_key,
+                                                    "next": "/console/tenants"},
+                            headers={"Origin": "http://testserver"}, follow_redirects=False)
+    assert r.status_code == 303 and r.headers["location"] == "/console/tenants"
+    console.client.cookies.clear()  # another browser: its own token
+    third = FORM_TOKEN.search(console.client.get("/console/login").text).group(1)
+    assert third != first
+
+
 def test_session_cookie_is_httponly_strict_and_signed(console):
     page = console.client.get("/console/login")
     token = FORM_TOKEN.search(page.text).group(1)

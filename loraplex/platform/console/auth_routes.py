@@ -34,7 +34,7 @@ def _safe_next(target: str | None) -> str:
 
 def _login_page(request: Request, services, *, error: str | None = None, status_code: int = 200,
                 next_url: str = "") -> HTMLResponse:
-    token, signed = new_login_token(services.settings)
+    token, signed = new_login_token(services.settings, request.cookies.get(LOGIN_COOKIE))
     page = environment().get_template("login.html").render(login_token=token, error=error, next=next_url)
     response = HTMLResponse(page, status_code=status_code, headers=SECURITY_HEADERS)
     response.set_cookie(LOGIN_COOKIE, signed, max_age=int(LOGIN_TTL.total_seconds()), httponly=True,

@@ -87,10 +87,22 @@ def end_session(session: Session, session_id: int) -> None:
     session.execute(update(ConsoleSession).where(ConsoleSession.id == session_id).values(ended_at=utcnow()))
 
 
-def new_login_token(settings: Settings) -> tuple[str, str]:
-    """(token for the form, signed value for the pre-session cookie)."""
+def new_login_token(settings: Settings, cookie: str | None = None) -> tuple[str, str]:
+    """(token for the form, signed value for the pre-session cookie). A browser that holds a pre-session
+    cookie from less than half its lifetime ago keeps its token: sign-in pages open in several tabs (a
+    session that expired under them) all stay valid, instead of only the one loaded last."""
+    serializer = _serializer(settings, "login")
+    if cookie:
+        try:
+            token, signed_at = serializer.loads(cookie, max_age=int(LOGIN_TTL.total_seconds() / 2),
+                                                return_timestamp=True)
+        except BadSignature:
+            pass
+        else:
+            if isinstance(token, str):
+                return token, cookie
     token = secrets.token_urlsafe(24)
-    return token, _serializer(settings, "login").dumps(token)
+    return token, serializer.dumps(token)
 
 
 def check_login_token(settings: Settings, cookie: str | None, submitted: str | None) -> bool:
