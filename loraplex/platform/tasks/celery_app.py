@@ -18,7 +18,8 @@ _COMMON = dict(acks_late=True, reject_on_worker_lost=True)
 
 
 def configure(settings: Settings) -> Celery:
-    previous = (app.conf.broker_url, app.conf.task_default_queue, dict(app.conf.task_routes or {}))
+    previous = (app.conf.broker_url, app.conf.task_default_queue, dict(app.conf.task_routes or {}),
+                dict(app.conf.broker_transport_options or {}))
     app.conf.update(
         broker_url=settings.redis_url or "memory://",
         result_backend=None,
@@ -32,7 +33,9 @@ def configure(settings: Settings) -> Celery:
             "loraplex.prefetch_adapter": {"queue": settings.engine_queue},
             "loraplex.remove_adapter": {"queue": settings.engine_queue},
         },
-        broker_transport_options={"visibility_timeout": 3600},
+        # every key the broker makes (queues, bindings, unacked messages) under the deployment's namespace,
+        # like the quota and usage keys: two deployments sharing a Redis database never share queues
+        broker_transport_options={"visibility_timeout": 3600, "global_keyprefix": f"{settings.redis_prefix}:"},
         broker_connection_retry_on_startup=True,
         worker_hijack_root_logger=False,
         beat_schedule={
@@ -43,7 +46,8 @@ def configure(settings: Settings) -> Celery:
             "resume-stuck-validations": {"task": "loraplex.resume_stuck_validations", "schedule": 300.0},
         },
     )
-    if previous != (app.conf.broker_url, app.conf.task_default_queue, dict(app.conf.task_routes or {})):
+    if previous != (app.conf.broker_url, app.conf.task_default_queue, dict(app.conf.task_routes or {}),
+                    dict(app.conf.broker_transport_options or {})):
         _forget_connections()
     return app
 
