@@ -56,3 +56,29 @@ def test_scrape_token_guards_metrics_when_set(settings, fake_engine):
             assert "LORAPLEX_METRICS_TOKEN" in r.json()["error"]["message"]
         r = c.get("/metrics", headers={"Authorization": "Bearer scrape-secret-123"})
         assert r.status_code == 200 and "loraplex_" in r.text
+
+
+def test_requests_refused_for_want_of_an_engine_are_counted(app, client, make_tenant, fake_engine):
+    """An engine outage answered 503 is the server's failure: /metrics counts it (status "unavailable") and
+    the tenant's usage shows it as a failed request with no tokens, as the README says."""
+    import asyncio
+
+    tk = make_tenant("outage")
+    fake_engine.failure = "device lost"
+    try:
+        for path, body in (("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+                           ("/v1/completions", {"prompt": "hi"})):
+            r = client.post(path, headers=tk.headers, json={"model": "fake-base", "max_tokens": 2, **body})
+            assert r.status_code == 503, r.text
+    finally:
+        del fake_engine.failure
+    samples = _scrape(client)
+    for endpoint in ("chat.completions", "completions"):
+        key = ("loraplex_requests_total", (("endpoint", endpoint), ("status", "unavailable"), ("tenant", "outage")))
+        assert samples[key] == 1
+    from loraplex.platform.tasks.context import get_context
+
+    asyncio.run_coroutine_threadsafe(app.state.services.usage.flush(), get_context().loop).result(10)
+    buckets = client.get("/v1/usage", headers=tk.headers).json()["data"]
+    assert sum(b["failed_requests"] for b in buckets) == 2, buckets
+    assert sum(b["requests"] for b in buckets) == 2 and sum(b["total_tokens"] for b in buckets) == 0

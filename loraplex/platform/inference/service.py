@@ -11,6 +11,7 @@ import anyio
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from loraplex.engine.client import EngineClient
 from loraplex.engine.outputs import CompletionOutput, RequestOutput
 from loraplex.platform.auth import TenantContext
 from loraplex.platform.errors import APIError, not_found
@@ -28,6 +29,7 @@ from loraplex.platform.inference.streaming import ClientDisconnected, EventStrea
 from loraplex.platform.registry import ModelNotFound, ModelTarget, resolve_latest_fast
 from loraplex.platform.schemas.openai import ChatCompletionRequest, CompletionRequest
 from loraplex.platform.services import Services
+from loraplex.platform.usage import UsageEvent
 
 log = logging.getLogger(__name__)
 
@@ -69,9 +71,32 @@ async def _used_now(services: Services, tenant: TenantContext, params) -> tuple[
     return await used_now(tenant.tenant_id) if used_now is not None else (0, 0)
 
 
+async def _require_engine(services: Services, tenant: TenantContext, request: Request, endpoint: str,
+                          body) -> EngineClient:
+    """The engine, or the 503 that says none serves; such a refusal is the server's failure, counted in the
+    metrics (status "unavailable") and as a failed request of the tenant's usage, with no tokens."""
+    try:
+        return services.require_engine()
+    except APIError:
+        hook = services.on_request_finished
+        if hook is not None:
+            try:
+                hook(endpoint=endpoint, status="unavailable", tenant=tenant.tenant_name, adapter=None,
+                     prompt_tokens=0, completion_tokens=0, ttft_s=None, e2e_s=0.0)
+            except Exception:
+                log.exception("metrics hook failed")
+        if services.usage is not None:
+            await services.usage.record(UsageEvent(
+                request_id=request.state.request_id, tenant_id=tenant.tenant_id, api_key_id=tenant.key_id,
+                model=str(body.model)[:200], adapter_name=None, adapter_version=None, endpoint=endpoint,
+                prompt_tokens=0, completion_tokens=0, ttft_ms=None, latency_ms=0, status="error",
+                end_user=body.user, created_at=UsageEvent.now_iso()))
+        raise
+
+
 async def chat_completion(services: Services, tenant: TenantContext, request: Request,
                           body: ChatCompletionRequest) -> Response:
-    engine = services.require_engine()
+    engine = await _require_engine(services, tenant, request, "chat.completions", body)
     params = chat_sampling(body)
     target = await resolve_target(services, tenant, body.model)
     prompt = await _tokenize(request, encode_chat, engine, body)
@@ -103,7 +128,7 @@ async def chat_completion(services: Services, tenant: TenantContext, request: Re
 
 async def text_completion(services: Services, tenant: TenantContext, request: Request,
                           body: CompletionRequest) -> Response:
-    engine = services.require_engine()
+    engine = await _require_engine(services, tenant, request, "completions", body)
     params = completion_sampling(body)
     target = await resolve_target(services, tenant, body.model)
     prompts = await _tokenize(request, completion_prompts, engine, body)

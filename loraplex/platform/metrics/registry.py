@@ -18,7 +18,7 @@ from loraplex.platform.metrics.window import FinishedRequest, RecentWindow
 disable_created_metrics()
 
 BASE_MODEL_LABEL = "base"
-STATUSES = frozenset({"ok", "error", "cancelled", "aborted", "rejected"})
+STATUSES = frozenset({"ok", "error", "cancelled", "aborted", "rejected", "unavailable"})
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56)
 
