@@ -55,11 +55,15 @@ def test_create_tenant_edit_quotas_and_suspend(console):
 def test_a_new_key_is_shown_once_and_works_until_revoked(console):
     console.post("/console/tenants", {"name": "acme"})
     tenant = _tenant(console, "acme")
-    r = console.client.post(f"/console/tenants/{tenant.id}/keys",
+    r = console.client.post(f"/console/tenants/{tenant.id}/keys", follow_redirects=False,
                             data={"csrf_token": console.csrf, "name": "ci", "scopes": ["inference", "usage"]})
-    assert r.status_code == 201
-    secret = re.search(r'id="new-key-value">(lpx_[^<]+)<', r.text).group(1)
-    assert secret not in console.client.get(f"/console/tenants/{tenant.id}").text
+    # post/redirect/get: reload and Back show the tenant's page, never a second POST making a second key
+    assert r.status_code == 303 and r.headers["location"] == f"/console/tenants/{tenant.id}"
+    assert "lpx_" not in r.headers["location"]
+    shown = console.client.get(r.headers["location"])
+    assert shown.headers["cache-control"] == "no-store"
+    secret = re.search(r'id="new-key-value">(lpx_[^<]+)<', shown.text).group(1)
+    assert secret not in console.client.get(f"/console/tenants/{tenant.id}").text  # shown once
     headers = {"Authorization": f"Bearer {secret}"}
     assert console.client.get("/v1/models", headers=headers).status_code == 200
     with console.sessions() as s:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request
 from fastapi.responses import HTMLResponse, RedirectResponse
+from itsdangerous import BadSignature, URLSafeTimedSerializer
 from pydantic import ValidationError
 from sqlalchemy import func, select
 
@@ -14,10 +15,11 @@ from loraplex.platform.billing.pricing import PriceOverride
 from loraplex.platform.billing.statements import get_statement
 from loraplex.platform.console import forms
 from loraplex.platform.console.deps import ConsoleDep, ConsolePostDep
+from loraplex.platform.console.session import cookie_secure
 from loraplex.platform.console.templating import redirect, render
 from loraplex.platform.deps import IdPath, ServicesDep
 from loraplex.platform.models import ALL_SCOPES, ApiKey, Plan, Tenant
-from loraplex.platform.schemas.tenants import KeyCreate, PlanCreate, TenantCreate, TenantUpdate
+from loraplex.platform.schemas.tenants import KeyCreate, KeyCreated, PlanCreate, TenantCreate, TenantUpdate
 from loraplex.platform.tenants import (
     TenantError,
     create_api_key,
@@ -116,9 +118,32 @@ def _tenant_page(request: Request, context, services, tenant_id: int, *, new_key
     )
 
 
+# A new key's secret goes from its POST to the page that shows it once in a short-lived cookie of this
+# console session, not in a URL: the POST redirects (reload and Back never create a second key) and the GET
+# that shows the secret deletes the cookie (a reload no longer shows it).
+NEW_KEY_COOKIE = "lpx_console_new_key"
+NEW_KEY_SECONDS = 120
+
+
+def _new_key_signer(services, context) -> URLSafeTimedSerializer:
+    return URLSafeTimedSerializer(services.settings.secret_key, salt=f"console-new-key-{context.session_id}")
+
+
 @router.get("/tenants/{tenant_id}", response_class=HTMLResponse)
 def tenant_page(request: Request, context: ConsoleDep, services: ServicesDep, tenant_id: IdPath) -> HTMLResponse:
-    return _tenant_page(request, context, services, tenant_id)
+    raw = request.cookies.get(NEW_KEY_COOKIE)
+    new_key = None
+    if raw:
+        try:
+            shown = KeyCreated.model_validate(_new_key_signer(services, context).loads(raw, max_age=NEW_KEY_SECONDS))
+            new_key = shown if shown.tenant_id == tenant_id else None
+        except (BadSignature, ValidationError):
+            new_key = None
+    response = _tenant_page(request, context, services, tenant_id, new_key=new_key)
+    if raw:
+        response.delete_cookie(NEW_KEY_COOKIE, path="/console")
+        response.headers["cache-control"] = "no-store"
+    return response
 
 
 @router.post("/tenants/{tenant_id}")
@@ -172,7 +197,7 @@ async def tenant_prices(request: Request, _context: ConsolePostDep, services: Se
                     flash=f"Prices saved, in force from {period or 'this month'} on.")
 
 
-@router.post("/tenants/{tenant_id}/keys", response_class=HTMLResponse)
+@router.post("/tenants/{tenant_id}/keys")
 async def key_create(request: Request, context: ConsolePostDep, services: ServicesDep, tenant_id: IdPath):
     form = await request.form()
     back = f"/console/tenants/{tenant_id}"
@@ -184,8 +209,11 @@ async def key_create(request: Request, context: ConsolePostDep, services: Servic
             session.commit()
     except (TenantError, ValidationError, forms.FormError) as exc:
         return redirect(request, back, error=f"No key created: {_problem(exc)}")
-    # rendered directly, never redirected: the secret must not travel in a URL or be shown twice
-    return _tenant_page(request, context, services, tenant_id, new_key=created, status_code=201)
+    response = redirect(request, back)
+    response.set_cookie(NEW_KEY_COOKIE, _new_key_signer(services, context).dumps(created.model_dump(mode="json")),
+                        max_age=NEW_KEY_SECONDS, httponly=True, samesite="strict",
+                        secure=cookie_secure(services.settings), path="/console")
+    return response
 
 
 @router.post("/keys/{key_id}/revoke")
