@@ -69,9 +69,15 @@ class LLM:
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
         ):
             prompts = [prompts]
+        if not isinstance(prompts, (list, tuple)):
+            raise InvalidRequestError(f"prompts must be a string, a list of token ids, a prompt dict or a list of "
+                                      f"those, got {type(prompts).__name__}", param="prompt")
         prompts = list(prompts)
         params = sampling_params if sampling_params is not None else SamplingParams()
-        params_list = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
+        params_list = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        if not all(isinstance(p, SamplingParams) for p in params_list):
+            raise InvalidRequestError("sampling_params must be a SamplingParams or a list of them (one per prompt)",
+                                      param="sampling_params")
         adapters = list(adapter) if isinstance(adapter, (list, tuple)) else [adapter] * len(prompts)
         if len(params_list) != len(prompts) or len(adapters) != len(prompts):
             raise InvalidRequestError("sampling_params and adapter lists must match the number of prompts")

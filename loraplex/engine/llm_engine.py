@@ -227,7 +227,9 @@ class LLMEngine:
     def encode_prompt(self, prompt: str | Seq[int] | dict[str, Any]) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
-                prompt = list(prompt["prompt_token_ids"])
+                prompt = prompt["prompt_token_ids"]
+                if not isinstance(prompt, (list, tuple)):
+                    raise InvalidRequestError("'prompt_token_ids' must be a list of token ids", param="prompt")
             elif "prompt" in prompt:
                 prompt = prompt["prompt"]
             else:
@@ -237,7 +239,7 @@ class LLMEngine:
         elif isinstance(prompt, (list, tuple)):
             text, ids = None, list(prompt)
             vocab = self.arch.vocab_size
-            if not all(isinstance(t, int) and 0 <= t < vocab for t in ids):
+            if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in ids):
                 raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab})", param="prompt")
         else:
             raise InvalidRequestError("prompt must be a string, a list of token ids or a dict", param="prompt")

@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, field
 
 from loraplex.engine.errors import InvalidRequestError
 
 _GREEDY_EPS = 1e-5
+_INT_FIELDS = ("n", "top_k", "seed", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs")
+_OPTIONAL = frozenset({"top_k", "seed", "max_tokens", "logprobs", "prompt_logprobs"})
+_FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
+_BOOL_FIELDS = ("max_tokens_is_ceiling", "ignore_eos", "include_stop_str_in_output", "skip_special_tokens")
 
 
 @dataclass
@@ -36,10 +41,11 @@ class SamplingParams:
     _stop_list: list[str] = field(init=False, repr=False, default_factory=list)
 
     def __post_init__(self) -> None:
+        self._check_types()
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self._stop_list = [s for s in (self.stop or []) if s]
-        self.stop_token_ids = list(self.stop_token_ids or [])
+        self.stop_token_ids = [int(t) for t in self.stop_token_ids or []]
         self._validate()
 
     @property
@@ -49,6 +55,39 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < _GREEDY_EPS
+
+    def _check_types(self) -> None:
+        """Python callers pass anything: a bool is not a count (logprobs=True), a string not a flag
+        (ignore_eos="no" is truthy), a float not a seed. Refused here, naming the field, so that a bad request
+        never reaches a step (where it would fail its whole batch)."""
+        def bad(field_name: str, what: str) -> InvalidRequestError:
+            value = getattr(self, field_name)
+            return InvalidRequestError(f"{field_name} must be {what}, got {value!r} ({type(value).__name__})",
+                                       param=field_name)
+
+        for name in _INT_FIELDS:
+            value = getattr(self, name)
+            if value is None and name in _OPTIONAL:
+                continue
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+                raise bad(name, "an integer" + (" or None" if name in _OPTIONAL else ""))
+            setattr(self, name, int(value))
+        for name in _FLOAT_FIELDS:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Real):
+                raise bad(name, "a number")
+            setattr(self, name, float(value))
+        for name in _BOOL_FIELDS:
+            if not isinstance(getattr(self, name), bool):
+                raise bad(name, "true or false")
+        stop = self.stop
+        if not (stop is None or isinstance(stop, str) or (
+                isinstance(stop, (list, tuple)) and all(isinstance(s, str) for s in stop))):
+            raise bad("stop", "a string or a list of strings")
+        ids = self.stop_token_ids
+        if not (ids is None or (isinstance(ids, (list, tuple)) and all(
+                isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in ids))):
+            raise bad("stop_token_ids", "a list of integers")
 
     def _validate(self) -> None:
         def bad(msg: str, param: str) -> InvalidRequestError:

@@ -219,3 +219,18 @@ def test_a_request_whose_logits_are_not_finite_fails_and_the_others_go_on(llm):
     assert final["good"].error is None and len(final["good"].outputs[0].token_ids) == 8
     alone = llm.generate("The quick brown fox", params, use_tqdm=False)[0].outputs[0].token_ids
     assert final["good"].outputs[0].token_ids == alone
+
+
+@pytest.mark.parametrize(("prompts", "params", "words"), [
+    (5, None, "prompts must be"),
+    (None, None, "prompts must be"),
+    ({"prompt_token_ids": None}, None, "prompt_token_ids"),
+    ({"prompt_token_ids": [True, False]}, None, "token ids must be integers"),
+    ("Hi", {"temperature": 0}, "sampling_params must be"),
+])
+def test_malformed_generate_arguments_get_clear_errors(llm, prompts, params, words):
+    from loraplex.engine.errors import InvalidRequestError
+
+    with pytest.raises(InvalidRequestError, match=words):
+        llm.generate(prompts, params, use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
