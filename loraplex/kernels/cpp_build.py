@@ -78,12 +78,15 @@ class InlineExtension:
 
     def build_directory(self) -> str:
         """Where this extension is built and cached: torch's extension root (`TORCH_EXTENSIONS_DIR` where
-        set), then a folder per environment and processor (`build_key`)."""
+        set), then a folder per environment, processor, flags and source (`build_key`): two checkouts or
+        versions whose source differs under one name each keep their build, instead of rebuilding over each
+        other at every start."""
         from torch.utils.cpp_extension import get_default_build_root
 
         root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
+        source = hashlib.sha256((self.source + self._bindings()).encode()).hexdigest()
         return os.path.join(root, f"py{sys.version_info[0]}{sys.version_info[1]}_cpu",
-                            f"{self.name}-{build_key(self.extra_cflags)}")
+                            f"{self.name}-{build_key([*self.extra_cflags, source])}")
 
     def load(self):
         """The compiled module, or None when it cannot be built (tried once per process). A build stopped by

@@ -74,6 +74,10 @@ def test_builds_are_kept_apart_per_processor_and_environment(tmp_path, monkeypat
     assert ext.build_directory() != avx512
     flags = InlineExtension("loraplex_test_where_v1", "", [], what="test kernel", extra_cflags=["-mno-avx512f"])
     assert flags.build_directory() != ext.build_directory()
+    # another source under the same name (two checkouts, or an edit without a new name) builds apart,
+    # instead of each start rebuilding over the other's build
+    edited = InlineExtension("loraplex_test_where_v1", "// edited\n", [], what="test kernel")
+    assert edited.build_directory() != ext.build_directory()
 
 
 def test_processor_identity_names_the_instruction_sets():
