@@ -92,7 +92,7 @@ def test_an_empty_report_still_has_its_header(tmp_path):
              env)
     assert r.exit_code == 0, r.output
     assert r.stdout.strip() == ("tenant_id,tenant,adapter,requests,failed_requests,prompt_tokens,completion_tokens,"
-                                "total_tokens,avg_latency_ms,amount,currency")
+                                "total_tokens,avg_latency_ms,amount,currency,amounts")
 
 
 def test_an_empty_usage_csv_still_has_its_header(client, make_tenant):
