@@ -152,7 +152,8 @@ def _refuse_bad_model(model: str) -> None:
 @click.option("--queues", default=None, help="comma-separated Celery queues (default: LORAPLEX_TASK_QUEUE)")
 @click.option("--concurrency", default=2, show_default=True, type=click.IntRange(min=1))
 @click.option("--pool", default="prefork", show_default=True, type=click.Choice(["prefork", "threads", "solo"]))
-@click.option("--beat/--no-beat", default=True, show_default=True, help="also run the periodic tasks")
+@click.option("--beat/--no-beat", default=True, show_default=True,
+              help="also run the periodic tasks' scheduler (one worker at a time runs it; the others stand by)")
 @click.option("--loglevel", default="info", show_default=True)
 def worker(queues, concurrency, pool, beat, loglevel):
     """A Celery worker for background tasks (validation, warming, rollups). Needs LORAPLEX_REDIS_URL."""
@@ -166,10 +167,17 @@ def worker(queues, concurrency, pool, beat, loglevel):
     app = configure(settings)
     argv = ["worker", f"--queues={queues or settings.task_queue}", f"--concurrency={concurrency}", f"--pool={pool}",
             f"--loglevel={loglevel}", "--without-gossip", "--without-mingle"]
+    leader = None
     if beat:
-        argv += ["--beat", f"--schedule={settings.data_dir / 'celerybeat-schedule'}"]
+        from loraplex.platform.tasks.beat import start_beat
+
         settings.data_dir.mkdir(parents=True, exist_ok=True)
-    app.worker_main(argv)
+        leader = start_beat(app, settings, str(settings.data_dir / "celerybeat-schedule"))
+    try:
+        app.worker_main(argv)
+    finally:
+        if leader is not None:
+            leader.stop()
 
 
 @click.command()

@@ -1,0 +1,104 @@
+"""The periodic tasks' scheduler (Celery beat) inside `loraplex worker`, run by one worker at a time.
+
+Celery's `--beat` starts the scheduler as a child process: a worker killed with SIGKILL leaves it running,
+orphaned, and every replica runs its own, so each periodic task went out once per worker (and once more per
+orphan). Here the scheduler is a thread of the worker process (it dies with it), and it runs only in the
+worker that holds a lease in Redis: the others wait, and take over within a lease when the holder is gone.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import uuid
+from collections.abc import Callable
+
+log = logging.getLogger(__name__)
+
+LEASE_SECONDS = 30
+
+# KEYS: lease key. ARGV: holder id, lease ms. Take the lease if free, extend it if ours; 1 when we hold it.
+_HOLD = """
+local holder = redis.call('GET', KEYS[1])
+if holder == false then
+  redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+  return 1
+end
+if holder == ARGV[1] then
+  redis.call('PEXPIRE', KEYS[1], ARGV[2])
+  return 1
+end
+return 0
+"""
+
+# KEYS: lease key. ARGV: holder id. Give the lease back if ours.
+_RELEASE = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+
+
+class BeatLeader:
+    """Runs `make_service()`'s scheduler while this process holds the lease; stops it when it loses it."""
+
+    def __init__(self, redis_client, prefix: str, make_service: Callable[[], object], *,
+                 lease_seconds: float = LEASE_SECONDS):
+        self.redis = redis_client
+        self.key = f"{prefix}:beat-leader"
+        self.me = uuid.uuid4().hex
+        self.make_service = make_service
+        self.lease_seconds = lease_seconds
+        self._hold = redis_client.register_script(_HOLD)
+        self._release = redis_client.register_script(_RELEASE)
+        self._stop = threading.Event()
+        self._service = None
+        self._thread: threading.Thread | None = None
+
+    @property
+    def leading(self) -> bool:
+        return self._service is not None
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="beat-leader", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=self.lease_seconds)
+        self._step_down()
+        try:
+            self._release(keys=[self.key], args=[self.me])
+        except Exception:
+            log.warning("could not give the scheduler's lease back; it lapses by itself", exc_info=True)
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                held = bool(self._hold(keys=[self.key], args=[self.me, int(self.lease_seconds * 1000)]))
+            except Exception:
+                log.warning("cannot reach Redis for the scheduler's lease", exc_info=True)
+                held = False  # another worker may hold it by now: better no scheduler than two
+            if held and self._service is None:
+                log.info("this worker runs the periodic tasks' scheduler")
+                self._service = self.make_service()
+                threading.Thread(target=self._service.start, name="beat", daemon=True).start()
+            elif not held:
+                self._step_down()
+            self._stop.wait(self.lease_seconds / 3)
+
+    def _step_down(self) -> None:
+        if self._service is not None:
+            log.info("this worker no longer runs the periodic tasks' scheduler")
+            self._service.stop()
+            self._service = None
+
+
+def start_beat(app, settings, schedule_filename: str) -> BeatLeader:
+    import redis
+    from celery.beat import Service
+
+    leader = BeatLeader(redis.Redis.from_url(settings.redis_url), settings.redis_prefix,
+                        lambda: Service(app, schedule_filename=schedule_filename))
+    leader.start()
+    return leader

@@ -1,0 +1,73 @@
+"""One worker at a time runs the periodic tasks' scheduler; another takes over when it is gone."""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+
+import pytest
+
+from loraplex.platform.tasks.beat import BeatLeader
+
+REDIS_URL = os.environ.get("LORAPLEX_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+
+
+class FakeService:
+    def __init__(self, log):
+        self.log = log
+        self.running = False
+
+    def start(self):
+        self.running = True
+        self.log.append("start")
+
+    def stop(self, wait=False):
+        self.running = False
+        self.log.append("stop")
+
+
+def _wait(predicate, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.02)
+    return predicate()
+
+
+def test_one_scheduler_at_a_time_and_a_takeover_when_its_worker_is_gone():
+    import redis
+
+    client = redis.Redis.from_url(REDIS_URL)
+    try:
+        client.ping()
+    except Exception:
+        pytest.skip("no Redis on this machine")
+    prefix = f"lpxbeat{uuid.uuid4().hex[:8]}"
+    logs: list[list[str]] = [[], [], []]
+    leaders = [BeatLeader(client, prefix, lambda i=i: FakeService(logs[i]), lease_seconds=0.6) for i in range(3)]
+    try:
+        for leader in leaders:
+            leader.start()
+        assert _wait(lambda: sum(leader.leading for leader in leaders) == 1)
+        time.sleep(1.5)  # several lease periods: still exactly one
+        assert sum(leader.leading for leader in leaders) == 1
+        first = next(leader for leader in leaders if leader.leading)
+        # its worker dies without a word: the loop stops renewing (no release), the lease lapses
+        first._stop.set()
+        first._thread.join()
+        first._service = None
+        others = [leader for leader in leaders if leader is not first]
+        assert _wait(lambda: sum(leader.leading for leader in others) == 1, timeout=5)
+        # a worker that stops cleanly hands over at once
+        second = next(leader for leader in others if leader.leading)
+        second.stop()
+        assert logs[leaders.index(second)][-1] == "stop"
+        third = next(leader for leader in others if leader is not second)
+        assert _wait(lambda: third.leading, timeout=5)
+    finally:
+        for leader in leaders:
+            leader._stop.set()
+        client.delete(f"{prefix}:beat-leader")
+        client.close()
