@@ -81,7 +81,8 @@ def admin():
 @click.argument("name")
 @quota_options
 def create_plan_cmd(name, **quotas):
-    """Create a plan with default quotas for its tenants."""
+    """Create a plan with default quotas for its tenants; every quota is required (--rpm, --tpm,
+    --concurrent, --monthly-tokens)."""
     from loraplex.platform.schemas.tenants import PlanCreate
     from loraplex.platform.tenants import create_plan
 
@@ -122,7 +123,8 @@ def list_tenants_cmd():
         for tenant in session.scalars(select(Tenant).order_by(Tenant.id)):
             q = tenant_public(tenant, settings).quotas
             click.echo(f"{tenant.id}\t{tenant.name}\t{tenant.status}\tplan={tenant.plan.name if tenant.plan else '-'}"
-                       f"\trpm={q.requests_per_minute}\ttpm={q.tokens_per_minute}\tconcurrent={q.max_concurrent}")
+                       f"\trpm={q.requests_per_minute}\ttpm={q.tokens_per_minute}\tconcurrent={q.max_concurrent}"
+                       f"\tmonthly_tokens={q.monthly_token_budget}")
 
 
 @admin.command("set-quota")

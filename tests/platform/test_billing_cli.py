@@ -100,3 +100,18 @@ def test_an_empty_usage_csv_still_has_its_header(client, make_tenant):
     r = client.get("/v1/usage", headers=tenant.headers, params={"format": "csv"})
     assert r.status_code == 200
     assert r.text.strip().startswith("date,") and len(r.text.strip().splitlines()) == 1
+
+
+def test_no_statement_for_a_month_before_the_tenant_existed_or_not_begun(tmp_path):
+    """As the tenant API answers 404: a month before the tenant (with no usage in it) or one that has not
+    begun has no statement, rather than an empty draft."""
+    env = {"LORAPLEX_DATA_DIR": str(tmp_path), "LORAPLEX_ENVIRONMENT": "test"}
+    assert _run(["create-tenant", "acme"], env).exit_code == 0
+    before = CliRunner().invoke(main, ["admin", "billing", "statement", "acme", "2020-01"], env=env)
+    assert before.exit_code != 0 and "did not exist then" in before.output and "Traceback" not in before.output
+    later = CliRunner().invoke(main, ["admin", "billing", "statement", "acme", "2999-01"], env=env)
+    assert later.exit_code != 0 and "has not begun" in later.output
+    this_month = datetime.now(UTC).strftime("%Y-%m")
+    assert _run(["billing", "statement", "acme", this_month], env).exit_code == 0
+    listed = _run(["list-tenants"], env).output
+    assert "monthly_tokens=" in listed

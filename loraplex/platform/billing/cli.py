@@ -131,12 +131,19 @@ def report_cmd(start, end, tenants, group_by, fmt):
 def statement_cmd(tenant, period, fmt):
     """One tenant's statement for PERIOD (YYYY-MM): final if finalized, else a draft."""
     from loraplex.platform.billing.export import statement_csv, statement_dict, to_json
-    from loraplex.platform.billing.statements import get_statement
+    from loraplex.platform.billing.periods import period_of, today_utc
+    from loraplex.platform.billing.statements import get_statement, tenants_of_period
     from loraplex.platform.tenants import get_tenant
 
     _check_period(period)
+    if period > period_of(today_utc()):
+        raise click.ClickException(f"there is no statement for {period}: the month has not begun")
     with _session() as (session, _):
-        view = get_statement(session, get_tenant(session, tenant), period)
+        found = get_tenant(session, tenant)
+        if not tenants_of_period(session, period, [found.id]):
+            raise click.ClickException(f"there is no statement for {period}: tenant {found.name} did not exist "
+                                       "then")
+        view = get_statement(session, found, period)
     click.echo(statement_csv(view) if fmt == "csv" else to_json(statement_dict(view)), nl=False)
 
 
