@@ -189,3 +189,22 @@ def test_dead_sessions_are_cleared_at_the_next_sign_in(console):
     console.sign_in()
     with console.sessions() as s:
         assert s.scalar(select(func.count()).select_from(ConsoleSession)) == 1
+
+
+def test_a_form_posted_after_the_session_ended_leads_to_sign_in_and_back(console):
+    """The session expired while a page was open: its form's post does nothing and sends the browser to
+    sign in, then back to the page it was on (not to a dead-end error page)."""
+    console.sign_in()
+    console.post("/console/logout")
+    before = _state(console)
+    r = console.client.post("/console/tenants", data={"csrf_token": "x", "name": "late"},
+                            headers={"Referer": "http://testserver/console/tenants?page=2",
+                                     "Origin": "http://testserver"}, follow_redirects=False)
+    assert r.status_code == 303
+    assert r.headers["location"] == "/console/login?next=/console/tenants%3Fpage%3D2"
+    assert _state(console) == before
+    foreign = console.client.post("/console/tenants", data={"name": "late"},
+                                  headers={"Referer": "http://evil.example/console/x"}, follow_redirects=False)
+    assert foreign.status_code == 303 and foreign.headers["location"] == "/console/login?next=/console/tenants"
+    api = console.client.post("/console/api/dashboard", follow_redirects=False)
+    assert api.status_code in (401, 405)

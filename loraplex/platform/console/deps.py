@@ -14,16 +14,26 @@ CSRF_HEADER = "x-csrf-token"
 CSRF_FIELD = "csrf_token"
 
 
-def _wants_page(request: Request) -> bool:
-    return request.method == "GET" and "/console/api/" not in request.url.path
+def _page_after_sign_in(request: Request) -> str | None:
+    """Where a browser without a session goes back to once signed in: the page it asked for, or for a form
+    it posted (its session expired while the page was open) the page the form was on. None for the
+    console's JSON API, which answers 401."""
+    if "/console/api/" in request.url.path:
+        return None
+    if request.method == "GET":
+        return request.url.path + (f"?{request.url.query}" if request.url.query else "")
+    referer = urlsplit(request.headers.get("referer") or "")
+    if referer.netloc == request.headers.get("host", "") and referer.path.startswith("/console/"):
+        return referer.path + (f"?{referer.query}" if referer.query else "")
+    return "/console/tenants"
 
 
 def get_console(request: Request, services: ServicesDep) -> ConsoleContext:
     with services.sessions() as session:
         context = load_session(session, services.settings, request.cookies.get(SESSION_COOKIE))
     if context is None:
-        if _wants_page(request):
-            target = request.url.path + (f"?{request.url.query}" if request.url.query else "")
+        target = _page_after_sign_in(request)
+        if target is not None:  # nothing a signed-out post asked for is done: it is sent to sign in
             raise HTTPException(303, "sign in first", headers={"Location": f"/console/login?next={quote(target)}"})
         raise HTTPException(401, "Sign in to the console first.")
     return context
