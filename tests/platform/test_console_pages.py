@@ -239,3 +239,28 @@ def test_console_errors_are_pages_and_its_json_helpers_stay_json(console):
     # the API itself is unchanged
     r = get("/v1/no-such-route")
     assert r.status_code == 404 and r.headers["content-type"].startswith("application/json")
+
+
+def test_the_dashboard_lists_every_tenant_whose_adapter_a_cached_copy_serves(console, make_tenant):
+    """Two tenants who uploaded the same weights share one cached copy: the dashboard names both, and
+    versions no longer ready are not listed."""
+    from loraplex.platform.console.dashboard import _adapter_names
+    from loraplex.platform.models import Adapter, AdapterVersion
+
+    shared, other = "ab" * 32, "cd" * 32
+    ids = {name: make_tenant(name).tenant_id for name in ("acme", "beta", "gamma")}
+    with console.sessions() as s:
+        for tenant_name, adapter_name, content, status in (("acme", "bot", shared, "ready"),
+                                                           ("beta", "helper", shared, "ready"),
+                                                           ("gamma", "gone", shared, "deleted"),
+                                                           ("acme", "solo", other, "ready")):
+            adapter = Adapter(tenant_id=ids[tenant_name], name=adapter_name)
+            s.add(adapter)
+            s.flush()
+            s.add(AdapterVersion(adapter_id=adapter.id, tenant_id=ids[tenant_name], status=status,
+                                 upload_sha256="0" * 64, upload_filename="a.zip", upload_bytes=1,
+                                 content_hash=content))
+        s.commit()
+    names = _adapter_names(console.app.state.services, {shared, other})
+    assert sorted(names[shared]) == [("bot", "acme"), ("helper", "beta")]
+    assert names[other] == [("solo", "acme")]

@@ -11,7 +11,7 @@ from loraplex.platform.console.deps import ConsoleDep
 from loraplex.platform.console.templating import SECURITY_HEADERS, render
 from loraplex.platform.deps import ServicesDep
 from loraplex.platform.metrics import engine_summary, get_metrics
-from loraplex.platform.models import Adapter, AdapterVersion, Tenant
+from loraplex.platform.models import Adapter, AdapterVersion, Tenant, VersionStatus
 
 router = APIRouter()
 
@@ -21,7 +21,9 @@ def dashboard_page(request: Request, context: ConsoleDep) -> HTMLResponse:
     return render(request, "dashboard.html", context)
 
 
-def _adapter_names(services, hashes: set[str]) -> dict[str, tuple[str, str]]:
+def _adapter_names(services, hashes: set[str]) -> dict[str, list[tuple[str, str]]]:
+    """content hash -> every (adapter, tenant) whose ready version it is: tenants who uploaded the same
+    weights share one cached copy, and each of them is listed."""
     if not hashes:
         return {}
     with services.sessions() as session:
@@ -29,9 +31,14 @@ def _adapter_names(services, hashes: set[str]) -> dict[str, tuple[str, str]]:
             select(AdapterVersion.content_hash, Adapter.name, Tenant.name)
             .join(Adapter, Adapter.id == AdapterVersion.adapter_id)
             .join(Tenant, Tenant.id == AdapterVersion.tenant_id)
-            .where(AdapterVersion.content_hash.in_(sorted(hashes)))
+            .where(AdapterVersion.content_hash.in_(sorted(hashes)),
+                   AdapterVersion.status == VersionStatus.ready.value)
         ).all()
-    return {h: (name, tenant) for h, name, tenant in rows}
+    out: dict[str, list[tuple[str, str]]] = {}
+    for h, name, tenant in rows:
+        if (name, tenant) not in out.setdefault(h, []):
+            out[h].append((name, tenant))
+    return out
 
 
 @router.get("/api/dashboard")
@@ -45,8 +52,8 @@ def dashboard_data(request: Request, _context: ConsoleDep, services: ServicesDep
             where.setdefault(h, "host")
         names = _adapter_names(services, set(where))
         for content_hash, level in where.items():
-            name, tenant = names.get(content_hash, (None, None))
-            adapters.append({"content_hash": content_hash, "where": level, "name": name, "tenant": tenant})
+            for name, tenant in names.get(content_hash) or [(None, None)]:
+                adapters.append({"content_hash": content_hash, "where": level, "name": name, "tenant": tenant})
         adapters.sort(key=lambda a: (a["where"] != "device", a["tenant"] or "", a["name"] or ""))
     return JSONResponse(
         {"window": metrics.recent.summary(), "engine": engine, "adapters": adapters},
