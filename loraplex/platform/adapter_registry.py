@@ -131,19 +131,51 @@ def get_adapter(scope: TenantScope, name: str) -> Adapter:
     return adapter
 
 
-def delete_adapter(session: Session, settings: Settings, adapter: Adapter) -> list[str]:
-    """Delete the adapter and its versions; returns content hashes no longer used by any tenant (the
-    caller drops them from the engine and the store after the commit)."""
+class DeletedContent(list):
+    """Content hashes no longer used by any tenant (the caller drops them from the engine and the store
+    after the commit); `unpin` holds, for content still used whose last pinned version went with the
+    adapter, the id of a remaining version to unpin it by."""
+
+    def __init__(self, orphaned=(), unpin=()):
+        super().__init__(orphaned)
+        self.unpin = list(unpin)
+
+
+def delete_adapter(session: Session, settings: Settings, adapter: Adapter) -> DeletedContent:
+    """Delete the adapter and its versions; returns the content hashes to drop (and to unpin)."""
     hashes = {v.content_hash for v in adapter.versions if v.content_hash}
+    had_pin = {v.content_hash for v in adapter.versions if v.content_hash and v.pinned}
     version_ids = [v.id for v in adapter.versions]
     session.delete(adapter)
     session.flush()
     for vid in version_ids:
         shutil.rmtree(version_upload_dir(settings, vid), ignore_errors=True)
-    orphaned = []
+    orphaned, unpin = [], []
     for h in sorted(hashes):
         still_used = session.scalar(select(func.count()).select_from(AdapterVersion)
                                     .where(AdapterVersion.content_hash == h))
         if not still_used:
             orphaned.append(h)
-    return orphaned
+        elif h in had_pin and not content_pinned(session, h):
+            other = session.scalar(select(AdapterVersion.id).where(
+                AdapterVersion.content_hash == h, AdapterVersion.status == VersionStatus.ready.value).limit(1))
+            if other is not None:
+                unpin.append(other)
+    return DeletedContent(orphaned, unpin)
+
+
+def content_pinned(session: Session, content_hash: str) -> bool:
+    """Whether the engines keep this content pinned: while any ready version of it is pinned."""
+    return bool(session.scalar(select(func.count()).select_from(AdapterVersion).where(
+        AdapterVersion.content_hash == content_hash, AdapterVersion.pinned.is_(True),
+        AdapterVersion.status == VersionStatus.ready.value)))
+
+
+def pin_version(session: Session, version: AdapterVersion, pin: bool | None) -> bool | None:
+    """Record an operator's pin (True) or unpin (False) on the version; returns what the engines' pin for
+    its content becomes (None: pin was None, leave it as it is)."""
+    if pin is None:
+        return None
+    version.pinned = pin
+    session.flush()
+    return content_pinned(session, version.content_hash)

@@ -383,3 +383,36 @@ def test_upload_whose_file_name_names_a_folder_is_served(client, make_tenant, pe
     tenant = make_tenant()
     r = upload(client, tenant, "dots", [(filename, peft_adapter_zip.read_bytes())])
     assert r.status_code == 201 and r.json()["status"] == "ready", r.text
+
+
+def test_a_pin_belongs_to_the_version_pinned_not_to_every_tenant_with_the_same_weights(
+        client, make_tenant, admin_key, peft_adapter_zip, fake_engine):
+    """Two tenants upload the same weights: the engine caches one copy, pinned while either's version is
+    pinned. Unpinning one's leaves the other's pinned; deleting the adapter of the last pinned version
+    unpins the copy the other tenant still uses."""
+    from loraplex.platform.models import AdapterVersion
+
+    a, b = make_tenant(), make_tenant()
+    admin = {"Authorization": f"Bearer {admin_key}"}
+    va = upload(client, a, "one", [("a.zip", peft_adapter_zip.read_bytes())]).json()
+    vb = upload(client, b, "two", [("a.zip", peft_adapter_zip.read_bytes())]).json()
+
+    def pin(version, value):
+        r = client.post(f"/admin/api/adapter-versions/{version['id']}/prefetch", headers=admin, json={"pin": value})
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    first = pin(va, True)
+    content = first["content_hash"]
+    assert fake_engine.prefetched[-1] == (content, True)
+    pin(vb, True)
+    assert pin(va, False)["pinned"] is False
+    assert fake_engine.prefetched[-1] == (content, True)  # b's version still holds it
+    pin(vb, False)
+    assert fake_engine.prefetched[-1] == (content, False)
+    pin(va, True)
+    assert client.delete("/v1/adapters/one", headers=a.headers).status_code == 200
+    assert fake_engine.prefetched[-1] == (content, False)  # a's pin went with its adapter
+    assert content not in fake_engine.removed  # b still uses the weights
+    with client.app.state.services.sessions() as s:
+        assert s.get(AdapterVersion, vb["id"]).pinned is False

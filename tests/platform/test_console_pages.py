@@ -264,3 +264,19 @@ def test_the_dashboard_lists_every_tenant_whose_adapter_a_cached_copy_serves(con
     names = _adapter_names(console.app.state.services, {shared, other})
     assert sorted(names[shared]) == [("bot", "acme"), ("helper", "beta")]
     assert names[other] == [("solo", "acme")]
+
+
+def test_a_pin_shows_on_the_version_pinned_only(console, make_tenant, peft_adapter_zip):
+    """Two tenants with the same weights: pinning one's version in the console marks that version, not the
+    other tenant's (which shares the cached copy, not the pin)."""
+    from platform_helpers import upload
+
+    a, b = make_tenant("acme"), make_tenant("beta")
+    va = upload(console.client, a, "one", [("a.zip", peft_adapter_zip.read_bytes())]).json()
+    vb = upload(console.client, b, "two", [("a.zip", peft_adapter_zip.read_bytes())]).json()
+    r = console.post(f"/console/tenants/{a.tenant_id}/versions/{va['id']}/prefetch", {"pin": "1"})
+    assert r.status_code == 303
+    page_a = console.client.get(f"/console/adapters?tenant_id={a.tenant_id}").text
+    page_b = console.client.get(f"/console/adapters?tenant_id={b.tenant_id}").text
+    assert 'class="badge pinned"' in page_a and ">Unpin<" in page_a
+    assert 'class="badge pinned"' not in page_b and ">Pin<" in page_b and vb["id"]

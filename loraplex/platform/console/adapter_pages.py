@@ -14,6 +14,7 @@ from loraplex.platform.adapter_registry import (
     adapter_public,
     delete_adapter,
     get_adapter,
+    pin_version,
     uploads_root,
 )
 from loraplex.platform.console.deps import ConsoleDep, ConsolePostDep
@@ -49,10 +50,13 @@ def adapters_page(request: Request, context: ConsoleDep, services: ServicesDep) 
             raise HTTPException(404, f"No tenant {shown!r}.")
         tenant = tenant or (tenants[0] if tenants else None)
         adapters = []
+        pinned: set[int] = set()  # the versions an operator pinned (each tenant's own, whatever the content)
         if tenant is not None:
             scope = TenantScope(session, tenant.id)
             adapters = [adapter_public(a) for a in scope.all(Adapter, order_by=Adapter.name)]
-    device, host, pinned = _residency(request)
+            pinned = set(session.scalars(select(AdapterVersion.id).where(
+                AdapterVersion.tenant_id == tenant.id, AdapterVersion.pinned.is_(True))))
+    device, host, _ = _residency(request)
     return render(request, "adapters.html", context, tenants=tenants, tenant=tenant, adapters=adapters,
                   device=device, host=host, pinned=pinned, engine_ready=services.engine is not None,
                   max_upload_mb=services.settings.max_upload_bytes // (1024 * 1024))
@@ -124,7 +128,9 @@ async def prefetch(request: Request, _context: ConsolePostDep, services: Service
         if version is None or version.status != VersionStatus.ready.value:
             return redirect(request, back, error="Only a ready version can be prefetched.")
         label = f"{version.adapter.name}@{version.version}"
-    await services.tasks.send_async("loraplex.prefetch_adapter", version_id, pin)
+        engine_pin = pin_version(session, version, pin)
+        session.commit()
+    await services.tasks.send_async("loraplex.prefetch_adapter", version_id, engine_pin)
     verb = {True: "pinned in the engine's cache", False: "unpinned: it may be evicted again"}.get(
         pin, "being loaded into the engine's cache")
     return redirect(request, back, flash=f"{label} is {verb}.")

@@ -5,7 +5,7 @@ from __future__ import annotations
 from datetime import datetime
 from enum import StrEnum
 
-from sqlalchemy import BigInteger, ForeignKey, Index, Integer, String, Text, UniqueConstraint
+from sqlalchemy import BigInteger, Boolean, ForeignKey, Index, Integer, String, Text, UniqueConstraint, false
 from sqlalchemy.orm import Mapped, mapped_column, relationship
 
 from loraplex.platform.db import Base
@@ -54,6 +54,9 @@ class AdapterVersion(Base):
     target_modules: Mapped[str | None] = mapped_column(String(256), nullable=True)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
     ready_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
+    # pinned in the engines' cache by an operator; the engine keeps a content pinned while any ready version
+    # of it is (tenants who uploaded the same weights share the cached copy, not each other's pins)
+    pinned: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
 
     adapter: Mapped[Adapter] = relationship(back_populates="versions")
 

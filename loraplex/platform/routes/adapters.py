@@ -151,9 +151,12 @@ async def handle_delete(services: Services, tenant_id: int, name: str) -> Adapte
 
 
 async def drop_versions(services: Services, content_hashes: list[str]) -> None:
-    """Out of the engine at once (this process's), then out of the store; other engine processes get a task."""
+    """Out of the engine at once (this process's), then out of the store; other engine processes get a task.
+    Content another tenant still uses, whose last pin went with the deleted adapter, is unpinned."""
     from loraplex.adapters import LocalAdapterStore
 
+    for version_id in getattr(content_hashes, "unpin", ()):
+        await unpin_version_content(services, version_id)
     store = LocalAdapterStore(services.settings.resolved_adapter_store_dir)
     for content_hash in content_hashes:
         if services.engine is not None:
@@ -161,3 +164,20 @@ async def drop_versions(services: Services, content_hashes: list[str]) -> None:
         if not services.tasks.eager:
             await services.tasks.send_async("loraplex.remove_adapter", content_hash)
         await asyncio.to_thread(store.delete, content_hash)
+
+
+async def unpin_version_content(services: Services, version_id: int) -> None:
+    """Let the engines evict a version's content again (its pin went with another tenant's adapter)."""
+    from loraplex.platform.tasks.context import TaskContext
+    from loraplex.platform.tasks.jobs import lora_request_for
+
+    if services.engine is not None:
+        try:
+            lora = await asyncio.to_thread(lora_request_for, TaskContext(services.settings, services.sessions),
+                                           version_id)
+            if lora is not None:
+                await services.engine.prefetch_adapter(lora, pin=False)
+        except Exception:
+            log.warning("could not unpin adapter version %s's content", version_id, exc_info=True)
+    if not services.tasks.eager:
+        await services.tasks.send_async("loraplex.prefetch_adapter", version_id, False)

@@ -10,7 +10,7 @@ from pydantic import BaseModel
 from sqlalchemy import select
 
 from loraplex.engine.errors import EngineOverloadedError
-from loraplex.platform.adapter_registry import adapter_public
+from loraplex.platform.adapter_registry import adapter_public, pin_version
 from loraplex.platform.deps import AdminDep, IdPath, RowId, ServicesDep, SessionDep
 from loraplex.platform.errors import bad_request, from_engine_error, not_found
 from loraplex.platform.models import Adapter, AdapterVersion, Tenant, VersionStatus
@@ -76,17 +76,20 @@ async def prefetch_version(*, _admin: AdminDep, services: ServicesDep, version_i
             raise not_found(f"no adapter version {version_id}", param="version_id")
         if version.status != VersionStatus.ready.value:
             raise bad_request(f"adapter version {version_id} is {version.status}, not ready", param="version_id")
+        # the pin is this version's; the engines pin the content while any of its versions is pinned
+        engine_pin = pin_version(session, version, body.pin)
+        session.commit()
     from loraplex.platform.tasks.context import TaskContext
 
     lora = lora_request_for(TaskContext(services.settings, services.sessions), version_id)
     if services.engine is not None:
         try:
-            await services.engine.prefetch_adapter(lora, pin=body.pin)
+            await services.engine.prefetch_adapter(lora, pin=engine_pin)
         except EngineOverloadedError as exc:  # no engine process, or none reachable: 503 as for inference
             log.warning("prefetch of adapter version %s not done: %s", version_id, exc)
             raise from_engine_error(exc) from exc
         where = "engine"
     else:
-        await services.tasks.send_async("loraplex.prefetch_adapter", version_id, body.pin)
+        await services.tasks.send_async("loraplex.prefetch_adapter", version_id, engine_pin)
         where = "queued"
     return PrefetchResult(version_id=version_id, content_hash=lora.content_hash, pinned=body.pin, where=where)
