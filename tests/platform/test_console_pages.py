@@ -280,3 +280,10 @@ def test_a_pin_shows_on_the_version_pinned_only(console, make_tenant, peft_adapt
     page_b = console.client.get(f"/console/adapters?tenant_id={b.tenant_id}").text
     assert 'class="badge pinned"' in page_a and ">Unpin<" in page_a
     assert 'class="badge pinned"' not in page_b and ">Pin<" in page_b and vb["id"]
+
+
+def test_filters_naming_nothing_say_so_and_the_selects_show_what_is_shown(console):
+    page = console.client.get("/console/usage?tenant_id=999").text
+    assert "There is no tenant 999" in page
+    billing = console.client.get("/console/billing?period=2030-01").text
+    assert "<option selected>2030-01</option>" in billing, "the select shows another period"

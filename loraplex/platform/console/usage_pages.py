@@ -74,6 +74,9 @@ def usage_page(request: Request, context: ConsoleDep, services: ServicesDep) -> 
     tenant_ids = [tenant_id] if tenant_id else None
     with services.sessions() as session:
         tenants = list(session.scalars(select(Tenant).order_by(Tenant.name)))
+        if tenant_id and all(t.id != tenant_id for t in tenants):
+            # all zeros under a select that reads "All tenants" would say the wrong thing
+            error, tenant_id, tenant_ids = f"There is no tenant {tenant_id}; showing all tenants.", None, None
         by_day = usage_report(session, start, end, group_by=("day",), tenant_ids=tenant_ids)
         by_adapter = usage_report(session, start, end, group_by=("adapter",), tenant_ids=tenant_ids)
         by_tenant = usage_report(session, start, end, group_by=("tenant", "adapter"), tenant_ids=tenant_ids)
@@ -128,7 +131,8 @@ def billing_page(request: Request, context: ConsoleDep, services: ServicesDep) -
         tenants = sorted(tenants_of_period(session, period), key=lambda t: t.name)
         views = [get_statement(session, t, period) for t in tenants]
         prices = price_lists(session, period)
-    periods = sorted(set(_recent_periods(12)) | set(upcoming_periods()), reverse=True)
+    # the period shown is always among the choices, however far from today (the select must not name another)
+    periods = sorted(set(_recent_periods(12)) | set(upcoming_periods()) | {period}, reverse=True)
     totals: dict[str, int] = {}
     for v in views:  # per currency: plans may be priced in different ones
         totals[v.currency] = totals.get(v.currency, 0) + v.total_amount
