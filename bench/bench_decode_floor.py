@@ -19,6 +19,12 @@ SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # qkv, o, gate_up, 
 LAYERS, ROWS, ITERS = 30, 32, 10
 
 
+def _cpu_flags() -> str:
+    from loraplex.kernels.cpp_build import processor_identity
+
+    return processor_identity()
+
+
 def main() -> None:
     torch.manual_seed(0)
     weights = [[torch.randn(n, k) for n, k in SHAPES] for _ in range(LAYERS)]
@@ -34,7 +40,7 @@ def main() -> None:
         onednn.append(row)
     packed = [[torch.ops.mkl._mkl_reorder_linear_weight(w, ROWS) for w in ws] for ws in weights]
     prepacked = [[torch.ops.mkldnn._reorder_linear_weight(w, ROWS) for w in ws] for ws in weights]
-    kernel = linear_cpu._kernel()  # loraplex's AVX-512 GEMM, where this machine's build has it
+    kernel = linear_cpu._kernel()  # loraplex's GEMM (AVX-512 or AVX2 with FMA), where this machine's build has it
     panels = [[kernel.pack(w) for w in ws] for ws in weights] if kernel is not None else None
     gflop = sum(2 * ROWS * w.numel() for ws in weights for w in ws) / 1e9
     transposed = [[w.t().contiguous() for w in ws] for ws in weights]
@@ -81,10 +87,11 @@ def main() -> None:
     print(f"memory stream (sum over 400 MB): {stream_gbs:.1f} GB/s; fp32 matmul peak: {peak:.0f} GFLOP/s")
     print("| way | ms/step | effective GB/s | GFLOP/s | % of matmul peak |\n|---|---:|---:|---:|---:|")
     ways = [("F.linear", run_linear), ("oneDNN linear (MkldnnLinear)", run_onednn),
-            ("oneDNN inner product, weights pre-packed (the engine without AVX-512)", run_prepacked),
+            ("oneDNN inner product, weights pre-packed (the engine without AVX-512 or AVX2)", run_prepacked),
             ("MKL packed GEMM", run_mkl_packed), ("torch.mm, pre-transposed", run_mm_transposed)]
     if panels is not None:
-        ways.insert(0, ("loraplex AVX-512 GEMM, 32-column panels (the engine)", run_panels))
+        width = 32 if "avx512f" in _cpu_flags() else 16
+        ways.insert(0, (f"loraplex GEMM, {width}-column panels (the engine)", run_panels))
     for name, fn in ways:
         for _ in range(2):
             fn()

@@ -137,7 +137,8 @@ async def start_services(services: Services, app: FastAPI) -> None:
 
 
 async def _warm_loop(services: Services) -> None:
-    """The embedded default's stand-in for Celery beat: keep the busiest adapters of the last hour warm."""
+    """The embedded default's stand-in for Celery beat: keep pinned adapters pinned and the busiest of the
+    last hour warm."""
     while True:
         await asyncio.sleep(services.settings.warm_adapters_interval)
         services.tasks.send("loraplex.warm_popular_adapters")

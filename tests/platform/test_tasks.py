@@ -52,6 +52,18 @@ def test_busiest_adapters_of_the_last_hour_are_warmed(app, client, make_tenant, 
     services.tasks.join()  # the prefetches it sent
     assert [h for h, _ in fake_engine.prefetched] == [b["content_hash"], a["content_hash"]]
 
+    # a pinned version is pinned again on every run (an engine that restarted holds no pins of its own)
+    from loraplex.platform.models import AdapterVersion
+
+    with services.sessions() as session:
+        session.get(AdapterVersion, a["id"]).pinned = True
+        session.commit()
+    fake_engine.prefetched.clear()
+    services.tasks.send("loraplex.warm_popular_adapters")
+    services.tasks.join()
+    services.tasks.join()
+    assert fake_engine.prefetched == [(a["content_hash"], True), (b["content_hash"], None)]
+
 
 def test_validation_is_idempotent(app, client, make_tenant, peft_adapter_zip):
     tenant = make_tenant()

@@ -92,10 +92,16 @@ def remove_adapter(content_hash: str) -> bool:
 
 @app.task(name="loraplex.warm_popular_adapters", **_COMMON)
 def warm_popular_adapters() -> int:
-    version_ids = jobs.busiest_versions(get_context())
+    """Pinned versions pinned again (an engine restarted since keeps no pins of its own), then the busiest
+    of the last hour warmed."""
+    ctx = get_context()
+    pinned = jobs.pinned_versions(ctx)
+    for vid in pinned:
+        prefetch_adapter.apply_async(args=[vid, True])
+    version_ids = [vid for vid in jobs.busiest_versions(ctx) if vid not in pinned]
     for vid in version_ids:
         prefetch_adapter.apply_async(args=[vid])
-    return len(version_ids)
+    return len(pinned) + len(version_ids)
 
 
 @app.task(name="loraplex.rollup_usage", **_COMMON)

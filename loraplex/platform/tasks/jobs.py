@@ -115,6 +115,16 @@ def busiest_versions(ctx: TaskContext, *, within: timedelta = timedelta(hours=1)
         return [vid for vid, _n in session.execute(stmt)]
 
 
+def pinned_versions(ctx: TaskContext) -> list[int]:
+    """One ready version id per pinned content (an operator's pins, kept in the database): what an engine
+    that started since they were set must pin again."""
+    with ctx.sessions() as session:
+        stmt = (select(func.max(AdapterVersion.id))
+                .where(AdapterVersion.status == VersionStatus.ready.value, AdapterVersion.pinned.is_(True))
+                .group_by(AdapterVersion.content_hash))
+        return sorted(session.scalars(stmt))
+
+
 def rollup_usage(ctx: TaskContext, day: str | None = None) -> int:
     """Rebuild daily rollups (billing) for `day`, or for yesterday and today."""
     try:
