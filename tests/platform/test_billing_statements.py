@@ -300,9 +300,9 @@ def test_a_report_over_a_whole_month_is_the_statement_to_the_micro_unit(session)
         assert sum(r.amount for r in by_adapter if r.tenant_id == tenant.id) == statement.total_amount
 
 
-def test_amounts_in_different_currencies_are_never_added(session):
-    """A plan priced in EUR beside the default list in USD: a report row over both tenants has an amount per
-    currency and no single amount; rows of one tenant keep theirs."""
+def _dollar_and_euro_tenants(session):
+    """Tenant d on the default list in USD, tenant e on a plan priced in EUR (twice d's rate), one million
+    prompt tokens each on 2026-11-03."""
     euro_plan = Plan(name="euro", requests_per_minute=10, tokens_per_minute=1000, max_concurrent=2,
                      monthly_token_budget=10_000)
     session.add(euro_plan)
@@ -313,6 +313,13 @@ def test_amounts_in_different_currencies_are_never_added(session):
     dollars, euros = _tenant(session, "d"), _tenant(session, "e", plan=euro_plan)
     _record(session, dollars, at=NOV + timedelta(days=2), prompt=1_000_000, completion=0)
     _record(session, euros, at=NOV + timedelta(days=2, hours=1), prompt=1_000_000, completion=0)
+    return dollars, euros
+
+
+def test_amounts_in_different_currencies_are_never_added(session):
+    """A plan priced in EUR beside the default list in USD: a report row over both tenants has an amount per
+    currency and no single amount; rows of one tenant keep theirs."""
+    _dollar_and_euro_tenants(session)
     session.flush()
     (day,) = usage_report(session, date(2026, 11, 1), date(2026, 11, 30), group_by=("day",))
     assert day.currency == "mixed" and day.amounts == {"USD": 1_000_000, "EUR": 2_000_000}
@@ -329,16 +336,7 @@ def test_a_report_over_several_currencies_renders_as_json_and_csv(session):
 
     from loraplex.platform.billing.responses import report_response
 
-    euro_plan = Plan(name="euro", requests_per_minute=10, tokens_per_minute=1000, max_concurrent=2,
-                     monthly_token_budget=10_000)
-    session.add(euro_plan)
-    session.flush()
-    set_plan_price(session, None, Price(prompt=1_000_000, completion=1_000_000, adapter_surcharge=0), "2026-11")
-    set_plan_price(session, euro_plan.id, Price(prompt=2_000_000, completion=2_000_000, adapter_surcharge=0,
-                                                 currency="EUR"), "2026-11")
-    dollars, euros = _tenant(session, "d"), _tenant(session, "e", plan=euro_plan)
-    _record(session, dollars, at=NOV + timedelta(days=2), prompt=1_000_000, completion=0)
-    _record(session, euros, at=NOV + timedelta(days=2, hours=1), prompt=1_000_000, completion=0)
+    _, euros = _dollar_and_euro_tenants(session)
     _record(session, euros, at=NOV + timedelta(days=3), prompt=500_000, completion=0)
     session.flush()
     start, end = date(2026, 11, 1), date(2026, 11, 30)
