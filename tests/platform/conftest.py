@@ -3,6 +3,7 @@ engine, the admin key, and factories for tenants and keys."""
 
 from __future__ import annotations
 
+import os
 import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -129,3 +130,13 @@ def make_tenant_factory(migrated_sqlite_template):
         return app, make
 
     return build
+
+
+@pytest.fixture
+def elsewhere(monkeypatch, tmp_path):
+    """A command run as a new user would: no LORAPLEX_ settings, in a fresh folder."""
+    for key in list(os.environ):
+        if key.startswith("LORAPLEX_"):
+            monkeypatch.delenv(key)
+    monkeypatch.chdir(tmp_path)
+    return tmp_path

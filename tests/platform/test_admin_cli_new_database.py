@@ -3,21 +3,9 @@ next to the server's is otherwise invisible: tenants and keys made in it never w
 
 from __future__ import annotations
 
-import os
-
-import pytest
 from click.testing import CliRunner
 
 from loraplex.platform.commands import admin
-
-
-@pytest.fixture
-def elsewhere(monkeypatch, tmp_path):
-    for key in list(os.environ):
-        if key.startswith("LORAPLEX_"):
-            monkeypatch.delenv(key)
-    monkeypatch.chdir(tmp_path)
-    return tmp_path
 
 
 def test_first_command_in_a_folder_without_a_database_says_so(elsewhere):

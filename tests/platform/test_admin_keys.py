@@ -3,9 +3,6 @@ CLI; key names carry no control characters into terminals and CSV files."""
 
 from __future__ import annotations
 
-import os
-
-import pytest
 from click.testing import CliRunner
 
 from loraplex.platform.commands import admin
@@ -45,16 +42,8 @@ def test_api_key_names_with_control_characters_are_refused(client, admin_key, ma
     assert r.status_code == 201
 
 
-@pytest.fixture
-def cli(monkeypatch, tmp_path):
-    for key in list(os.environ):
-        if key.startswith("LORAPLEX_"):
-            monkeypatch.delenv(key)
-    monkeypatch.chdir(tmp_path)
-    return CliRunner()
-
-
-def test_the_cli_lists_and_revokes_admin_keys(cli):
+def test_the_cli_lists_and_revokes_admin_keys(elsewhere):
+    cli = CliRunner()
     first = cli.invoke(admin, ["create-admin-key", "--name", "ops"])
     assert first.exit_code == 0, first.output
     listed = cli.invoke(admin, ["list-admin-keys"])

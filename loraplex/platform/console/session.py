@@ -94,8 +94,7 @@ def new_login_token(settings: Settings, cookie: str | None = None) -> tuple[str,
     serializer = _serializer(settings, "login")
     if cookie:
         try:
-            token, signed_at = serializer.loads(cookie, max_age=int(LOGIN_TTL.total_seconds() / 2),
-                                                return_timestamp=True)
+            token = serializer.loads(cookie, max_age=int(LOGIN_TTL.total_seconds() / 2))
         except BadSignature:
             pass
         else:
