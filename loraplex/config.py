@@ -63,6 +63,9 @@ class Settings(BaseSettings):
     usage_batch_size: int = 500
     upload_wait_seconds: float = 30.0  # upper bound on `wait=true` uploads waiting for validation
     warm_adapters_interval: float = 300.0  # seconds between "keep the busiest adapters warm" runs
+    # seconds between the runs, in each process that holds an engine, that make the engine's pins match the
+    # database's (the first right at start: an engine that restarts gets its pins back at once)
+    pin_sync_interval: float = Field(default=60.0, gt=0)
     # when set, GET /metrics needs "Authorization: Bearer <metrics_token>" (Prometheus: `authorization`
     # in the scrape config); unset, /metrics is open and belongs behind the network boundary
     metrics_token: str | None = None

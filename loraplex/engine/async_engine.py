@@ -135,6 +135,17 @@ class AsyncEngine:
             raise InvalidRequestError("this engine was started without adapter support", param="adapter")
         await asyncio.wrap_future(slots.prefetch(adapter, pin=pin))
 
+    async def unpin_adapter(self, content_hash: str) -> None:
+        """Let a pinned adapter be evicted again (it stays where it is until then); nothing is loaded."""
+        slots = self.engine.adapter_slots
+        if slots is not None and hasattr(slots, "unpin"):
+            slots.unpin(content_hash)
+
+    def pinned_adapters(self) -> set[str]:
+        slots = self.engine.adapter_slots
+        stats = getattr(slots, "stats", None)
+        return set(stats().get("lora_pinned", ())) if callable(stats) else set()
+
     async def remove_adapter(self, content_hash: str) -> None:
         slots = self.engine.adapter_slots
         if slots is None or not hasattr(slots, "remove"):

@@ -118,7 +118,13 @@ async def start_services(services: Services, app: FastAPI) -> None:
     from loraplex.platform.tasks.context import TaskContext, set_context
 
     # Tasks run in this process (embedded) or the engine queue is consumed here: both use this engine.
-    set_context(TaskContext(settings, services.sessions, services.engine, asyncio.get_running_loop()))
+    context = TaskContext(settings, services.sessions, services.engine, asyncio.get_running_loop())
+    set_context(context)
+    if services.owns_engine and hasattr(services.engine, "pinned_adapters"):
+        from loraplex.platform.pin_sync import keep_pins_in_sync
+
+        services.background.append(asyncio.create_task(
+            keep_pins_in_sync(context, settings.pin_sync_interval), name="pin-sync"))
     if services.tasks.eager and settings.warm_adapters_interval > 0:
         services.background.append(asyncio.create_task(_warm_loop(services), name="warm-adapters"))
     if services.tasks.eager:

@@ -117,6 +117,11 @@ async def test_async_engine_prefetch_remove_and_stats(tiny_llama_dir, adapters):
         await engine.prefetch_adapter(lora, pin=True)
         stats = engine.stats()
         assert lora.key in stats.lora_resident and stats.lora_slots_total == 2 and stats.lora_slots_used == 1
+        assert engine.pinned_adapters() == {lora.key}
+        await engine.unpin_adapter(lora.key)  # evictable again, still where it was
+        assert engine.pinned_adapters() == set() and lora.key in engine.stats().lora_resident
+        await engine.unpin_adapter("cd" * 32)  # one it never held: nothing to do, nothing loaded
+        assert engine.stats().lora_slots_used == 1
         final = None
         async for out in engine.generate(LONG_PROMPT[:12], PARAMS, "req-1", adapter=lora):
             final = out

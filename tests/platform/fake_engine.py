@@ -41,7 +41,9 @@ class FakeEngine:
         self.running: set[str] = set()
         self.aborted: list[str] = []
         self.finished: list[str] = []
-        self.prefetched: list[tuple[str, bool]] = []
+        self.prefetched: list[tuple[str, bool | None]] = []
+        self.pinned: set[str] = set()
+        self.unpinned: list[str] = []
         self.removed: list[str] = []
         self.generated_tokens = 0
         self.requests: list[dict[str, Any]] = []
@@ -173,8 +175,19 @@ class FakeEngine:
             self.running.discard(request_id)
             self.aborted.append(request_id)
 
-    async def prefetch_adapter(self, adapter: LoRARequest, *, pin: bool = False) -> None:
+    async def prefetch_adapter(self, adapter: LoRARequest, *, pin: bool | None = None) -> None:
         self.prefetched.append((adapter.content_hash, pin))
+        if pin:
+            self.pinned.add(adapter.content_hash)
+        elif pin is False:
+            self.pinned.discard(adapter.content_hash)
+
+    async def unpin_adapter(self, content_hash: str) -> None:
+        self.unpinned.append(content_hash)
+        self.pinned.discard(content_hash)
+
+    def pinned_adapters(self) -> set[str]:
+        return set(self.pinned)
 
     async def remove_adapter(self, content_hash: str) -> None:
         self.removed.append(content_hash)

@@ -214,3 +214,34 @@ def test_readiness_follows_engines_found_unreachable():
     router.redis = Registry({**stale, "updated": time.time() + 0.01})
     asyncio.run(router.refresh())
     assert router.available
+
+
+class _PinStub:
+    def __init__(self, url: str, *, unreachable: bool = False):
+        self.url, self.inflight, self.unreachable = url, 0, unreachable
+        self.calls: list[bool | None] = []
+
+    async def prefetch_adapter(self, adapter, *, pin=None):
+        from loraplex.engine.errors import EngineUnreachableError
+
+        if self.unreachable:
+            raise EngineUnreachableError(f"engine {self.url} is unreachable: connection refused")
+        self.calls.append(pin)
+
+
+def test_a_pin_or_unpin_reaches_every_engine_and_a_warm_up_one():
+    """An unpin that reached only the engine `choose` picks would leave the others pinned for ever."""
+    import asyncio
+
+    router = _router({"a": {"resident": [ADAPTER.content_hash]}, "b": {}, "c": {}})
+    stubs = {e: _PinStub(f"http://{e}", unreachable=e == "c") for e in "abc"}
+    router.engines.update(stubs)
+    asyncio.run(router.prefetch_adapter(ADAPTER, pin=True))  # c is away: it syncs from the database later
+    asyncio.run(router.prefetch_adapter(ADAPTER, pin=False))
+    asyncio.run(router.prefetch_adapter(ADAPTER))
+    assert stubs["a"].calls == [True, False, None] and stubs["b"].calls == [True, False]
+    stubs["a"].unreachable = stubs["b"].unreachable = True
+    from loraplex.engine.errors import EngineUnreachableError
+
+    with pytest.raises(EngineUnreachableError):  # no engine took it: the caller hears of it
+        asyncio.run(router.prefetch_adapter(ADAPTER, pin=True))

@@ -52,7 +52,8 @@ def test_busiest_adapters_of_the_last_hour_are_warmed(app, client, make_tenant, 
     services.tasks.join()  # the prefetches it sent
     assert [h for h, _ in fake_engine.prefetched] == [b["content_hash"], a["content_hash"]]
 
-    # a pinned version is pinned again on every run (an engine that restarted holds no pins of its own)
+    # a pinned version is left to the engines' own pin sync (a task on the shared engine queue would pin it
+    # on one engine only)
     from loraplex.platform.models import AdapterVersion
 
     with services.sessions() as session:
@@ -62,7 +63,88 @@ def test_busiest_adapters_of_the_last_hour_are_warmed(app, client, make_tenant, 
     services.tasks.send("loraplex.warm_popular_adapters")
     services.tasks.join()
     services.tasks.join()
-    assert fake_engine.prefetched == [(a["content_hash"], True), (b["content_hash"], None)]
+    assert fake_engine.prefetched == [(b["content_hash"], None)]
+
+
+def test_an_engine_takes_its_pins_from_the_database(app, client, make_tenant, fake_engine, peft_adapter_zip):
+    """An engine that restarted holds no pins, and one an unpin did not reach (away, or pinned through
+    another engine process) holds a stale one: the sync pins what the database pins and undoes the rest."""
+    from loraplex.platform.models import AdapterVersion
+
+    tenant = make_tenant()
+    a = upload(client, tenant, "a", [("a.zip", peft_adapter_zip.read_bytes())]).json()
+    services = app.state.services
+    services.tasks.join()
+    with services.sessions() as session:
+        session.get(AdapterVersion, a["id"]).pinned = True
+        session.commit()
+    stale = "ef" * 32
+    fake_engine.pinned = {stale}
+    fake_engine.prefetched.clear()
+    ctx = get_context()
+    assert jobs.sync_pins(ctx) == (1, 1)
+    assert fake_engine.pinned == {a["content_hash"]} and fake_engine.unpinned == [stale]
+    assert fake_engine.prefetched == [(a["content_hash"], True)]
+    assert jobs.sync_pins(ctx) == (0, 0)  # nothing to change: no reload of what is pinned already
+    assert fake_engine.prefetched == [(a["content_hash"], True)]
+
+    # unpinned in the database while this engine was away: the next sync lets it go
+    with services.sessions() as session:
+        session.get(AdapterVersion, a["id"]).pinned = False
+        session.commit()
+    assert jobs.sync_pins(ctx) == (0, 1)
+    assert fake_engine.pinned == set()
+
+
+def _pinned_upload(app, client, make_tenant, peft_adapter_zip) -> dict:
+    from loraplex.platform.models import AdapterVersion
+
+    version = upload(client, make_tenant(), "a", [("a.zip", peft_adapter_zip.read_bytes())]).json()
+    app.state.services.tasks.join()
+    with app.state.services.sessions() as session:
+        session.get(AdapterVersion, version["id"]).pinned = True
+        session.commit()
+    return version
+
+
+def _wait_for(condition) -> None:
+    import time
+
+    deadline = time.monotonic() + 60  # a hang guard, not a speed check
+    while not condition():
+        assert time.monotonic() < deadline, "the pin sync did not run"
+        time.sleep(0.01)
+
+
+def test_an_embedded_engine_gets_its_pins_when_the_app_starts(app, client, make_tenant, peft_adapter_zip,
+                                                               settings, monkeypatch):
+    """`loraplex serve` restarted: its new engine holds the database's pins without waiting for a warm-up."""
+    from fake_engine import FakeEngine
+    from fastapi.testclient import TestClient
+
+    import loraplex.platform.engine_factory as factory
+    from loraplex.platform.app import create_app
+
+    version = _pinned_upload(app, client, make_tenant, peft_adapter_zip)
+    restarted = FakeEngine()
+    monkeypatch.setattr(factory, "build_engine", lambda _settings: restarted)
+    with TestClient(create_app(settings.model_copy(update={"embedded_engine": True}))):
+        _wait_for(lambda: restarted.pinned)
+    assert restarted.prefetched == [(version["content_hash"], True)]
+
+
+def test_an_engine_process_gets_its_pins_when_it_starts(app, client, make_tenant, peft_adapter_zip, settings):
+    """`loraplex engine` restarted (several may serve one API): each takes the pins from the database."""
+    from fake_engine import FakeEngine
+    from fastapi.testclient import TestClient
+
+    from loraplex.platform.remote.server import build_engine_app
+
+    version = _pinned_upload(app, client, make_tenant, peft_adapter_zip)
+    restarted = FakeEngine()
+    with TestClient(build_engine_app(settings, restarted, advertise="http://127.0.0.1:1")):
+        _wait_for(lambda: restarted.pinned)
+    assert restarted.prefetched == [(version["content_hash"], True)]
 
 
 def test_validation_is_idempotent(app, client, make_tenant, peft_adapter_zip):

@@ -162,7 +162,23 @@ class EngineRouter:
         return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
 
     async def prefetch_adapter(self, adapter: LoRARequest, *, pin: bool | None = None) -> None:
-        await self.choose(adapter).prefetch_adapter(adapter, pin=pin)
+        """Warm the adapter on the engine `choose` picks. A pin or unpin goes to every registered engine (a
+        pin keeps it resident wherever requests for it land; an unpin must reach each engine that pinned it);
+        one that cannot be reached now picks the change up from the database (`sync_pins`)."""
+        if pin is None:
+            await self.choose(adapter).prefetch_adapter(adapter, pin=pin)
+            return
+        if not self.records:
+            raise EngineOverloadedError("no engine process is registered; start `loraplex engine`")
+        targets = [self.engines[e] for e in self.records if e in self.engines]
+        results = await asyncio.gather(*(e.prefetch_adapter(adapter, pin=pin) for e in targets),
+                                       return_exceptions=True)
+        failures = [r for r in results if isinstance(r, BaseException)]
+        for exc in failures:
+            log.warning("%s adapter %s on an engine failed: %s", "pinning" if pin else "unpinning",
+                        adapter.content_hash[:12], exc)
+        if failures and len(failures) == len(results):
+            raise failures[0]
 
     async def remove_adapter(self, content_hash: str) -> None:
         await asyncio.gather(*(e.remove_adapter(content_hash) for e in self.engines.values()),

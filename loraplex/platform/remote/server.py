@@ -77,11 +77,14 @@ def build_engine_app(settings: Settings, engine: EngineClient, *, advertise: str
     async def lifespan(app: FastAPI):
         from loraplex.platform.db import make_engine, make_session_factory
         from loraplex.platform.engine_worker import EngineQueueConsumer
+        from loraplex.platform.pin_sync import keep_pins_in_sync
         from loraplex.platform.tasks.context import TaskContext, set_context
 
         await engine.start()
         sessions = make_session_factory(make_engine(settings.resolved_database_url))
-        set_context(TaskContext(settings, sessions, engine, asyncio.get_running_loop()))
+        context = TaskContext(settings, sessions, engine, asyncio.get_running_loop())
+        set_context(context)
+        pins = asyncio.create_task(keep_pins_in_sync(context, settings.pin_sync_interval), name="pin-sync")
         consumer = EngineQueueConsumer(settings) if settings.redis_url else None
         if consumer:
             await asyncio.to_thread(consumer.start)
@@ -90,6 +93,8 @@ def build_engine_app(settings: Settings, engine: EngineClient, *, advertise: str
         try:
             yield
         finally:
+            pins.cancel()
+            await asyncio.gather(pins, return_exceptions=True)
             if beat:
                 beat.cancel()
                 await asyncio.gather(beat, return_exceptions=True)

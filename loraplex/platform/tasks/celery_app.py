@@ -92,16 +92,15 @@ def remove_adapter(content_hash: str) -> bool:
 
 @app.task(name="loraplex.warm_popular_adapters", **_COMMON)
 def warm_popular_adapters() -> int:
-    """Pinned versions pinned again (an engine restarted since keeps no pins of its own), then the busiest
-    of the last hour warmed."""
+    """The busiest versions of the last hour warmed. Pinned ones are left out: every process that holds an
+    engine keeps its pins equal to the database's itself (`jobs.sync_pins`), where a task on the shared
+    engine queue would reach one engine only."""
     ctx = get_context()
-    pinned = jobs.pinned_versions(ctx)
-    for vid in pinned:
-        prefetch_adapter.apply_async(args=[vid, True])
+    pinned = set(jobs.pinned_versions(ctx))
     version_ids = [vid for vid in jobs.busiest_versions(ctx) if vid not in pinned]
     for vid in version_ids:
         prefetch_adapter.apply_async(args=[vid])
-    return len(pinned) + len(version_ids)
+    return len(version_ids)
 
 
 @app.task(name="loraplex.rollup_usage", **_COMMON)
