@@ -219,29 +219,67 @@ def test_readiness_follows_engines_found_unreachable():
 class _PinStub:
     def __init__(self, url: str, *, unreachable: bool = False):
         self.url, self.inflight, self.unreachable = url, 0, unreachable
-        self.calls: list[bool | None] = []
+        self.calls: list[bool | str | None] = []
 
-    async def prefetch_adapter(self, adapter, *, pin=None):
+    def _check(self):
         from loraplex.engine.errors import EngineUnreachableError
 
         if self.unreachable:
             raise EngineUnreachableError(f"engine {self.url} is unreachable: connection refused")
+
+    async def prefetch_adapter(self, adapter, *, pin=None):
+        self._check()
         self.calls.append(pin)
 
+    async def unpin_adapter(self, content_hash):
+        self._check()
+        self.calls.append("unpin")
 
-def test_a_pin_or_unpin_reaches_every_engine_and_a_warm_up_one():
-    """An unpin that reached only the engine `choose` picks would leave the others pinned for ever."""
+
+def test_a_pin_reaches_every_engine_and_an_unpin_every_engine_holding_it():
+    """An unpin that reached only the engine `choose` picks would leave the others pinned; engines that
+    hold no pin are not made to load the adapter just to unpin it."""
     import asyncio
 
-    router = _router({"a": {"resident": [ADAPTER.content_hash]}, "b": {}, "c": {}})
-    stubs = {e: _PinStub(f"http://{e}", unreachable=e == "c") for e in "abc"}
+    router = _router({"a": {"resident": [ADAPTER.content_hash]}, "b": {}, "c": {}, "d": {}})
+    stubs = {e: _PinStub(f"http://{e}", unreachable=e == "c") for e in "abcd"}
     router.engines.update(stubs)
     asyncio.run(router.prefetch_adapter(ADAPTER, pin=True))  # c is away: it syncs from the database later
+    assert [stubs[e].calls for e in "abd"] == [[True], [True], [True]]
+    router.records["b"]["stats"] = {"lora_pinned": [ADAPTER.content_hash]}  # as their heartbeats report
+    router.records["c"]["stats"] = {"lora_pinned": [ADAPTER.content_hash]}
     asyncio.run(router.prefetch_adapter(ADAPTER, pin=False))
     asyncio.run(router.prefetch_adapter(ADAPTER))
-    assert stubs["a"].calls == [True, False, None] and stubs["b"].calls == [True, False]
-    stubs["a"].unreachable = stubs["b"].unreachable = True
+    assert stubs["a"].calls == [True, False, None]  # the chosen one: prefetched and unpinned
+    assert stubs["b"].calls == [True, "unpin"] and stubs["d"].calls == [True]
+    for stub in stubs.values():
+        stub.unreachable = True
     from loraplex.engine.errors import EngineUnreachableError
 
     with pytest.raises(EngineUnreachableError):  # no engine took it: the caller hears of it
         asyncio.run(router.prefetch_adapter(ADAPTER, pin=True))
+
+
+def test_the_engine_server_unpins_without_loading(tmp_path, monkeypatch):
+    import asyncio
+
+    from fake_engine import FakeEngine
+    from fastapi.testclient import TestClient
+
+    import loraplex.platform.pin_sync as pin_sync
+    from loraplex.platform.remote.server import SECRET_HEADER, build_engine_app, engine_token
+
+    async def no_sync(_ctx, _interval):  # this test is about the endpoint alone
+        await asyncio.sleep(3600)
+
+    monkeypatch.setattr(pin_sync, "keep_pins_in_sync", no_sync)
+    settings = Settings(environment="test", data_dir=tmp_path, secret_key="s" * 32)
+    engine = FakeEngine()
+    engine.pinned = {ADAPTER.content_hash}
+    with TestClient(build_engine_app(settings, engine, advertise="http://127.0.0.1:1")) as client:
+        headers = {SECRET_HEADER: engine_token(settings.secret_key)}
+        r = client.post("/engine/unpin", json={"content_hash": ADAPTER.content_hash}, headers=headers)
+        assert r.json() == {"ok": True}
+        r = client.post("/engine/unpin", json={"content_hash": 7}, headers=headers)
+        assert r.status_code == 422 and "content_hash" in r.text
+    assert engine.pinned == set() and engine.unpinned == [ADAPTER.content_hash] and engine.prefetched == []

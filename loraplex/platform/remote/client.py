@@ -96,6 +96,16 @@ class RemoteEngine:
             raise EngineUnreachableError(f"engine {self.url} answered {r.status_code}")
         r.raise_for_status()
 
+    async def unpin_adapter(self, content_hash: str) -> None:
+        try:
+            r = await self._http.post(f"{self.url}/engine/unpin", json={"content_hash": content_hash},
+                                      headers=self._headers)
+        except httpx.TransportError as exc:
+            raise EngineUnreachableError(f"engine {self.url} is unreachable: {exc}") from exc
+        if r.status_code >= 500:
+            raise EngineUnreachableError(f"engine {self.url} answered {r.status_code}")
+        r.raise_for_status()
+
     async def remove_adapter(self, content_hash: str) -> None:
         r = await self._http.post(f"{self.url}/engine/remove", json={"content_hash": content_hash},
                                   headers=self._headers)

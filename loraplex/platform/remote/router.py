@@ -162,17 +162,23 @@ class EngineRouter:
         return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
 
     async def prefetch_adapter(self, adapter: LoRARequest, *, pin: bool | None = None) -> None:
-        """Warm the adapter on the engine `choose` picks. A pin or unpin goes to every registered engine (a
-        pin keeps it resident wherever requests for it land; an unpin must reach each engine that pinned it);
-        one that cannot be reached now picks the change up from the database (`sync_pins`)."""
+        """Warm the adapter on the engine `choose` picks. A pin goes to every registered engine (it keeps the
+        adapter resident wherever requests for it land); an unpin to that engine and to every other one whose
+        registration lists the pin, without loading anything there. An engine that cannot be reached now
+        takes the change from the database later (`sync_pins`)."""
         if pin is None:
             await self.choose(adapter).prefetch_adapter(adapter, pin=pin)
             return
-        if not self.records:
-            raise EngineOverloadedError("no engine process is registered; start `loraplex engine`")
-        targets = [self.engines[e] for e in self.records if e in self.engines]
-        results = await asyncio.gather(*(e.prefetch_adapter(adapter, pin=pin) for e in targets),
-                                       return_exceptions=True)
+        chosen = self._choose_id(adapter)
+        others = [e for e in self.records if e != chosen and e in self.engines]
+        if pin is False:
+            others = [e for e in others
+                      if adapter.content_hash in (self.records[e].get("stats") or {}).get("lora_pinned", ())]
+        results = await asyncio.gather(
+            self.engines[chosen].prefetch_adapter(adapter, pin=pin),
+            *(self.engines[e].unpin_adapter(adapter.content_hash) if pin is False
+              else self.engines[e].prefetch_adapter(adapter, pin=pin) for e in others),
+            return_exceptions=True)
         failures = [r for r in results if isinstance(r, BaseException)]
         for exc in failures:
             log.warning("%s adapter %s on an engine failed: %s", "pinning" if pin else "unpinning",

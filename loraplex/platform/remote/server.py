@@ -187,6 +187,14 @@ def build_engine_app(settings: Settings, engine: EngineClient, *, advertise: str
         await engine.prefetch_adapter(adapter_from_json(body["adapter"]), pin=_pin(body.get("pin")))
         return {"ok": True}
 
+    @app.post("/engine/unpin")
+    async def unpin(body: dict) -> dict:
+        content_hash = body.get("content_hash")
+        if not isinstance(content_hash, str) or not content_hash:
+            raise HTTPException(422, "content_hash must be a non-empty string")
+        await engine.unpin_adapter(content_hash)
+        return {"ok": True}
+
     @app.post("/engine/remove")
     async def remove(body: dict) -> dict:
         await engine.remove_adapter(body["content_hash"])
