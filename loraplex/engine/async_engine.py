@@ -141,10 +141,11 @@ class AsyncEngine:
         if slots is not None and hasattr(slots, "unpin"):
             slots.unpin(content_hash)
 
-    def pinned_adapters(self) -> set[str]:
+    def pinned_adapters(self) -> set[str] | None:
+        """Content hashes pinned in this engine; None when it was started without adapter support."""
         slots = self.engine.adapter_slots
         stats = getattr(slots, "stats", None)
-        return set(stats().get("lora_pinned", ())) if callable(stats) else set()
+        return set(stats().get("lora_pinned", ())) if callable(stats) else None
 
     async def remove_adapter(self, content_hash: str) -> None:
         slots = self.engine.adapter_slots

@@ -134,6 +134,17 @@ async def test_async_engine_prefetch_remove_and_stats(tiny_llama_dir, adapters):
         await engine.shutdown()
 
 
+async def test_an_engine_without_adapter_support_has_no_pins(tiny_llama_dir):
+    from loraplex.engine.async_engine import AsyncEngine
+
+    engine = AsyncEngine(EngineConfig(model=str(tiny_llama_dir), max_loras=0, num_kv_blocks=32))
+    await engine.start()
+    try:
+        assert engine.pinned_adapters() is None
+    finally:
+        await engine.shutdown()
+
+
 def test_cli_generate_with_adapter(tiny_llama_dir, adapters):
     from click.testing import CliRunner
 

@@ -194,3 +194,23 @@ def test_startup_resumes_unfinished_validations_and_clears_stale_staging(app, cl
     services.tasks.join()
     detail = client.get("/v1/adapters/interrupted", headers=tenant.headers).json()
     assert detail["status"] == "ready"
+
+
+def test_a_pin_that_cannot_be_loaded_is_reported_once_and_retried(app, client, make_tenant, fake_engine,
+                                                                   peft_adapter_zip, caplog):
+    import logging
+
+    version = _pinned_upload(app, client, make_tenant, peft_adapter_zip)
+
+    async def broken(adapter, *, pin=None):
+        raise OSError("store entry unreadable")
+
+    fake_engine.prefetch_adapter = broken
+    ctx = get_context()
+    with caplog.at_level(logging.DEBUG, logger=jobs.log.name):
+        assert jobs.sync_pins(ctx) == (0, 0)
+        assert jobs.sync_pins(ctx) == (0, 0)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and version["content_hash"][:12] in warnings[0] and "unreadable" in warnings[0]
+    del fake_engine.prefetch_adapter  # readable again: the next run pins it
+    assert jobs.sync_pins(ctx) == (1, 0) and fake_engine.pinned == {version["content_hash"]}

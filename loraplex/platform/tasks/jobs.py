@@ -125,6 +125,9 @@ def pinned_versions(ctx: TaskContext) -> list[int]:
         return sorted(session.scalars(stmt))
 
 
+_unpinnable: set[str] = set()  # contents whose pinning failed (warned about once)
+
+
 def sync_pins(ctx: TaskContext) -> tuple[int, int]:
     """This process's engine pinned as the database says (the operators' pins): every pinned ready content
     pinned, and a pin the database no longer holds undone (unpinned or deleted while this engine was away or
@@ -133,23 +136,30 @@ def sync_pins(ctx: TaskContext) -> tuple[int, int]:
     engine = ctx.engine
     if engine is None or not hasattr(engine, "pinned_adapters"):
         return 0, 0
+
+    async def held(e) -> set[str] | None:
+        return e.pinned_adapters()
+
+    have = ctx.call_engine(held)
+    if have is None:  # an engine without adapter support holds no pins
+        return 0, 0
     with ctx.sessions() as session:
         stmt = (select(AdapterVersion.content_hash, func.max(AdapterVersion.id))
                 .where(AdapterVersion.status == VersionStatus.ready.value, AdapterVersion.pinned.is_(True))
                 .group_by(AdapterVersion.content_hash))
         wanted = dict(session.execute(stmt).all())
-
-    async def held(e) -> set[str]:
-        return e.pinned_adapters()
-
-    have = ctx.call_engine(held)
     pinned = unpinned = 0
     for content_hash, version_id in sorted(wanted.items()):
         if content_hash not in have:
             try:
                 pinned += prefetch_adapter(ctx, version_id, pin=True)
             except Exception as exc:  # one unloadable entry does not keep the others unpinned
-                log.warning("pinning adapter %s (version %s) failed: %s", content_hash[:12], version_id, exc)
+                # said once per content (the sync retries it every run), then at DEBUG
+                level = logging.DEBUG if content_hash in _unpinnable else logging.WARNING
+                _unpinnable.add(content_hash)
+                log.log(level, "pinning adapter %s (version %s) failed: %s", content_hash[:12], version_id, exc)
+            else:
+                _unpinnable.discard(content_hash)
     for content_hash in sorted(have - wanted.keys()):
         ctx.call_engine(lambda e, h=content_hash: e.unpin_adapter(h))
         unpinned += 1
