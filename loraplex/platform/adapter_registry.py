@@ -118,7 +118,9 @@ def adapter_public(adapter: Adapter) -> AdapterPublic:
     ready = [v for v in versions if v.status == VersionStatus.ready.value]
     return AdapterPublic(
         id=adapter.name, name=adapter.name, description=adapter.description,
-        status=versions[-1].status if versions else VersionStatus.pending.value,
+        # servable as long as a version is ready (a newer upload that failed or still validates is in
+        # `versions`); otherwise where the newest upload stands
+        status=VersionStatus.ready.value if ready else versions[-1].status if versions else VersionStatus.pending.value,
         latest_version=ready[-1].version if ready else None, created_at=adapter.created_at,
         versions=[AdapterVersionPublic.model_validate(v) for v in versions],
     )

@@ -416,3 +416,65 @@ def test_a_pin_belongs_to_the_version_pinned_not_to_every_tenant_with_the_same_w
     assert content not in fake_engine.removed  # b still uses the weights
     with client.app.state.services.sessions() as s:
         assert s.get(AdapterVersion, vb["id"]).pinned is False
+
+
+def test_a_failed_new_upload_leaves_the_adapter_ready(app, client, make_tenant, peft_adapter_zip, peft_adapter_dir,
+                                                      tmp_path):
+    """The version that serves stays the adapter's status; the failed upload shows in its own version."""
+    tenant = make_tenant()
+    good = upload(client, tenant, "bot", [("a.zip", peft_adapter_zip.read_bytes())]).json()
+    files, code = _bad_adapters(peft_adapter_dir, tmp_path)["nan"]
+    assert upload(client, tenant, "bot", files, wait=False).status_code in (202, 422)
+    app.state.services.tasks.join()
+    detail = client.get("/v1/adapters/bot", headers=tenant.headers).json()
+    assert detail["status"] == "ready" and detail["latest_version"] == good["version"]
+    assert [v["status"] for v in detail["versions"]] == ["ready", "failed"]
+    assert detail["versions"][1]["error_code"] == code
+
+
+def test_an_adapter_deleted_while_it_validated_leaves_nothing_in_the_store(app, client, make_tenant,
+                                                                           peft_adapter_zip, monkeypatch):
+    from loraplex.platform.adapter_registry import delete_adapter
+    from loraplex.platform.models import Adapter
+    from loraplex.platform.tasks.context import get_context
+
+    tenant = make_tenant()
+    ctx = get_context()
+    real_put = ctx.store.put
+    put_hashes = []
+
+    def put_then_deleted(adapter):  # the tenant deletes the adapter while its validation writes the entry
+        path = real_put(adapter)
+        put_hashes.append(adapter.content_hash)
+        with ctx.sessions() as session:
+            delete_adapter(session, ctx.settings, session.query(Adapter).filter_by(name="gone").one())
+            session.commit()
+        return path
+
+    monkeypatch.setattr(ctx.store, "put", put_then_deleted)
+    r = upload(client, tenant, "gone", [("a.zip", peft_adapter_zip.read_bytes())])
+    assert r.status_code == 404 and r.json()["error"]["code"] == "adapter_not_found", r.text
+    app.state.services.tasks.join()
+    assert put_hashes and not ctx.store.exists(put_hashes[0]) and ctx.store.list() == []
+
+
+def test_weights_another_adapter_dropped_meanwhile_are_written_again(app, client, make_tenant, peft_adapter_zip,
+                                                                     monkeypatch):
+    """Tenant B validates weights tenant A's deleted adapter also had: A's delete, seeing no version refer to
+    them yet, removes the store entry between B's write and B's commit; B's version still finds its file."""
+    from loraplex.platform.tasks.context import get_context
+
+    ctx = get_context()
+    real_put = ctx.store.put
+
+    drops = []
+
+    def put_then_dropped(adapter):  # the first write only: the other adapter's delete happens once
+        path = real_put(adapter)
+        if not drops:
+            drops.append(ctx.store.delete(adapter.content_hash))
+        return path
+
+    monkeypatch.setattr(ctx.store, "put", put_then_dropped)
+    version = upload(client, make_tenant(), "bot", [("a.zip", peft_adapter_zip.read_bytes())]).json()
+    assert drops == [True] and version["status"] == "ready" and ctx.store.exists(version["content_hash"])

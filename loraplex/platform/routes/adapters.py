@@ -21,7 +21,7 @@ from loraplex.platform.adapter_registry import (
 )
 from loraplex.platform.db import session_scope
 from loraplex.platform.deps import AdaptersKeyDep, ServicesDep, TenantScopeDep
-from loraplex.platform.errors import APIError
+from loraplex.platform.errors import APIError, not_found
 from loraplex.platform.models import Adapter, AdapterVersion, VersionStatus
 from loraplex.platform.schemas.adapters import (
     AdapterDeleted,
@@ -108,7 +108,11 @@ async def _wait_for(services: Services, version_id: int, timeout: float) -> Adap
 
 def _read_version(services: Services, version_id: int) -> AdapterVersionPublic:
     with services.sessions() as session:
-        return AdapterVersionPublic.model_validate(session.get(AdapterVersion, version_id))
+        version = session.get(AdapterVersion, version_id)
+        if version is None:  # the adapter was deleted (another request) while this upload waited
+            raise not_found("The adapter was deleted while this upload was being validated.", param="name",
+                            code="adapter_not_found")
+        return AdapterVersionPublic.model_validate(version)
 
 
 def _forget_failed(services: Services, version_id: int) -> None:

@@ -28,7 +28,7 @@ class AdapterPublic(BaseModel):
     id: str  # the name, as OpenAI names models by id
     name: str
     description: str | None
-    status: str  # of the newest version
+    status: str  # "ready" while any version is ready (servable), else the newest version's status
     latest_version: str | None  # newest ready version
     created_at: datetime
     versions: list[AdapterVersionPublic]

@@ -42,8 +42,22 @@ def validate_adapter(ctx: TaskContext, version_id: int) -> str:
         return VersionStatus.failed.value
     status = _finish(ctx, version_id, status=VersionStatus.ready, content_hash=adapter.content_hash,
                      rank=adapter.rank, target_modules=",".join(adapter.target_modules))
+    if status == "missing":  # deleted while we validated: the store entry is ours to drop unless in use
+        _drop_unreferenced(ctx, adapter.content_hash)
+    elif not ctx.store.exists(adapter.content_hash):
+        # another adapter with these weights was deleted between our put and our commit, and took the
+        # entry it saw no version refer to yet: write it again
+        ctx.store.put(adapter)
     shutil.rmtree(version_upload_dir(ctx.settings, version_id), ignore_errors=True)
     return status
+
+
+def _drop_unreferenced(ctx: TaskContext, content_hash: str) -> None:
+    with ctx.sessions() as session:
+        used = session.scalar(select(func.count()).select_from(AdapterVersion)
+                              .where(AdapterVersion.content_hash == content_hash))
+    if not used:
+        ctx.store.delete(content_hash)
 
 
 def _finish(ctx: TaskContext, version_id: int, *, status: VersionStatus, **fields) -> str:
