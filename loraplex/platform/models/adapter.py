@@ -37,7 +37,10 @@ class Adapter(Base):
 
 class AdapterVersion(Base):
     __tablename__ = "adapter_versions"
-    __table_args__ = (Index("ix_adapter_versions_tenant_id_content_hash", "tenant_id", "content_hash"),)
+    # ids name versions in admin calls and console links: never handed out twice (SQLite reuses the largest
+    # freed id without AUTOINCREMENT)
+    __table_args__ = (Index("ix_adapter_versions_tenant_id_content_hash", "tenant_id", "content_hash"),
+                      {"sqlite_autoincrement": True})
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     adapter_id: Mapped[int] = mapped_column(ForeignKey("adapters.id", ondelete="CASCADE"), index=True)
