@@ -34,8 +34,8 @@ def test_exposition_parses_and_counts_requests_tokens_and_latency():
     assert s[("loraplex_requests_total", (("endpoint", "chat"), ("status", "ok"), ("tenant", "t1")))] == 2
     assert s[("loraplex_requests_total", (("endpoint", "chat"), ("status", OTHER), ("tenant", "t1")))] == 1
     assert s[("loraplex_tokens_total", (("kind", "prompt"), ("tenant", "t1")))] == 23
-    assert s[("loraplex_adapter_requests_total", (("adapter", "sql@1"),))] == 1
-    assert s[("loraplex_adapter_requests_total", (("adapter", "base"),))] == 2
+    assert s[("loraplex_adapter_requests_total", (("adapter", "sql@1"), ("tenant", "t1")))] == 1
+    assert s[("loraplex_adapter_requests_total", (("adapter", "base"), ("tenant", "t1")))] == 2
     assert s[("loraplex_time_to_first_token_seconds_count", (("endpoint", "chat"),))] == 3
     # TPOT: (0.45 - 0.05) / (5 - 1) = 0.1 per token, observed for the two requests with >1 output token
     assert s[("loraplex_time_per_output_token_seconds_count", (("endpoint", "chat"),))] == 2
@@ -82,6 +82,17 @@ def test_adapter_labels_are_bounded_to_top_n_plus_other():
         _record(m, adapter=f"a{i}@1")
     labels = {k[1][0][1] for k in _samples(m) if k[0] == "loraplex_adapter_requests_total"}
     assert labels == {"a0@1", "a1@1", "a2@1", OTHER}
+
+
+def test_two_tenants_adapters_of_one_name_are_counted_apart():
+    m = PlatformMetrics()
+    _record(m, tenant="acme", adapter="bot@1a2b3c", completion=5)
+    _record(m, tenant="beta", adapter="bot@1a2b3c", completion=7)
+    s = _samples(m)
+    for tenant, completion in (("acme", 5), ("beta", 7)):
+        assert s[("loraplex_adapter_requests_total", (("adapter", "bot@1a2b3c"), ("tenant", tenant)))] == 1
+        key = (("adapter", "bot@1a2b3c"), ("kind", "completion"), ("tenant", tenant))
+        assert s[("loraplex_adapter_tokens_total", key)] == completion
 
 
 def test_top_n_follows_the_busiest_names_of_the_last_window():

@@ -25,7 +25,7 @@ def test_inference_requests_are_counted_and_timed(client, make_tenant):
     key = ("loraplex_requests_total", (("endpoint", "chat.completions"), ("status", "ok"), ("tenant", "acme")))
     assert samples[key] == 2
     assert samples[("loraplex_tokens_total", (("kind", "completion"), ("tenant", "acme")))] == 8
-    assert samples[("loraplex_adapter_requests_total", (("adapter", "base"),))] == 2
+    assert samples[("loraplex_adapter_requests_total", (("adapter", "base"), ("tenant", "acme")))] == 2
     assert samples[("loraplex_time_to_first_token_seconds_count", (("endpoint", "chat.completions"),))] == 2
     assert samples[("loraplex_request_duration_seconds_count",
                     (("endpoint", "chat.completions"), ("tenant", "acme")))] == 2

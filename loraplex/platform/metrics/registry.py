@@ -38,11 +38,14 @@ class PlatformMetrics:
         self.tokens = PromCounter(
             "loraplex_tokens", "Tokens processed by finished requests", ["kind", "tenant"], registry=r
         )
+        # per tenant and adapter: two tenants' adapters of one name are different adapters
         self.adapter_requests = PromCounter(
-            "loraplex_adapter_requests", "Finished requests per adapter (top-N, rest as other)", ["adapter"], registry=r
+            "loraplex_adapter_requests", "Finished requests per tenant's adapter (top-N, rest as other)",
+            ["tenant", "adapter"], registry=r
         )
         self.adapter_tokens = PromCounter(
-            "loraplex_adapter_tokens", "Tokens per adapter (top-N, rest as other)", ["adapter", "kind"], registry=r
+            "loraplex_adapter_tokens", "Tokens per tenant's adapter (top-N, rest as other)",
+            ["tenant", "adapter", "kind"], registry=r
         )
         self.ttft = Histogram(
             "loraplex_time_to_first_token_seconds", "Time to first token", ["endpoint"],
@@ -85,14 +88,15 @@ class PlatformMetrics:
             tpot_s = max(0.0, e2e_s - ttft_s) / (completion_tokens - 1)
         with self._lock:
             tenant_label, dropped_tenants = self._tenants.label(tenant)
-            adapter_label, dropped_adapters = self._adapters.label(adapter or BASE_MODEL_LABEL)
+            adapter_key, dropped_adapters = self._adapters.label((tenant, adapter or BASE_MODEL_LABEL))
             self._drop(dropped_tenants, dropped_adapters)
+        adapter_labels = (OTHER, OTHER) if adapter_key == OTHER else adapter_key
         self.requests.labels(endpoint, status, tenant_label).inc()
         self.tokens.labels("prompt", tenant_label).inc(prompt_tokens)
         self.tokens.labels("completion", tenant_label).inc(completion_tokens)
-        self.adapter_requests.labels(adapter_label).inc()
-        self.adapter_tokens.labels(adapter_label, "prompt").inc(prompt_tokens)
-        self.adapter_tokens.labels(adapter_label, "completion").inc(completion_tokens)
+        self.adapter_requests.labels(*adapter_labels).inc()
+        self.adapter_tokens.labels(*adapter_labels, "prompt").inc(prompt_tokens)
+        self.adapter_tokens.labels(*adapter_labels, "completion").inc(completion_tokens)
         if ttft_s is not None:
             self.ttft.labels(endpoint).observe(ttft_s)
         if tpot_s is not None:
@@ -100,20 +104,18 @@ class PlatformMetrics:
         self.e2e.labels(endpoint, tenant_label).observe(e2e_s)
         self.recent.add(FinishedRequest(self.recent.now(), ttft_s, tpot_s, e2e_s, completion_tokens))
 
-    def _drop(self, tenants: list[str], adapters: list[str]) -> None:
+    def _drop(self, tenants: list[str], adapters: list[tuple[str, str]]) -> None:
         for metric, index in ((self.requests, 2), (self.tokens, 1), (self.e2e, 1)):
-            _remove_where(metric, index, set(tenants))
-        for metric, index in ((self.adapter_requests, 0), (self.adapter_tokens, 0)):
-            _remove_where(metric, index, set(adapters))
+            _remove_where(metric, lambda labels, i=index: labels[i] in set(tenants))
+        for metric in (self.adapter_requests, self.adapter_tokens):
+            _remove_where(metric, lambda labels: (labels[0], labels[1]) in set(adapters))
 
     def exposition(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
 
 
-def _remove_where(metric, index: int, names: set[str]) -> None:
-    if not names:
-        return
+def _remove_where(metric, matches: Callable[[tuple[str, ...]], bool]) -> None:
     # prometheus_client keeps children in a dict keyed by label tuples; remove() is the public way out
     for labels in list(metric._metrics):
-        if labels[index] in names:
+        if matches(labels):
             metric.remove(*labels)
