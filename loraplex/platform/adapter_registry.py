@@ -11,7 +11,7 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from loraplex.config import Settings
-from loraplex.platform.errors import bad_request, not_found
+from loraplex.platform.errors import bad_request, not_found, shown
 from loraplex.platform.models import Adapter, AdapterVersion, VersionStatus
 from loraplex.platform.schemas.adapters import AdapterPublic, AdapterVersionPublic
 from loraplex.platform.scoping import TenantScope
@@ -129,7 +129,7 @@ def adapter_public(adapter: Adapter) -> AdapterPublic:
 def get_adapter(scope: TenantScope, name: str) -> Adapter:
     adapter = scope.one_or_none(Adapter, Adapter.name == name)
     if adapter is None:
-        raise not_found(f"No adapter named '{name}'.", param="name", code="adapter_not_found")
+        raise not_found(f"No adapter named '{shown(name)}'.", param="name", code="adapter_not_found")
     return adapter
 
 

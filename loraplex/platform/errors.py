@@ -39,6 +39,13 @@ class APIError(Exception):
 REQUEST_TOO_LARGE = "request_too_large"
 
 
+def shown(value: object, limit: int = 80) -> str:
+    """A caller's value quoted back in a message, cut to `limit` characters: a request naming a model of a
+    megabyte gets an error of a few hundred bytes, not its own body back."""
+    text = str(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
 def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 

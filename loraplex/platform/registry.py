@@ -11,6 +11,7 @@ from sqlalchemy import Engine, bindparam, select
 from sqlalchemy.orm import Session
 
 from loraplex.engine.lora_request import LoRARequest
+from loraplex.platform.errors import shown
 from loraplex.platform.hot_query import HotQuery
 from loraplex.platform.models import Adapter, AdapterVersion, VersionStatus
 from loraplex.platform.scoping import TenantScope
@@ -43,7 +44,7 @@ def resolve_model(session: Session, tenant_id: int, model: str, base_model: str,
     name, at, version = model.partition("@")
     # "name@" with nothing after it names no version: refused like any too-short one, not read as the latest
     if at and len(version) < MIN_VERSION_CHARS:
-        raise ModelNotFound(f"The model '{model}' does not exist: give at least {MIN_VERSION_CHARS} "
+        raise ModelNotFound(f"The model '{shown(model)}' does not exist: give at least {MIN_VERSION_CHARS} "
                             "characters of the version.")
     scope = TenantScope(session, tenant_id)
     # One query on the hot path: the newest ready version(s) of the tenant's adapter of that name.
@@ -55,16 +56,32 @@ def resolve_model(session: Session, tenant_id: int, model: str, base_model: str,
         stmt = stmt.where(AdapterVersion.content_hash.startswith(version.lower(), autoescape=True))
     found = session.execute(stmt).all()
     if not found:
-        if scope.one_or_none(Adapter, Adapter.name == name) is None:
-            raise ModelNotFound(f"The model '{model}' does not exist or you do not have access to it.")
-        what = f"version {version} of adapter '{name}'" if version else f"adapter '{name}'"
-        raise ModelNotFound(f"The model '{model}' does not exist: {what} has no ready version.")
+        adapter = scope.one_or_none(Adapter, Adapter.name == name)
+        if adapter is None:
+            raise ModelNotFound(f"The model '{shown(model)}' does not exist or you do not have access to it.")
+        raise ModelNotFound(_not_ready(model, adapter, version))
     if version and len(found) > 1 and found[0].content_hash != found[1].content_hash:
-        raise ModelNotFound(f"The version '{version}' of '{name}' is ambiguous; give more characters.")
+        raise ModelNotFound(f"The version '{shown(version)}' of '{name}' is ambiguous; give more characters.")
     content_hash, created_at = found[0]
     path = store_path(store_dir, content_hash) if store_dir is not None else ""
     return ModelTarget(model=model, adapter=LoRARequest(name=name, content_hash=content_hash, path=path),
                        adapter_name=name, created=int(created_at.timestamp()))
+
+
+def _not_ready(model: str, adapter: Adapter, version: str) -> str:
+    """Why an adapter of the tenant's serves nothing for `model`: it has no such version (a version is named
+    by its content hash, which only a validated upload has), or its newest upload is still being validated
+    or was refused."""
+    if version:
+        return f"The model '{shown(model)}' does not exist: adapter '{adapter.name}' has no version '{shown(version)}'."
+    newest = max(adapter.versions, key=lambda v: v.id, default=None)
+    if newest is not None and newest.status in (VersionStatus.pending.value, VersionStatus.validating.value):
+        return (f"The model '{shown(model)}' is not ready yet: adapter '{adapter.name}' is still being validated; "
+                "retry in a few seconds.")
+    if newest is not None and newest.status == VersionStatus.failed.value:
+        return (f"The model '{shown(model)}' cannot be served: adapter '{adapter.name}' was refused at validation "
+                f"({newest.error_code or 'invalid_adapter'}: {shown(newest.error, 300)}); upload a corrected version.")
+    return f"The model '{shown(model)}' does not exist: adapter '{adapter.name}' has no ready version."
 
 
 _LATEST_READY = HotQuery(

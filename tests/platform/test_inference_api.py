@@ -222,3 +222,39 @@ def test_logprobs_json_never_carries_nan_or_infinity():
     json.dumps([chat, completion], allow_nan=False)
     assert chat["content"][0]["logprob"] == -9999.0 and chat["content"][0]["top_logprobs"][0]["logprob"] == -9999.0
     assert completion["token_logprobs"] == [-9999.0] and completion["top_logprobs"] == [{"a": -9999.0, "b": -0.5}]
+
+
+def test_a_model_name_of_any_length_gets_a_short_error(client, make_tenant):
+    tenant = make_tenant()
+    long_name = "x" * 100_000
+    for r in (client.post("/v1/completions", headers=tenant.headers, json={"model": long_name, "prompt": "hi"}),
+              client.get(f"/v1/models/{long_name[:7000]}", headers=tenant.headers),
+              client.get(f"/v1/adapters/{long_name[:7000]}", headers=tenant.headers)):
+        assert r.status_code == 404 and len(r.content) < 1000, (r.status_code, len(r.content))
+        assert "characters)" in r.json()["error"]["message"]
+
+
+def test_a_model_that_cannot_be_served_says_why(client, make_tenant, app):
+    """No such version, an upload still being validated, an upload refused: three different answers."""
+    from loraplex.platform.models import Adapter, AdapterVersion
+
+    tenant = make_tenant()
+    with app.state.services.sessions() as session:
+        for name, status, code in (("early", "validating", None), ("broken", "failed", "non_finite")):
+            adapter = Adapter(tenant_id=tenant.tenant_id, name=name)
+            session.add(adapter)
+            session.flush()
+            session.add(AdapterVersion(adapter_id=adapter.id, tenant_id=tenant.tenant_id, status=status,
+                                       error="tensor 'x' holds NaN" if code else None, error_code=code,
+                                       upload_sha256="0" * 64, upload_filename="a.zip", upload_bytes=1))
+        session.commit()
+
+    def message(model: str) -> str:
+        r = client.post("/v1/completions", headers=tenant.headers, json={"model": model, "prompt": "hi"})
+        assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found", r.text
+        return r.json()["error"]["message"]
+
+    assert "still being validated" in message("early")
+    assert "refused at validation (non_finite: tensor 'x' holds NaN)" in message("broken")
+    assert "adapter 'early' has no version 'ffffff'" in message("early@ffffff")
+    assert "does not exist or you do not have access" in message("nobody")
