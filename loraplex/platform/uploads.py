@@ -116,17 +116,25 @@ async def parse_upload(stream: AsyncIterator[bytes], content_type: str, director
             state.file.sha256 = state.hasher.hexdigest()
             upload.files.append(state.file)
         elif state.field is not None:
+            if state.field in upload.fields:  # which one was meant? refused rather than guessed
+                raise _Refused(bad_request(f"The form field {state.field!r} was sent twice.", param=state.field))
             upload.fields[state.field] = state.value.decode("utf-8", "replace")
+
+    def on_end() -> None:
+        state.ended = True
 
     parser = python_multipart.MultipartParser(params[b"boundary"], {
         "on_part_begin": on_part_begin, "on_part_data": on_part_data, "on_part_end": on_part_end,
         "on_header_field": on_header_field, "on_header_value": on_header_value,
-        "on_header_end": on_header_end, "on_headers_finished": on_headers_finished,
+        "on_header_end": on_header_end, "on_headers_finished": on_headers_finished, "on_end": on_end,
     })
     try:
         async for chunk in stream:
             parser.write(chunk)
         parser.finalize()
+        if not state.ended:
+            raise _Refused(bad_request("The multipart body is malformed: it ends before its closing boundary "
+                                       "(the upload was cut short).", param="file"))
     except _Refused as exc:
         state.close()
         upload.discard()
@@ -150,6 +158,7 @@ class _Refused(Exception):
 
 class _PartState:
     def __init__(self) -> None:
+        self.ended = False  # the closing boundary was read
         self.reset()
 
     def reset(self) -> None:

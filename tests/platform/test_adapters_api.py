@@ -478,3 +478,18 @@ def test_weights_another_adapter_dropped_meanwhile_are_written_again(app, client
     monkeypatch.setattr(ctx.store, "put", put_then_dropped)
     version = upload(client, make_tenant(), "bot", [("a.zip", peft_adapter_zip.read_bytes())]).json()
     assert drops == [True] and version["status"] == "ready" and ctx.store.exists(version["content_hash"])
+
+
+@pytest.mark.parametrize("body, message", [
+    # the file part never ends: the client stopped sending
+    (b'--XYZ\r\nContent-Disposition: form-data; name="name"\r\n\r\nfoo\r\n--XYZ\r\n'
+     b'Content-Disposition: form-data; name="file"; filename="a.zip"\r\n\r\nPK\x03\x04abc', "cut short"),
+    (b'--XYZ\r\nContent-Disposition: form-data; name="name"\r\n\r\nn1\r\n--XYZ\r\n'
+     b'Content-Disposition: form-data; name="name"\r\n\r\nn2\r\n--XYZ--\r\n', "'name' was sent twice"),
+])
+def test_a_cut_or_ambiguous_multipart_body_is_refused_as_such(app, client, make_tenant, body, message):
+    tenant = make_tenant()
+    r = client.post("/v1/adapters", params={"wait": "true"}, content=body,
+                    headers={**tenant.headers, "content-type": "multipart/form-data; boundary=XYZ"})
+    assert r.status_code == 400 and message in r.json()["error"]["message"], r.text
+    _nothing_stored(app, client, tenant)
