@@ -145,10 +145,23 @@ class DeletedContent(list):
 
 def delete_adapter(session: Session, settings: Settings, adapter: Adapter) -> DeletedContent:
     """Delete the adapter and its versions; returns the content hashes to drop (and to unpin)."""
-    hashes = {v.content_hash for v in adapter.versions if v.content_hash}
-    had_pin = {v.content_hash for v in adapter.versions if v.content_hash and v.pinned}
-    version_ids = [v.id for v in adapter.versions]
-    session.delete(adapter)
+    return _delete_versions(session, settings, list(adapter.versions), adapter)
+
+
+def delete_version(session: Session, settings: Settings, version: AdapterVersion) -> tuple[DeletedContent, bool]:
+    """Delete one version (the adapter with it when it was the last one); returns the content hashes to drop
+    (and to unpin), and whether the adapter went too. Requests naming the adapter without a version go to
+    its newest remaining ready version."""
+    adapter = version.adapter
+    last = [v.id for v in adapter.versions] == [version.id]
+    return _delete_versions(session, settings, [version], adapter if last else version), last
+
+
+def _delete_versions(session: Session, settings: Settings, versions: list[AdapterVersion], row) -> DeletedContent:
+    hashes = {v.content_hash for v in versions if v.content_hash}
+    had_pin = {v.content_hash for v in versions if v.content_hash and v.pinned}
+    version_ids = [v.id for v in versions]
+    session.delete(row)
     session.flush()
     for vid in version_ids:
         shutil.rmtree(version_upload_dir(settings, vid), ignore_errors=True)

@@ -493,3 +493,43 @@ def test_a_cut_or_ambiguous_multipart_body_is_refused_as_such(app, client, make_
                     headers={**tenant.headers, "content-type": "multipart/form-data; boundary=XYZ"})
     assert r.status_code == 400 and message in r.json()["error"]["message"], r.text
     _nothing_stored(app, client, tenant)
+
+
+def test_one_version_can_be_deleted_and_the_last_takes_the_adapter(app, client, make_tenant, peft_adapter_zip,
+                                                                   peft_adapter_dir, tmp_path, fake_engine):
+    """A refused upload or an unwanted version goes alone; the adapter then serves its newest remaining
+    ready version; deleting its last version deletes it. Another tenant cannot reach either."""
+    from loraplex.platform.tasks.context import get_context
+
+    tenant, other = make_tenant(), make_tenant()
+    good = upload(client, tenant, "bot", [("a.zip", peft_adapter_zip.read_bytes())]).json()
+    files, _code = _bad_adapters(peft_adapter_dir, tmp_path)["nan"]
+    upload(client, tenant, "bot", files, wait=False)
+    app.state.services.tasks.join()
+    failed = client.get("/v1/adapters/bot", headers=tenant.headers).json()["versions"][1]
+    assert failed["status"] == "failed"
+    path = "/v1/adapters/bot/versions/{}"
+    r = client.delete(path.format(failed["id"]), headers=other.headers)
+    assert r.status_code == 404 and r.json()["error"]["code"] == "adapter_not_found"
+    r = client.delete(path.format(failed["id"]), headers=tenant.headers)
+    assert r.status_code == 200 and r.json() == {"id": failed["id"], "object": "adapter.version", "deleted": True,
+                                                 "adapter": "bot", "adapter_deleted": False}, r.text
+    detail = client.get("/v1/adapters/bot", headers=tenant.headers).json()
+    assert [v["id"] for v in detail["versions"]] == [good["id"]]
+    r = client.delete(path.format(failed["id"]), headers=tenant.headers)
+    assert r.status_code == 404 and r.json()["error"]["code"] == "version_not_found"
+    assert client.delete(path.format("x"), headers=tenant.headers).status_code in (400, 422)
+    r = client.delete(path.format(good["id"]), headers=tenant.headers)
+    assert r.status_code == 200 and r.json()["adapter_deleted"] is True
+    assert client.get("/v1/adapters/bot", headers=tenant.headers).status_code == 404
+    assert not get_context().store.exists(good["content_hash"])
+    assert good["content_hash"] in fake_engine.removed
+
+
+def test_the_admin_api_deletes_a_tenants_version(app, client, admin_key, make_tenant, peft_adapter_zip):
+    tenant = make_tenant()
+    good = upload(client, tenant, "bot", [("a.zip", peft_adapter_zip.read_bytes())]).json()
+    r = client.delete(f"/admin/api/tenants/{tenant.tenant_id}/adapters/bot/versions/{good['id']}",
+                      headers={"Authorization": f"Bearer {admin_key}"})
+    assert r.status_code == 200 and r.json()["adapter_deleted"] is True, r.text
+    assert client.get("/v1/adapters/bot", headers=tenant.headers).status_code == 404

@@ -15,18 +15,20 @@ from loraplex.platform.adapter_registry import (
     TERMINAL,
     adapter_public,
     delete_adapter,
+    delete_version,
     get_adapter,
     register_upload,
     uploads_root,
 )
 from loraplex.platform.db import session_scope
-from loraplex.platform.deps import AdaptersKeyDep, ServicesDep, TenantScopeDep
+from loraplex.platform.deps import AdaptersKeyDep, IdPath, ServicesDep, TenantScopeDep
 from loraplex.platform.errors import APIError, not_found
 from loraplex.platform.models import Adapter, AdapterVersion, VersionStatus
 from loraplex.platform.schemas.adapters import (
     AdapterDeleted,
     AdapterList,
     AdapterPublic,
+    AdapterVersionDeleted,
     AdapterVersionPublic,
 )
 from loraplex.platform.scoping import TenantScope
@@ -141,6 +143,31 @@ def read_adapter(*, _tenant: AdaptersKeyDep, scope: TenantScopeDep, name: str) -
 @router.delete("/{name}", response_model=AdapterDeleted)
 async def remove_adapter(*, tenant: AdaptersKeyDep, services: ServicesDep, name: str) -> AdapterDeleted:
     return await handle_delete(services, tenant.tenant_id, name)
+
+
+@router.delete("/{name}/versions/{version_id}", response_model=AdapterVersionDeleted)
+async def remove_adapter_version(*, tenant: AdaptersKeyDep, services: ServicesDep, name: str,
+                                 version_id: IdPath) -> AdapterVersionDeleted:
+    """One version (by its `id`, as listed under the adapter's `versions`): a failed upload, or a version no
+    longer wanted. The last version takes the adapter with it."""
+    return await handle_version_delete(services, tenant.tenant_id, name, version_id)
+
+
+async def handle_version_delete(services: Services, tenant_id: int, name: str,
+                                version_id: int) -> AdapterVersionDeleted:
+    def delete() -> tuple[list[str], bool, str]:
+        with session_scope(services.sessions) as session:
+            adapter = get_adapter(TenantScope(session, tenant_id), name)
+            version = next((v for v in adapter.versions if v.id == version_id), None)
+            if version is None:
+                raise not_found(f"Adapter '{adapter.name}' has no version with id {version_id}.",
+                                param="version_id", code="version_not_found")
+            orphaned, adapter_gone = delete_version(session, services.settings, version)
+            return orphaned, adapter_gone, adapter.name
+
+    orphaned, adapter_gone, adapter_name = await asyncio.to_thread(delete)
+    await drop_versions(services, orphaned)
+    return AdapterVersionDeleted(id=version_id, adapter=adapter_name, adapter_deleted=adapter_gone)
 
 
 async def handle_delete(services: Services, tenant_id: int, name: str) -> AdapterDeleted:

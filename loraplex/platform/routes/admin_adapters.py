@@ -14,8 +14,13 @@ from loraplex.platform.adapter_registry import adapter_public, pin_version
 from loraplex.platform.deps import AdminDep, IdPath, RowId, ServicesDep, SessionDep
 from loraplex.platform.errors import bad_request, from_engine_error, not_found
 from loraplex.platform.models import Adapter, AdapterVersion, Tenant, VersionStatus
-from loraplex.platform.routes.adapters import handle_delete, handle_upload
-from loraplex.platform.schemas.adapters import AdapterDeleted, AdapterPublic, PrefetchRequest
+from loraplex.platform.routes.adapters import handle_delete, handle_upload, handle_version_delete
+from loraplex.platform.schemas.adapters import (
+    AdapterDeleted,
+    AdapterPublic,
+    AdapterVersionDeleted,
+    PrefetchRequest,
+)
 from loraplex.platform.tasks.jobs import lora_request_for
 from loraplex.platform.tenants import get_tenant
 
@@ -57,6 +62,12 @@ async def upload_for_tenant(*, _admin: AdminDep, services: ServicesDep, request:
 @router.delete("/tenants/{tenant_id}/adapters/{name}", response_model=AdapterDeleted)
 async def delete_for_tenant(*, _admin: AdminDep, services: ServicesDep, tenant_id: IdPath, name: str) -> AdapterDeleted:
     return await handle_delete(services, tenant_id, name)
+
+
+@router.delete("/tenants/{tenant_id}/adapters/{name}/versions/{version_id}", response_model=AdapterVersionDeleted)
+async def delete_version_for_tenant(*, _admin: AdminDep, services: ServicesDep, tenant_id: IdPath, name: str,
+                                    version_id: IdPath) -> AdapterVersionDeleted:
+    return await handle_version_delete(services, tenant_id, name, version_id)
 
 
 class PrefetchResult(BaseModel):

@@ -45,6 +45,14 @@ class AdapterDeleted(BaseModel):
     deleted: bool = True
 
 
+class AdapterVersionDeleted(BaseModel):
+    id: int
+    object: Literal["adapter.version"] = "adapter.version"
+    deleted: bool = True
+    adapter: str
+    adapter_deleted: bool  # it was the adapter's last version: the adapter is gone too
+
+
 class PrefetchRequest(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
     pin: bool | None = None  # true pins, false unpins, left out (or null) leaves the pin as it is
