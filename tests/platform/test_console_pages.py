@@ -266,7 +266,7 @@ def test_the_dashboard_lists_every_tenant_whose_adapter_a_cached_copy_serves(con
     assert names[other] == [("solo", "acme")]
 
 
-def test_a_pin_shows_on_the_version_pinned_only(console, make_tenant, peft_adapter_zip):
+def test_a_pin_shows_on_the_version_pinned_only(console, make_tenant, peft_adapter_zip, fake_engine):
     """Two tenants with the same weights: pinning one's version in the console marks that version, not the
     other tenant's (which shares the cached copy, not the pin)."""
     from platform_helpers import upload
@@ -276,6 +276,8 @@ def test_a_pin_shows_on_the_version_pinned_only(console, make_tenant, peft_adapt
     vb = upload(console.client, b, "two", [("a.zip", peft_adapter_zip.read_bytes())]).json()
     r = console.post(f"/console/tenants/{a.tenant_id}/versions/{va['id']}/prefetch", {"pin": "1"})
     assert r.status_code == 303
+    # straight to the engine (through the router, every engine process), not a task one engine would take
+    assert fake_engine.prefetched[-1] == (va["content_hash"], True)
     page_a = console.client.get(f"/console/adapters?tenant_id={a.tenant_id}").text
     page_b = console.client.get(f"/console/adapters?tenant_id={b.tenant_id}").text
     assert 'class="badge pinned"' in page_a and ">Unpin<" in page_a

@@ -199,7 +199,30 @@ def test_a_prefetch_with_no_engine_reachable_is_a_503(client, admin_key, make_te
         raise EngineUnreachableError("engine http://10.0.0.9:8001 is unreachable: connection refused")
 
     monkeypatch.setattr(fake_engine, "prefetch_adapter", gone)
-    r = client.post(f"/admin/api/adapter-versions/{version['id']}/prefetch", headers=_admin(admin_key),
-                    json={"pin": True})
-    assert r.status_code == 503 and r.headers["retry-after"], r.text
+    r = client.post(f"/admin/api/adapter-versions/{version['id']}/prefetch", headers=_admin(admin_key), json={})
+    assert r.status_code == 503 and r.headers["retry-after"], r.text  # (a pin is recorded: 202, below)
     assert "10.0.0.9" not in r.text
+
+
+def test_a_pin_no_engine_can_take_now_is_recorded_and_synced_later(client, admin_key, make_tenant, peft_adapter_zip,
+                                                                   fake_engine, app):
+    """The pin is in the database (the engines' source): 202 "sync", not a 503 for a change that was made;
+    a plain prefetch with no engine to take it stays a 503."""
+    from platform_helpers import upload
+
+    from loraplex.engine.errors import EngineUnreachableError
+    from loraplex.platform.models import AdapterVersion
+
+    version = upload(client, make_tenant(), "bot", [("adapter.zip", peft_adapter_zip.read_bytes())]).json()
+
+    async def away(adapter, *, pin=None):
+        raise EngineUnreachableError("engine http://e1 is unreachable: ConnectTimeout")
+
+    fake_engine.prefetch_adapter = away
+    path = f"/admin/api/adapter-versions/{version['id']}/prefetch"
+    r = client.post(path, headers=_admin(admin_key), json={"pin": True})
+    assert r.status_code == 202 and r.json()["where"] == "sync" and r.json()["pinned"] is True, r.text
+    with app.state.services.sessions() as session:
+        assert session.get(AdapterVersion, version["id"]).pinned is True
+    r = client.post(path, headers=_admin(admin_key), json={})
+    assert r.status_code == 503, r.text

@@ -214,3 +214,21 @@ def test_a_pin_that_cannot_be_loaded_is_reported_once_and_retried(app, client, m
     assert len(warnings) == 1 and version["content_hash"][:12] in warnings[0] and "unreadable" in warnings[0]
     del fake_engine.prefetch_adapter  # readable again: the next run pins it
     assert jobs.sync_pins(ctx) == (1, 0) and fake_engine.pinned == {version["content_hash"]}
+
+
+def test_a_queued_pin_applies_the_databases_pin_not_the_one_it_carried(app, client, make_tenant, fake_engine,
+                                                                         peft_adapter_zip):
+    """A pin task queued while no engine ran, and an unpin made since: the engine gets the unpin."""
+    from loraplex.platform.models import AdapterVersion
+
+    version = _pinned_upload(app, client, make_tenant, peft_adapter_zip)
+    ctx = get_context()
+    assert jobs.prefetch_adapter(ctx, version["id"], pin=False)  # stale: the database pins it
+    assert fake_engine.prefetched[-1] == (version["content_hash"], True)
+    with app.state.services.sessions() as session:
+        session.get(AdapterVersion, version["id"]).pinned = False
+        session.commit()
+    assert jobs.prefetch_adapter(ctx, version["id"], pin=True)  # stale: unpinned since
+    assert fake_engine.prefetched[-1] == (version["content_hash"], False)
+    assert jobs.prefetch_adapter(ctx, version["id"])  # a plain warm-up leaves the pin alone
+    assert fake_engine.prefetched[-1] == (version["content_hash"], None)

@@ -69,7 +69,7 @@ class RemoteEngine:
                             yield output
             except httpx.TransportError as exc:
                 if not started:  # nothing was served: another engine may take the request
-                    raise EngineUnreachableError(f"engine {self.url} is unreachable: {exc}") from exc
+                    raise EngineUnreachableError(f"engine {self.url} is unreachable: {_why(exc)}") from exc
                 raise EngineOverloadedError(f"engine {self.url} went away mid-request: {exc}") from exc
         finally:
             self.inflight -= 1
@@ -91,7 +91,7 @@ class RemoteEngine:
             r = await self._http.post(f"{self.url}/engine/prefetch", json={"adapter": adapter_to_json(adapter),
                                                                             "pin": pin}, headers=self._headers)
         except httpx.TransportError as exc:
-            raise EngineUnreachableError(f"engine {self.url} is unreachable: {exc}") from exc
+            raise EngineUnreachableError(f"engine {self.url} is unreachable: {_why(exc)}") from exc
         if r.status_code >= 500:
             raise EngineUnreachableError(f"engine {self.url} answered {r.status_code}")
         r.raise_for_status()
@@ -101,7 +101,7 @@ class RemoteEngine:
             r = await self._http.post(f"{self.url}/engine/unpin", json={"content_hash": content_hash},
                                       headers=self._headers)
         except httpx.TransportError as exc:
-            raise EngineUnreachableError(f"engine {self.url} is unreachable: {exc}") from exc
+            raise EngineUnreachableError(f"engine {self.url} is unreachable: {_why(exc)}") from exc
         if r.status_code >= 500:
             raise EngineUnreachableError(f"engine {self.url} answered {r.status_code}")
         r.raise_for_status()
@@ -115,3 +115,8 @@ class RemoteEngine:
         r = await self._http.get(f"{self.url}/engine/stats", headers=self._headers)
         r.raise_for_status()
         return EngineStats(**r.json())
+
+
+def _why(exc: BaseException) -> str:
+    """What went wrong, never empty: httpx's timeouts carry no message of their own."""
+    return str(exc) or type(exc).__name__

@@ -163,17 +163,14 @@ class EngineRouter:
 
     async def prefetch_adapter(self, adapter: LoRARequest, *, pin: bool | None = None) -> None:
         """Warm the adapter on the engine `choose` picks. A pin goes to every registered engine (it keeps the
-        adapter resident wherever requests for it land); an unpin to that engine and to every other one whose
-        registration lists the pin, without loading anything there. An engine that cannot be reached now
-        takes the change from the database later (`sync_pins`)."""
+        adapter resident wherever requests for it land); an unpin too, loading nothing on the engines other
+        than the chosen one (their registrations, a heartbeat old, cannot tell which hold the pin). An engine
+        that cannot be reached now takes the change from the database later (`sync_pins`)."""
         if pin is None:
             await self.choose(adapter).prefetch_adapter(adapter, pin=pin)
             return
         chosen = self._choose_id(adapter)
         others = [e for e in self.records if e != chosen and e in self.engines]
-        if pin is False:
-            others = [e for e in others
-                      if adapter.content_hash in (self.records[e].get("stats") or {}).get("lora_pinned", ())]
         results = await asyncio.gather(
             self.engines[chosen].prefetch_adapter(adapter, pin=pin),
             *(self.engines[e].unpin_adapter(adapter.content_hash) if pin is False

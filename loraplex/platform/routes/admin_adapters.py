@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 
-from fastapi import APIRouter, Query, Request
+from fastapi import APIRouter, Query, Request, Response
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 from sqlalchemy import select
@@ -74,11 +74,37 @@ class PrefetchResult(BaseModel):
     version_id: int
     content_hash: str
     pinned: bool | None  # as asked: true pinned, false unpinned, null left as it was
-    where: str  # "engine" (this process's) or "queued" (for the engine processes)
+    # "engine": done in the engines now; "queued": sent to the engine processes' queue; "sync": recorded, but
+    # no engine could be reached now: each applies it at start or at its next pin sync (202)
+    where: str
+
+
+async def prefetch_in_engines(services, version_id: int, engine_pin: bool | None) -> str:
+    """Prefetch a ready version and set its content's pin in the engines (this process's, or every engine
+    process through the router); where that is not possible now, a pin or unpin already recorded in the
+    database reaches the engines through their pin sync. Returns where it went (`PrefetchResult.where`);
+    raises EngineOverloadedError for a plain prefetch that no engine could take."""
+    from loraplex.platform.tasks.context import TaskContext
+
+    lora = lora_request_for(TaskContext(services.settings, services.sessions), version_id)
+    if lora is None:  # deleted meanwhile
+        raise not_found(f"no adapter version {version_id}", param="version_id")
+    if services.engine is None:
+        await services.tasks.send_async("loraplex.prefetch_adapter", version_id, engine_pin)
+        return "queued"
+    try:
+        await services.engine.prefetch_adapter(lora, pin=engine_pin)
+    except EngineOverloadedError as exc:  # no engine process, or none reachable
+        if engine_pin is None:
+            raise
+        log.warning("adapter version %s: %s now (%s); the engines apply it at their next pin sync", version_id,
+                    "pinning" if engine_pin else "unpinning", exc)
+        return "sync"
+    return "engine"
 
 
 @router.post("/adapter-versions/{version_id}/prefetch", response_model=PrefetchResult)
-async def prefetch_version(*, _admin: AdminDep, services: ServicesDep, version_id: IdPath,
+async def prefetch_version(*, _admin: AdminDep, services: ServicesDep, version_id: IdPath, response: Response,
                            body: PrefetchRequest | None = None) -> PrefetchResult:
     body = body or PrefetchRequest()
     with services.sessions() as session:
@@ -89,18 +115,13 @@ async def prefetch_version(*, _admin: AdminDep, services: ServicesDep, version_i
             raise bad_request(f"adapter version {version_id} is {version.status}, not ready", param="version_id")
         # the pin is this version's; the engines pin the content while any of its versions is pinned
         engine_pin = pin_version(session, version, body.pin)
+        content_hash = version.content_hash
         session.commit()
-    from loraplex.platform.tasks.context import TaskContext
-
-    lora = lora_request_for(TaskContext(services.settings, services.sessions), version_id)
-    if services.engine is not None:
-        try:
-            await services.engine.prefetch_adapter(lora, pin=engine_pin)
-        except EngineOverloadedError as exc:  # no engine process, or none reachable: 503 as for inference
-            log.warning("prefetch of adapter version %s not done: %s", version_id, exc)
-            raise from_engine_error(exc) from exc
-        where = "engine"
-    else:
-        await services.tasks.send_async("loraplex.prefetch_adapter", version_id, engine_pin)
-        where = "queued"
-    return PrefetchResult(version_id=version_id, content_hash=lora.content_hash, pinned=body.pin, where=where)
+    try:
+        where = await prefetch_in_engines(services, version_id, engine_pin)
+    except EngineOverloadedError as exc:  # a prefetch alone with no engine to take it: 503 as for inference
+        log.warning("prefetch of adapter version %s not done: %s", version_id, exc)
+        raise from_engine_error(exc) from exc
+    if where == "sync":
+        response.status_code = 202
+    return PrefetchResult(version_id=version_id, content_hash=content_hash, pinned=body.pin, where=where)

@@ -93,11 +93,17 @@ def lora_request_for(ctx: TaskContext, version_id: int) -> LoRARequest | None:
 
 
 def prefetch_adapter(ctx: TaskContext, version_id: int, pin: bool | None = None) -> bool:
-    """Warm a ready version into this process's engine (device slot, else host cache); pin True / False pins
-    or unpins it there, None leaves its pin as it was."""
+    """Warm a ready version into this process's engine (device slot, else host cache). With pin True or
+    False its content's pin there is set to what the database holds now (the pin sent may be stale: a task
+    queued while no engine ran, an unpin made since); None leaves the pin as it was."""
     lora = lora_request_for(ctx, version_id)
     if lora is None:
         return False
+    if pin is not None:
+        from loraplex.platform.adapter_registry import content_pinned
+
+        with ctx.sessions() as session:
+            pin = content_pinned(session, lora.content_hash)
     if ctx.engine is None:
         raise RuntimeError("prefetch_adapter runs only in a process that holds an engine "
                            f"(it is routed to the '{ctx.settings.engine_queue}' queue)")
