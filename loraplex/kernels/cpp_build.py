@@ -3,7 +3,8 @@
 released. When no compiler or headers exist, `load()` returns None once, with a warning, and the caller's
 torch path serves.
 
-Each build goes in a folder of its own per Python environment, torch version and processor (`build_key`).
+Each build goes in a folder of its own per Python environment, torch version, processor and build tools
+(`build_key`).
 The code is compiled with `-march=native`, so a build made on one processor may use instructions another
 lacks: under a home folder shared by machines of different kinds, a build found in one shared folder would
 stop the process with an illegal instruction. And two environments (a checkout and an install) sharing one
@@ -16,6 +17,7 @@ import hashlib
 import logging
 import os
 import platform
+import shutil
 import sys
 import threading
 from collections.abc import Sequence
@@ -43,13 +45,21 @@ def processor_identity() -> str:
     return f"{platform.system()} {platform.machine()} {platform.processor()}"
 
 
+def build_tools() -> str:
+    """The ninja and the compiler a build would run, as found on PATH now: a folder built by one ninja
+    reads as out of date to another (each records its own command hashes), so two processes with different
+    PATHs (a virtual environment's ninja, the system's) sharing a folder would rebuild it in turn."""
+    compiler = os.environ.get("CXX", "c++")
+    return f"{shutil.which('ninja')}\0{compiler}\0{shutil.which(compiler)}"
+
+
 def build_key(extra: Sequence[str] = ()) -> str:
     """A short hash of what a cached build depends on beyond its source and flags: this Python
-    environment, the torch it compiles against, and the processor."""
+    environment, the torch it compiles against, the processor, and the build tools."""
     import torch
 
     parts = [sys.prefix, sys.version, torch.__version__, os.path.dirname(torch.__file__), processor_identity(),
-             *extra]
+             build_tools(), *extra]
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:12]
 
 

@@ -78,6 +78,11 @@ def test_builds_are_kept_apart_per_processor_and_environment(tmp_path, monkeypat
     # instead of each start rebuilding over the other's build
     edited = InlineExtension("loraplex_test_where_v1", "// edited\n", [], what="test kernel")
     assert edited.build_directory() != ext.build_directory()
+    # another ninja on PATH (the virtual environment's, or the system's) reads the other's build as out of
+    # date: each builds apart rather than both rebuilding one folder in turn
+    before = ext.build_directory()
+    monkeypatch.setattr(cpp_build.shutil, "which", lambda name: f"/other/bin/{name}")
+    assert ext.build_directory() != before
 
 
 def test_processor_identity_names_the_instruction_sets():
