@@ -71,3 +71,22 @@ def test_one_scheduler_at_a_time_and_a_takeover_when_its_worker_is_gone():
             leader._stop.set()
         client.delete(f"{prefix}:beat-leader")
         client.close()
+
+
+def test_redis_out_of_reach_is_one_line_not_a_traceback_per_attempt(caplog):
+    import logging
+
+    import redis
+
+    client = redis.Redis.from_url("redis://127.0.0.1:1/0", socket_connect_timeout=0.2)
+    leader = BeatLeader(client, f"lpxbeat{uuid.uuid4().hex[:8]}", lambda: FakeService([]), lease_seconds=0.15)
+    with caplog.at_level(logging.DEBUG, logger="loraplex.platform.tasks.beat"):
+        leader.start()
+        try:
+            assert _wait(lambda: sum("failed" in r.getMessage() for r in caplog.records) >= 3)
+        finally:
+            leader.stop()
+    warnings = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert all(r.exc_info is None for r in warnings), [r.getMessage() for r in warnings]
+    failing = [r.getMessage() for r in warnings if "failed" in r.getMessage()]
+    assert len(failing) == 1 and "scheduler's lease" in failing[0] and "periodic tasks" in failing[0], failing

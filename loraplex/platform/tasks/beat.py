@@ -13,6 +13,8 @@ import threading
 import uuid
 from collections.abc import Callable
 
+from loraplex.platform.outage import OutageLog
+
 log = logging.getLogger(__name__)
 
 LEASE_SECONDS = 30
@@ -50,6 +52,8 @@ class BeatLeader:
         self.lease_seconds = lease_seconds
         self._hold = redis_client.register_script(_HOLD)
         self._release = redis_client.register_script(_RELEASE)
+        self._outage = OutageLog(log, "reaching Redis for the scheduler's lease", round(lease_seconds / 3, 1),
+                                 ", so this worker runs no periodic tasks")
         self._stop = threading.Event()
         self._service = None
         self._thread: threading.Thread | None = None
@@ -69,16 +73,18 @@ class BeatLeader:
         self._step_down()
         try:
             self._release(keys=[self.key], args=[self.me])
-        except Exception:
-            log.warning("could not give the scheduler's lease back; it lapses by itself", exc_info=True)
+        except Exception as exc:
+            log.warning("could not give the scheduler's lease back (%s); it lapses by itself", exc)
 
     def _loop(self) -> None:
         while not self._stop.is_set():
             try:
                 held = bool(self._hold(keys=[self.key], args=[self.me, int(self.lease_seconds * 1000)]))
-            except Exception:
-                log.warning("cannot reach Redis for the scheduler's lease", exc_info=True)
+            except Exception as exc:  # one line when it starts failing and one when it works again
+                self._outage.failed(exc)
                 held = False  # another worker may hold it by now: better no scheduler than two
+            else:
+                self._outage.ok()
             if held and self._service is None:
                 log.info("this worker runs the periodic tasks' scheduler")
                 self._service = self.make_service()
