@@ -28,7 +28,9 @@ def remove_stale_staging(services: Services, *, older_than: float = STALE_STAGIN
     return removed
 
 
-STUCK_VALIDATION_SECONDS = 600  # pending or validating this long: its task was lost (or its worker died)
+# pending or validating this long: its task was lost, or its worker died (a validation takes seconds; one
+# sent again while the first still runs is harmless: validation is idempotent)
+STUCK_VALIDATION_SECONDS = 120
 
 
 def stuck_validations(sessions, *, older_than: float = STUCK_VALIDATION_SECONDS) -> list[int]:

@@ -63,3 +63,31 @@ def test_the_worker_retries_validation_through_a_database_outage_and_sweeps():
     app = celery_app.configure(Settings(environment="test"))
     schedule = {entry["task"] for entry in app.conf.beat_schedule.values()}
     assert "loraplex.resume_stuck_validations" in schedule
+
+
+def test_the_same_upload_again_resumes_a_validation_whose_worker_died(app, client, make_tenant, peft_adapter_zip,
+                                                                       monkeypatch):
+    """The worker was killed mid-validation: the version stays "validating". Sent again after longer than a
+    validation takes, the same file gets its validation sent again instead of waiting for the sweep."""
+    tenant = make_tenant()
+    tasks = app.state.services.tasks
+
+    async def died(*args, **kwargs):
+        return None
+
+    real_send = tasks.send_async
+    monkeypatch.setattr(tasks, "send_async", died)
+    version_id = upload(client, tenant, "bot", [("adapter.zip", peft_adapter_zip.read_bytes())], wait=False).json()["id"]
+    sessions = app.state.services.sessions
+    with sessions() as session:
+        version = session.get(AdapterVersion, version_id)
+        version.status = VersionStatus.validating.value
+        session.commit()
+    monkeypatch.setattr(tasks, "send_async", real_send)
+    r = upload(client, tenant, "bot", [("adapter.zip", peft_adapter_zip.read_bytes())], wait=False)
+    assert r.json()["id"] == version_id and r.json()["status"] == "validating"  # it may still be running
+    with sessions() as session:
+        session.get(AdapterVersion, version_id).created_at = datetime.now(UTC) - timedelta(minutes=3)
+        session.commit()
+    r = upload(client, tenant, "bot", [("adapter.zip", peft_adapter_zip.read_bytes())])
+    assert r.status_code == 201 and r.json()["status"] == "ready", r.text

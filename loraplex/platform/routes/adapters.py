@@ -94,9 +94,20 @@ def register_with_retry(services: Services, tenant_id: int, upload) -> tuple[int
 
 
 def _still_pending(services: Services, version_id: int) -> bool:
+    """Whether the same upload again should send its validation again: still pending (its task may have
+    been lost), or validating for longer than a validation takes (its worker died)."""
+    from datetime import UTC, datetime, timedelta
+
+    from loraplex.platform.recovery import STUCK_VALIDATION_SECONDS
+
     with services.sessions() as session:
         version = session.get(AdapterVersion, version_id)
-        return version is not None and version.status == VersionStatus.pending.value
+        if version is None:
+            return False
+        created = version.created_at if version.created_at.tzinfo else version.created_at.replace(tzinfo=UTC)
+        stuck = datetime.now(UTC) - created > timedelta(seconds=STUCK_VALIDATION_SECONDS)
+        return version.status == VersionStatus.pending.value or (
+            version.status == VersionStatus.validating.value and stuck)
 
 
 async def _wait_for(services: Services, version_id: int, timeout: float) -> AdapterVersionPublic:

@@ -43,7 +43,7 @@ def configure(settings: Settings) -> Celery:
                                       "schedule": settings.warm_adapters_interval},
             "rollup-usage": {"task": "loraplex.rollup_usage", "schedule": 3600.0},
             "finalize-statements": {"task": "loraplex.finalize_statements", "schedule": 6 * 3600.0},
-            "resume-stuck-validations": {"task": "loraplex.resume_stuck_validations", "schedule": 300.0},
+            "resume-stuck-validations": {"task": "loraplex.resume_stuck_validations", "schedule": 60.0},
         },
     )
     if previous != (app.conf.broker_url, app.conf.task_default_queue, dict(app.conf.task_routes or {}),
