@@ -29,6 +29,12 @@ def to_canonical(tensors: dict[str, torch.Tensor], settings: LoraSettings, spec:
                     f"{_WEIGHTS}: tensor {key!r} adapts {module!r}, which is not a projection of "
                     f"{spec.architecture}; known modules: {', '.join(spec.peft_modules)}",
                     ErrorCode.UNKNOWN_TARGET_MODULE)
+            layer = re.match(rf"^{re.escape(spec.layer_prefix)}\.(\d+)\.", path or "")
+            if layer is not None and int(layer[1]) >= spec.num_layers:
+                raise AdapterValidationError(
+                    f"{_WEIGHTS}: tensor {key!r} is for layer {int(layer[1])}, but {spec.architecture} here has "
+                    f"{spec.num_layers} layers (0..{spec.num_layers - 1}): an adapter for a deeper model?",
+                    ErrorCode.LAYER_OUT_OF_RANGE)
             raise AdapterValidationError(
                 f"{_WEIGHTS}: unknown tensor {key!r}; expected "
                 f"'{_PREFIX}{spec.layer_prefix}.<layer>.<self_attn|mlp>.<module>.lora_A|lora_B.weight'",

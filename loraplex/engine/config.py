@@ -30,6 +30,43 @@ class EngineConfig:
     adapter_store: str | None = None  # directory of canonical adapter weights
     max_queue_len: int = 10_000
 
+    def __post_init__(self) -> None:
+        """Wrong types and values are refused here, naming the argument, before anything is loaded."""
+        from pathlib import Path
+
+        from loraplex.engine.errors import InvalidRequestError
+
+        def whole(name: str, least: int, *, optional: bool = False) -> None:
+            value = getattr(self, name)
+            if optional and value is None:
+                return
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                what = "None or " if optional else ""
+                raise InvalidRequestError(f"{name} must be {what}an integer of at least {least}, got {value!r}",
+                                          param=name)
+
+        if not isinstance(self.model, str) or not self.model.strip():
+            raise InvalidRequestError(f"model must be a non-empty string, got {self.model!r}", param="model")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise InvalidRequestError(f"seed must be an integer, got {self.seed!r}", param="seed")
+        for name in ("block_size", "kv_cache_memory", "max_num_seqs", "max_num_batched_tokens", "max_lora_rank",
+                     "max_queue_len"):
+            whole(name, 1)
+        for name in ("num_kv_blocks", "max_model_len"):
+            whole(name, 1, optional=True)
+        for name in ("max_loras", "max_cpu_loras"):
+            whole(name, 0)
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise InvalidRequestError(f"enable_prefix_caching must be True or False, got "
+                                      f"{self.enable_prefix_caching!r}", param="enable_prefix_caching")
+        if self.adapter_store is not None:
+            if not isinstance(self.adapter_store, (str, Path)) or not str(self.adapter_store).strip():
+                raise InvalidRequestError(f"adapter_store must be a directory path, got {self.adapter_store!r}",
+                                          param="adapter_store")
+            if Path(self.adapter_store).exists() and not Path(self.adapter_store).is_dir():
+                raise InvalidRequestError(f"adapter_store {str(self.adapter_store)!r} is a file, not a directory",
+                                          param="adapter_store")
+
 
 @dataclass(frozen=True)
 class EngineLimits:

@@ -79,8 +79,10 @@ class LLM:
             raise InvalidRequestError("sampling_params must be a SamplingParams or a list of them (one per prompt)",
                                       param="sampling_params")
         adapters = list(adapter) if isinstance(adapter, (list, tuple)) else [adapter] * len(prompts)
-        if len(params_list) != len(prompts) or len(adapters) != len(prompts):
-            raise InvalidRequestError("sampling_params and adapter lists must match the number of prompts")
+        for what, given in (("sampling_params", params_list), ("adapter", adapters)):
+            if len(given) != len(prompts):
+                raise InvalidRequestError(f"the {what} list has {len(given)} entries for {len(prompts)} prompts: "
+                                          "give one per prompt (or a single one for all)", param=what)
         loras = [self.resolve_adapter(a) for a in adapters]
         order = []
         try:

@@ -20,6 +20,7 @@ Scheduler interface (all on the step thread):
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 import time
@@ -257,6 +258,14 @@ class LoraManager:
         registering a name again points it at the new adapter."""
         if not isinstance(name, str) or not name.strip():
             raise AdapterLoadError(f"an adapter name must be a non-empty string, got {name!r}")
+        if "/" in name or "\\" in name or name.startswith((".", "~")):
+            # a name that reads as a path would make one string mean a folder in one call and other weights
+            # in the next
+            raise AdapterLoadError(f"adapter name {name!r} looks like a path: a name may not contain '/' or '\\' "
+                                   "or start with '.' or '~'")
+        if adapter is None or not isinstance(adapter, (str, os.PathLike, LoRARequest)):
+            raise AdapterLoadError(f"register {name!r} with a PEFT folder or archive path or a LoRARequest, got "
+                                   f"{type(adapter).__name__} {adapter!r}")
         lora = self.resolve(adapter)
         lora = LoRARequest(name=name, content_hash=lora.content_hash, path=lora.path)
         with self._lock:
@@ -272,6 +281,9 @@ class LoraManager:
             with self._lock:
                 named = self._names.get(adapter)
             if named is not None:
+                if os.path.exists(adapter):
+                    raise AdapterLoadError(f"{adapter!r} is both a registered adapter name and a path here; pass "
+                                           f"{os.path.join('.', adapter)!r} for the path, or register another name")
                 return named
         if self.source is None:
             raise AdapterLoadError("this adapter cache cannot resolve paths (no adapter source)")

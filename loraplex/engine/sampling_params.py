@@ -105,7 +105,7 @@ class SamplingParams:
         if self.top_k is None:
             self.top_k = -1
         if self.top_k < -1:
-            raise bad(f"top_k must be -1 (disabled) or at least 1, got {self.top_k}", "top_k")
+            raise bad(f"top_k must be -1 or 0 (disabled) or at least 1, got {self.top_k}", "top_k")
         if not (0.0 <= self.min_p <= 1.0):
             raise bad(f"min_p must be in [0, 1], got {self.min_p}", "min_p")
         if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):

@@ -82,7 +82,8 @@ def test_missing_module(adapter_copy, llama_spec):
 @pytest.mark.parametrize(("key", "code", "word"), [
     ("base_model.model.model.layers.0.self_attn.q_proj.lora_C.weight", ErrorCode.UNKNOWN_TENSOR, "unknown tensor"),
     ("optimizer.state", ErrorCode.UNKNOWN_TENSOR, "unknown tensor"),
-    ("base_model.model.model.layers.7.self_attn.q_proj.lora_A.weight", ErrorCode.UNKNOWN_TENSOR, "layers.7"),
+    # past the model's depth: says so (an adapter for a deeper model), not "unknown tensor"
+    ("base_model.model.model.layers.7.self_attn.q_proj.lora_A.weight", ErrorCode.LAYER_OUT_OF_RANGE, "for layer 7"),
     ("base_model.model.model.layers.0.self_attn.q_proj.lora_magnitude_vector", ErrorCode.DORA_UNSUPPORTED, "DoRA"),
     ("base_model.model.model.embed_tokens.lora_embedding_A", ErrorCode.EMBEDDING_LORA_UNSUPPORTED, "embed"),
     ("base_model.model.lm_head.lora_A.weight", ErrorCode.EMBEDDING_LORA_UNSUPPORTED, "lm_head"),

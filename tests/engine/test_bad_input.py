@@ -97,3 +97,38 @@ def test_adapter_of_the_wrong_type_is_named(llm, adapter):
     with pytest.raises(InvalidRequestError, match="adapter must be a path, a registered adapter name"):
         llm.generate(prompts, GREEDY, adapter=adapter, use_tqdm=False)
     assert llm.generate(["hello"], GREEDY, use_tqdm=False)[0].outputs[0].token_ids  # still serving
+
+
+
+@pytest.mark.parametrize(("kwargs", "param"), [
+    ({"max_loras": "2"}, "max_loras"), ({"max_loras": 1.5}, "max_loras"), ({"max_loras": -1}, "max_loras"),
+    ({"max_cpu_loras": True}, "max_cpu_loras"), ({"max_lora_rank": 0}, "max_lora_rank"),
+    ({"max_num_seqs": 0}, "max_num_seqs"), ({"num_kv_blocks": 0}, "num_kv_blocks"),
+    ({"enable_prefix_caching": "yes"}, "enable_prefix_caching"), ({"seed": "1"}, "seed"),
+])
+def test_engine_arguments_of_the_wrong_kind_are_refused_by_name(kwargs, param):
+    from loraplex.engine.config import EngineConfig
+    from loraplex.engine.errors import InvalidRequestError
+
+    with pytest.raises(InvalidRequestError, match=param) as info:
+        EngineConfig(model="smollm2-135m", **kwargs)
+    assert info.value.param == param
+
+
+def test_an_adapter_store_that_is_a_file_is_refused(tmp_path):
+    from loraplex.engine.config import EngineConfig
+    from loraplex.engine.errors import InvalidRequestError
+
+    (tmp_path / "store").write_text("not a folder")
+    with pytest.raises(InvalidRequestError, match="is a file, not a directory"):
+        EngineConfig(model="smollm2-135m", adapter_store=str(tmp_path / "store"))
+
+
+def test_lists_of_the_wrong_length_say_which_and_how_long(llm):
+    from loraplex.engine.sampling_params import SamplingParams
+
+    with pytest.raises(InvalidRequestError, match="the adapter list has 2 entries for 3 prompts") as info:
+        llm.generate(["a", "b", "c"], adapter=[None, None], use_tqdm=False)
+    assert info.value.param == "adapter"
+    with pytest.raises(InvalidRequestError, match="the sampling_params list has 1 entries for 2 prompts"):
+        llm.generate(["a", "b"], [SamplingParams(max_tokens=2)], use_tqdm=False)

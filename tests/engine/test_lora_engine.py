@@ -201,7 +201,8 @@ def test_half_precision_slots_are_refused_off_the_cpu():
     assert resolve_lora_dtype("float16", torch.float32, torch.device("cpu")) is torch.float16
 
 
-def test_registered_names_empty_paths_and_adapters_replaced_in_a_sub_folder(tiny_llama_dir, adapters, tmp_path):
+def test_registered_names_empty_paths_and_adapters_replaced_in_a_sub_folder(tiny_llama_dir, adapters, tmp_path,
+                                                                              monkeypatch):
     import shutil
 
     llm = LLM(str(tiny_llama_dir), max_loras=2, num_kv_blocks=128)
@@ -222,6 +223,17 @@ def test_registered_names_empty_paths_and_adapters_replaced_in_a_sub_folder(tiny
     # "" is not the working directory (which may well hold an adapter)
     with pytest.raises(AdapterLoadError, match="empty"):
         tokens("")
+    # a name is never a path: one string must not mean a folder in one call and other weights in the next
+    for bad in (str(adapters[0]), "./bot", "a/b", "~bot"):
+        with pytest.raises(AdapterLoadError, match="looks like a path"):
+            llm.register_adapter(bad, adapters[1])
+    with pytest.raises(AdapterLoadError, match="PEFT folder or archive path"):
+        llm.register_adapter("nothing", None)
+    monkeypatch.chdir(tmp_path)
+    shutil.copytree(adapters[0], tmp_path / "support-bot")  # a folder named like the registered name
+    with pytest.raises(AdapterLoadError, match="both a registered adapter name and a path"):
+        tokens("support-bot")
+    assert tokens("./support-bot") == expected[0]
     # an adapter one folder down, replaced by another: the new one is validated and served
     outer = tmp_path / "outer"
     shutil.copytree(adapters[0], outer / "inner")
