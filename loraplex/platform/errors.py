@@ -134,10 +134,10 @@ def _as_page(request: Request, response: JSONResponse) -> Response:
 
 
 async def _validation_handler(request: Request, exc: RequestValidationError) -> Response:
-    return _as_page(request, _validation_response(exc))
+    return _as_page(request, _validation_response(exc, request.headers.get("content-type", "")))
 
 
-def _validation_response(exc: RequestValidationError) -> JSONResponse:
+def _validation_response(exc: RequestValidationError, content_type: str = "application/json") -> JSONResponse:
     # OpenAI answers malformed parameters with 400 invalid_request_error naming the parameter.
     errors = exc.errors()
     first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
@@ -156,6 +156,9 @@ def _validation_response(exc: RequestValidationError) -> JSONResponse:
         if first.get("type") == "missing":
             return bad_request("The request has no body: send a JSON object "
                                "(Content-Type: application/json).").response()
+        if "json" not in content_type.lower():  # a JSON object sent as text/plain, say: not read as JSON
+            return bad_request("The request body must be a JSON object sent with Content-Type: application/json "
+                               f"(this one came as {shown(content_type or 'no content type')!r}).").response()
         return bad_request(f"The request body must be a JSON object: {msg}").response()
     if first.get("type") == "missing" and param:
         message = f"Missing required parameter: '{param}'"

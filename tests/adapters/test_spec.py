@@ -120,4 +120,4 @@ def test_adapter_for_another_base_model(tiny_llama_dir, tmp_path, llama_adapter_
     shallower = BaseModelSpec.from_config({**config, "num_hidden_layers": 1})
     with pytest.raises(AdapterValidationError) as info:
         load_adapter(llama_adapter_dir, shallower)
-    assert info.value.code == ErrorCode.UNKNOWN_TENSOR and "layers.1" in str(info.value)
+    assert info.value.code == ErrorCode.LAYER_OUT_OF_RANGE and "layers.1" in str(info.value) and "1 layers" in str(info.value)

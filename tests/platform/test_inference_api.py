@@ -101,6 +101,15 @@ def test_malformed_json_is_400(client, make_tenant):
     assert r.status_code == 400 and r.headers["x-request-id"]
 
 
+def test_a_json_object_sent_as_text_is_told_its_content_type(client, make_tenant):
+    tenant = make_tenant()
+    r = client.post("/v1/chat/completions", headers={**tenant.headers, "content-type": "text/plain"},
+                    content=b'{"model": "fake-base", "messages": [{"role": "user", "content": "hi"}]}')
+    assert r.status_code == 400
+    message = r.json()["error"]["message"]
+    assert "Content-Type: application/json" in message and "text/plain" in message, message
+
+
 def test_unknown_model_is_404(client, make_tenant):
     tenant = make_tenant()
     r = _chat(client, tenant, model="nope")
