@@ -139,6 +139,9 @@ def test_a_pin_can_be_undone(client, admin_key, make_tenant, peft_adapter_zip, f
     for pin in (True, False, None):
         r = client.post(path, headers=_admin(admin_key), json={} if pin is None else {"pin": pin})
         assert r.status_code == 200 and r.json()["pinned"] is pin, r.text
+        if pin is not None:  # the admin listing shows each version's pin
+            (listed,) = client.get("/admin/api/adapters", headers=_admin(admin_key)).json()
+            assert listed["versions"][0]["pinned"] is pin
     assert [p for _h, p in fake_engine.prefetched[-3:]] == [True, False, None]
 
 

@@ -21,6 +21,7 @@ class AdapterVersionPublic(BaseModel):
     upload_bytes: int
     created_at: datetime
     ready_at: datetime | None
+    pinned: bool = False  # an operator keeps it in the engines' cache (never evicted)
 
 
 class AdapterPublic(BaseModel):
