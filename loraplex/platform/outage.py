@@ -29,10 +29,15 @@ class OutageLog:
             self.failing = False
 
 
-async def every(seconds: float, work: Callable[[], Awaitable[object]], outage: OutageLog) -> None:
-    """`await work()` every `seconds`, for ever (cancel the task to stop); failures go to `outage`."""
+async def every(seconds: float, work: Callable[[], Awaitable[object]], outage: OutageLog, *,
+                at_start: bool = False) -> None:
+    """`await work()` every `seconds` (and once right away with `at_start`), for ever (cancel the task to
+    stop); failures go to `outage`."""
+    first = at_start
     while True:
-        await asyncio.sleep(seconds)
+        if not first:
+            await asyncio.sleep(seconds)
+        first = False
         try:
             await work()
         except asyncio.CancelledError:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from loraplex.platform.outage import OutageLog
+from loraplex.platform.outage import OutageLog, every
 from loraplex.platform.tasks.context import TaskContext
 
 log = logging.getLogger(__name__)
@@ -16,16 +16,10 @@ log = logging.getLogger(__name__)
 async def keep_pins_in_sync(ctx: TaskContext, interval: float) -> None:
     from loraplex.platform.tasks.jobs import sync_pins
 
-    outage = OutageLog(log, "making the engine's adapter pins match the database", interval)
-    while True:
-        try:
-            pinned, unpinned = await asyncio.to_thread(sync_pins, ctx)
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:
-            outage.failed(exc)
-        else:
-            outage.ok()
-            if pinned or unpinned:
-                log.info("adapter pins synced with the database: %d pinned, %d unpinned", pinned, unpinned)
-        await asyncio.sleep(interval)
+    async def sync() -> None:
+        pinned, unpinned = await asyncio.to_thread(sync_pins, ctx)
+        if pinned or unpinned:
+            log.info("adapter pins synced with the database: %d pinned, %d unpinned", pinned, unpinned)
+
+    await every(interval, sync, OutageLog(log, "making the engine's adapter pins match the database", interval),
+                at_start=True)
