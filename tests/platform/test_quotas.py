@@ -141,10 +141,30 @@ async def test_a_budget_not_yet_used_up_says_what_is_left(limiter):
     message = str(info.value)
     assert info.value.kind == "monthly_budget"
     assert "200 used, 50 left" in message and "up to 80" in message and "max_tokens" in message
-    await limiter.acquire(1, limits, "c", 50, now=T0 + 60)  # what is left is still usable
+    c = await limiter.acquire(1, limits, "c", 50, now=T0 + 60)  # what is left is still usable
+    await limiter.settle(c, 50)
     with pytest.raises(QuotaExceeded) as info:
         await limiter.acquire(1, limits, "d", 1, now=T0 + 120)
     assert "is used up" in str(info.value)
+
+
+async def test_a_budget_held_only_by_running_requests_is_worth_a_retry(limiter):
+    """Running requests reserve up to their max_tokens; a request that fits once they settle gets a
+    retryable 429 (not "used up" with x-should-retry: false for the rest of the month)."""
+    limits = QuotaLimits(requests_per_minute=100, tokens_per_minute=10_000, max_concurrent=10,
+                         monthly_token_budget=1000)
+    used = await limiter.acquire(1, limits, "done", 400, now=T0)
+    await limiter.settle(used, 400)
+    running = await limiter.acquire(1, limits, "running", 550, now=T0 + 1)
+    with pytest.raises(QuotaExceeded) as info:
+        await limiter.acquire(1, limits, "b", 100, now=T0 + 2)
+    assert info.value.kind == "monthly_budget" and "reserved by requests still running" in str(info.value)
+    assert "x-should-retry" not in info.value.headers and info.value.headers["retry-after"] == "1"
+    await limiter.settle(running, 20)
+    await limiter.acquire(1, limits, "b", 100, now=T0 + 3)  # the retry fits
+    with pytest.raises(QuotaExceeded) as info:  # more than the budget can ever give: not worth a retry
+        await limiter.acquire(1, limits, "c", 600, now=T0 + 4)
+    assert info.value.headers["x-should-retry"] == "false"
 
 
 async def test_a_process_that_dies_mid_request_gives_its_slots_and_reservations_back():

@@ -100,7 +100,10 @@ def seconds_to_next_month(now: float) -> float:
 
 
 def exceeded(kind: str, limits: QuotaLimits, used_requests: int, used_tokens: int, reset_in: float,
-             now: float, reserve_tokens: int, *, month_used: int | None = None) -> QuotaExceeded:
+             now: float, reserve_tokens: int, *, month_used: int | None = None,
+             month_in_flight: int = 0) -> QuotaExceeded:
+    """month_in_flight: of month_used, the tokens still reserved by this tenant's running requests (they
+    give back what they do not use when they finish)."""
     headers = rate_headers(limits, used_requests, used_tokens, reset_in)
     retry_after = reset_in
     futile = False  # a retry cannot succeed (soon): told to clients with x-should-retry: false
@@ -117,6 +120,14 @@ def exceeded(kind: str, limits: QuotaLimits, used_requests: int, used_tokens: in
         retry_after = 1.0
     else:
         budget = limits.monthly_token_budget
+        settled = None if month_used is None else month_used - month_in_flight
+        if month_in_flight > 0 and settled is not None and settled + reserve_tokens <= budget:
+            # short only because running requests hold reservations: waiting for them can help
+            msg = (f"Monthly token budget of {budget} tokens: {month_used} used or held, of which "
+                   f"{month_in_flight} are reserved by requests still running; this request may use up to "
+                   f"{reserve_tokens}. Retry when they finish, or lower max_tokens.")
+            headers["retry-after"] = "1"
+            return QuotaExceeded(msg, kind=kind, retry_after=1.0, headers=headers)
         if month_used is None or month_used >= budget:
             msg = f"Monthly token budget of {budget} tokens is used up."
         else:

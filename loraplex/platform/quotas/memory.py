@@ -31,6 +31,8 @@ class MemoryQuotaLimiter:
         self._monthly: dict[tuple[int, str], int] = defaultdict(int)
         # tenant -> request id -> when acquired; entries a lost request never settled expire like Redis's
         self._inflight: dict[int, dict[str, float]] = defaultdict(dict)
+        # tenant -> request id -> (tokens reserved, month) until settled
+        self._held: dict[int, dict[str, tuple[int, str]]] = defaultdict(dict)
 
     async def acquire(self, tenant_id: int, limits: QuotaLimits, request_id: str,
                       reserve_tokens: int, *, now: float | None = None) -> Reservation:
@@ -47,6 +49,7 @@ class MemoryQuotaLimiter:
             inflight = self._inflight[tenant_id]
             for stale in [r for r, at in inflight.items() if at < t - INFLIGHT_TTL_SECONDS]:
                 del inflight[stale]
+                self._held[tenant_id].pop(stale, None)
             kind = None
             if len(inflight) >= limits.max_concurrent:
                 kind = "concurrent"
@@ -57,11 +60,14 @@ class MemoryQuotaLimiter:
             elif spent + reserve_tokens > limits.monthly_token_budget:
                 kind = "monthly_budget"
             if kind is not None:
-                raise exceeded(kind, limits, reqs, toks, reset_in, t, reserve_tokens, month_used=spent)
+                held = sum(r for r, m in self._held[tenant_id].values() if m == month)
+                raise exceeded(kind, limits, reqs, toks, reset_in, t, reserve_tokens, month_used=spent,
+                               month_in_flight=held)
             self._requests[(tenant_id, minute)] = reqs + 1
             self._tokens[(tenant_id, minute)] = toks + reserve_tokens
             self._monthly[(tenant_id, month)] = spent + reserve_tokens
             inflight[request_id] = t
+            self._held[tenant_id][request_id] = (reserve_tokens, month)
         return Reservation(tenant_id, request_id, reserve_tokens, minute, month,
                            headers=rate_headers(limits, reqs + 1, toks + reserve_tokens, reset_in))
 
@@ -104,6 +110,7 @@ class MemoryQuotaLimiter:
             mkey = (reservation.tenant_id, reservation.month)
             self._monthly[mkey] = max(0, self._monthly[mkey] + delta)
             self._inflight[reservation.tenant_id].pop(reservation.request_id, None)
+            self._held[reservation.tenant_id].pop(reservation.request_id, None)
 
     async def close(self) -> None:
         return None

@@ -137,8 +137,15 @@ class RedisQuotaLimiter:
             await self._seed(tenant_id, month)
             seed = False  # seeded, or the records could not be read: count from here either way
         if code:
+            held = 0
+            if _KINDS[int(code)] == "monthly_budget":  # how much of it running requests only reserve
+                for value in await self.redis.hvals(self._keys(tenant_id, minute, month)[4]):
+                    text = value.decode() if isinstance(value, bytes) else str(value)
+                    reserved, _, of_month = text.partition(":")
+                    if of_month == month and reserved.lstrip("-").isdigit():
+                        held += int(reserved)
             raise exceeded(_KINDS[int(code)], limits, int(reqs), int(toks), reset_in, t, reserve_tokens,
-                           month_used=int(spent))
+                           month_used=int(spent), month_in_flight=held)
         reservation = Reservation(tenant_id, request_id, reserve_tokens, minute, month,
                                   headers=rate_headers(limits, int(reqs), int(toks), reset_in))
         self._live[(tenant_id, request_id)] = time.monotonic()
