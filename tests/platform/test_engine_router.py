@@ -282,3 +282,21 @@ def test_the_engine_server_unpins_without_loading(tmp_path, monkeypatch):
         r = client.post("/engine/unpin", json={"content_hash": 7}, headers=headers)
         assert r.status_code == 422 and "content_hash" in r.text
     assert engine.pinned == set() and engine.unpinned == [ADAPTER.content_hash] and engine.prefetched == []
+
+
+def test_an_engine_refusing_an_adapter_is_an_adapter_error_not_an_http_error():
+    import asyncio
+
+    import httpx
+
+    from loraplex.engine.errors import AdapterLoadError
+    from loraplex.platform.remote.client import RemoteEngine
+
+    def refuse(request):
+        return httpx.Response(400, json={"error": "AdapterLoadError", "message": "corrupt safetensors file",
+                                         "param": None})
+
+    engine = RemoteEngine("http://e1", "s" * 32, model_name="m", max_model_len=64, tokenizer=None,
+                          http=httpx.AsyncClient(transport=httpx.MockTransport(refuse)))
+    with pytest.raises(AdapterLoadError, match="corrupt safetensors"):
+        asyncio.run(engine.prefetch_adapter(ADAPTER, pin=True))

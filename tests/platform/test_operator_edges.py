@@ -229,3 +229,24 @@ def test_a_pin_no_engine_can_take_now_is_recorded_and_synced_later(client, admin
         assert session.get(AdapterVersion, version["id"]).pinned is True
     r = client.post(path, headers=_admin(admin_key), json={})
     assert r.status_code == 503, r.text
+
+
+def test_a_pin_the_engine_cannot_load_is_a_422_and_not_recorded(client, admin_key, make_tenant, peft_adapter_zip,
+                                                                 fake_engine, app):
+    from platform_helpers import upload
+
+    from loraplex.engine.errors import AdapterLoadError
+    from loraplex.platform.models import AdapterVersion
+
+    version = upload(client, make_tenant(), "bot", [("adapter.zip", peft_adapter_zip.read_bytes())]).json()
+
+    async def corrupt(adapter, *, pin=None):
+        raise AdapterLoadError("adapter 'bot' refused: corrupt safetensors file")
+
+    fake_engine.prefetch_adapter = corrupt
+    r = client.post(f"/admin/api/adapter-versions/{version['id']}/prefetch", headers=_admin(admin_key),
+                    json={"pin": True})
+    assert r.status_code == 422 and r.json()["error"]["code"] == "adapter_load_failed", r.text
+    assert "corrupt safetensors" in r.json()["error"]["message"]
+    with app.state.services.sessions() as session:
+        assert session.get(AdapterVersion, version["id"]).pinned is False

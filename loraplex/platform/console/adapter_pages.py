@@ -130,15 +130,15 @@ async def prefetch(request: Request, _context: ConsolePostDep, services: Service
         label = f"{version.adapter.name}@{version.version}"
         engine_pin = pin_version(session, version, pin)
         session.commit()
-    from loraplex.engine.errors import EngineOverloadedError
+    from loraplex.engine.errors import AdapterLoadError, EngineOverloadedError, InvalidRequestError
     from loraplex.platform.routes.admin_adapters import prefetch_in_engines
 
     try:  # straight to the engines (every engine process for a pin), as the admin API does
         where = await prefetch_in_engines(services, version_id, engine_pin)
-    except EngineOverloadedError as exc:
+    except (EngineOverloadedError, AdapterLoadError, InvalidRequestError) as exc:
         return redirect(request, back, error=f"{label} was not loaded: {exc}")
     verb = {True: "pinned in the engine's cache", False: "unpinned: it may be evicted again"}.get(
         pin, "being loaded into the engine's cache")
     if where == "sync":
-        verb += " (no engine is reachable now: each applies it when it next syncs its pins, within a minute)"
+        verb += " (no engine is reachable now: each applies it when it next syncs its pins)"
     return redirect(request, back, flash=f"{label} is {verb}.")

@@ -9,7 +9,12 @@ from typing import Any
 import httpx
 
 from loraplex.engine.client import EngineStats
-from loraplex.engine.errors import EngineOverloadedError, EngineUnreachableError, InvalidRequestError
+from loraplex.engine.errors import (
+    AdapterLoadError,
+    EngineOverloadedError,
+    EngineUnreachableError,
+    InvalidRequestError,
+)
 from loraplex.engine.lora_request import LoRARequest
 from loraplex.engine.outputs import RequestOutput
 from loraplex.engine.sampling_params import SamplingParams
@@ -94,6 +99,15 @@ class RemoteEngine:
             raise EngineUnreachableError(f"engine {self.url} is unreachable: {_why(exc)}") from exc
         if r.status_code >= 500:
             raise EngineUnreachableError(f"engine {self.url} answered {r.status_code}")
+        if r.status_code == 400:  # the engine refused it (an adapter it cannot load): its error, by kind
+            try:
+                detail = r.json()
+            except ValueError:
+                detail = {}
+            message = detail.get("message") or f"engine {self.url} refused the adapter"
+            if detail.get("error") == "AdapterLoadError":
+                raise AdapterLoadError(message)
+            raise InvalidRequestError(message, param=detail.get("param"))
         r.raise_for_status()
 
     async def unpin_adapter(self, content_hash: str) -> None:

@@ -9,10 +9,10 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 from sqlalchemy import select
 
-from loraplex.engine.errors import EngineOverloadedError
+from loraplex.engine.errors import AdapterLoadError, EngineOverloadedError, InvalidRequestError
 from loraplex.platform.adapter_registry import adapter_public, pin_version
 from loraplex.platform.deps import AdminDep, IdPath, RowId, ServicesDep, SessionDep
-from loraplex.platform.errors import bad_request, from_engine_error, not_found
+from loraplex.platform.errors import APIError, bad_request, from_engine_error, not_found
 from loraplex.platform.models import Adapter, AdapterVersion, Tenant, VersionStatus
 from loraplex.platform.routes.adapters import handle_delete, handle_upload, handle_version_delete
 from loraplex.platform.schemas.adapters import (
@@ -114,6 +114,7 @@ async def prefetch_version(*, _admin: AdminDep, services: ServicesDep, version_i
         if version.status != VersionStatus.ready.value:
             raise bad_request(f"adapter version {version_id} is {version.status}, not ready", param="version_id")
         # the pin is this version's; the engines pin the content while any of its versions is pinned
+        was_pinned = version.pinned
         engine_pin = pin_version(session, version, body.pin)
         content_hash = version.content_hash
         session.commit()
@@ -122,6 +123,15 @@ async def prefetch_version(*, _admin: AdminDep, services: ServicesDep, version_i
     except EngineOverloadedError as exc:  # a prefetch alone with no engine to take it: 503 as for inference
         log.warning("prefetch of adapter version %s not done: %s", version_id, exc)
         raise from_engine_error(exc) from exc
+    except (AdapterLoadError, InvalidRequestError) as exc:  # the engines cannot load it: no pin recorded
+        with services.sessions() as session:
+            version = session.get(AdapterVersion, version_id)
+            if version is not None and body.pin is not None:
+                version.pinned = was_pinned
+                session.commit()
+        log.warning("adapter version %s could not be loaded: %s", version_id, exc)
+        raise APIError(422, f"Adapter version {version_id} could not be loaded by the engine: {exc}",
+                       param="version_id", code="adapter_load_failed") from exc
     if where == "sync":
         response.status_code = 202
     return PrefetchResult(version_id=version_id, content_hash=content_hash, pinned=body.pin, where=where)
