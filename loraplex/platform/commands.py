@@ -196,5 +196,8 @@ def engine(model, host, port, advertise):
     if not settings.redis_url:
         raise click.ClickException("`loraplex engine` needs LORAPLEX_REDIS_URL to register itself with the API")
     _refuse_unreachable_redis(settings.redis_url)
+    # uvicorn starts the app (the engine, its registration, its task queue) before it binds: an engine on a
+    # busy port would register another engine's address and take tasks, then hang in its shutdown
+    _refuse_busy_port(host, port)
     _refuse_bad_model(settings.model)
     run_engine_server(settings, host=host, port=port, advertise=advertise)

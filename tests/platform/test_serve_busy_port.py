@@ -101,3 +101,16 @@ def test_engine_refuses_unreachable_redis(data_dir, monkeypatch, tmp_path):
     # a model that does not exist: without the check the command would fail at the model load, not serve
     r = CliRunner().invoke(engine, ["--port", "0", "--model", str(tmp_path / "no-model")])
     assert r.exit_code == 1 and "cannot reach Redis" in r.output, r.output
+
+
+def test_engine_refuses_a_busy_port_before_registering(data_dir, tmp_path, monkeypatch):
+    from loraplex.platform.commands import engine
+
+    monkeypatch.setenv("LORAPLEX_REDIS_URL", "redis://127.0.0.1:6379/0")
+    monkeypatch.setattr("loraplex.platform.commands._refuse_unreachable_redis", lambda url: None)
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        r = CliRunner().invoke(engine, ["--port", str(port), "--model", str(tmp_path / "no-model")])
+    assert r.exit_code == 1 and f"cannot listen on 127.0.0.1:{port}" in r.output, r.output
