@@ -167,9 +167,7 @@ def _delete_versions(session: Session, settings: Settings, versions: list[Adapte
         shutil.rmtree(version_upload_dir(settings, vid), ignore_errors=True)
     orphaned, unpin = [], []
     for h in sorted(hashes):
-        still_used = session.scalar(select(func.count()).select_from(AdapterVersion)
-                                    .where(AdapterVersion.content_hash == h))
-        if not still_used:
+        if not content_in_use(session, h):
             orphaned.append(h)
         elif h in had_pin and not content_pinned(session, h):
             other = session.scalar(select(AdapterVersion.id).where(
@@ -177,6 +175,12 @@ def _delete_versions(session: Session, settings: Settings, versions: list[Adapte
             if other is not None:
                 unpin.append(other)
     return DeletedContent(orphaned, unpin)
+
+
+def content_in_use(session: Session, content_hash: str) -> bool:
+    """Whether any version (of any tenant, in any state) refers to these weights: their store entry stays."""
+    return bool(session.scalar(select(func.count()).select_from(AdapterVersion)
+                               .where(AdapterVersion.content_hash == content_hash)))
 
 
 def content_pinned(session: Session, content_hash: str) -> bool:

@@ -53,9 +53,10 @@ def validate_adapter(ctx: TaskContext, version_id: int) -> str:
 
 
 def _drop_unreferenced(ctx: TaskContext, content_hash: str) -> None:
+    from loraplex.platform.adapter_registry import content_in_use
+
     with ctx.sessions() as session:
-        used = session.scalar(select(func.count()).select_from(AdapterVersion)
-                              .where(AdapterVersion.content_hash == content_hash))
+        used = content_in_use(session, content_hash)
     if not used:
         ctx.store.delete(content_hash)
 
