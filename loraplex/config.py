@@ -53,6 +53,9 @@ class Settings(BaseSettings):
     # seconds an idle keep-alive connection stays open; longer than HTTP clients' pool expiry (httpx and the
     # openai client drop idle connections after 5 s), so a client never reuses one the server is closing
     keep_alive_timeout: float = Field(default=75.0, gt=0)
+    # seconds a stopping server (SIGTERM, Ctrl-C) lets running requests finish; those still running then are
+    # cut off as a client disconnect is (usage recorded for what was generated). A second Ctrl-C stops at once.
+    shutdown_timeout: float = Field(default=30.0, ge=0)
     celery_task_always_eager: bool | None = None  # None: eager unless redis_url is set
     engine_queue: str = Field(default="engine", description="Celery queue the engine process consumes")
     task_queue: str = "loraplex"  # Celery queue of the background workers

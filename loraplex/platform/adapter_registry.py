@@ -7,7 +7,7 @@ import re
 import shutil
 from pathlib import Path
 
-from sqlalchemy import func, select
+from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session
 
 from loraplex.config import Settings
@@ -145,6 +145,9 @@ class DeletedContent(list):
 
 def delete_adapter(session: Session, settings: Settings, adapter: Adapter) -> DeletedContent:
     """Delete the adapter and its versions; returns the content hashes to drop (and to unpin)."""
+    if not _claim(session, Adapter, [adapter.id]):
+        raise not_found(f"No adapter named '{shown(adapter.name)}'.", param="name", code="adapter_not_found")
+    session.refresh(adapter, ["versions"])  # with any uploaded meanwhile
     return _delete_versions(session, settings, list(adapter.versions), adapter)
 
 
@@ -153,8 +156,21 @@ def delete_version(session: Session, settings: Settings, version: AdapterVersion
     (and to unpin), and whether the adapter went too. Requests naming the adapter without a version go to
     its newest remaining ready version."""
     adapter = version.adapter
+    # the adapter's row first: deletes of its versions run one at a time, each seeing what the others left
+    if not (_claim(session, Adapter, [adapter.id]) and _claim(session, AdapterVersion, [version.id])):
+        raise not_found(f"Adapter '{shown(adapter.name)}' has no version with id {version.id}.",
+                        param="version_id", code="version_not_found")
+    session.refresh(adapter, ["versions"])  # as they stand now that no other delete can run beside this one
     last = [v.id for v in adapter.versions] == [version.id]
     return _delete_versions(session, settings, [version], adapter if last else version), last
+
+
+def _claim(session: Session, model, ids: list[int]) -> bool:
+    """Lock these rows for this transaction (a no-op update: row locks on PostgreSQL, the write lock on
+    SQLite); False when one is gone, deleted by a request that ran at the same time (which answers for it)."""
+    result = session.execute(update(model).where(model.id.in_(ids)).values(id=model.id)
+                             .execution_options(synchronize_session=False))
+    return result.rowcount == len(ids)
 
 
 def _delete_versions(session: Session, settings: Settings, versions: list[AdapterVersion], row) -> DeletedContent:

@@ -114,7 +114,7 @@ def serve(model, host, port, data_dir, no_engine):
 
         consume_engine_queue_with_app(app)
     uvicorn.run(app, host=settings.host, port=settings.port, log_level="info",
-                timeout_keep_alive=settings.keep_alive_timeout)
+                timeout_keep_alive=settings.keep_alive_timeout, timeout_graceful_shutdown=settings.shutdown_timeout)
 
 
 def _refuse_unreachable_database(settings) -> None:

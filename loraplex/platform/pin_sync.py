@@ -1,12 +1,15 @@
-"""Each process that holds an engine keeps that engine's adapter pins equal to the database's: once at start
-(an engine that restarted holds no pins of its own) and every `pin_sync_interval` seconds after (a pin or
-unpin that did not reach this engine, or one made through another engine process)."""
+"""How adapter pins reach the engines. An operator's pin, unpin or prefetch goes to the engines at once
+(`prefetch_in_engines`); and each process that holds an engine keeps that engine's pins equal to the
+database's: once at start (an engine that restarted holds no pins of its own) and every `pin_sync_interval`
+seconds after (a pin or unpin that did not reach this engine, or one made through another engine process)."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 
+from loraplex.engine.errors import EngineOverloadedError
+from loraplex.platform.errors import not_found
 from loraplex.platform.outage import OutageLog, every
 from loraplex.platform.tasks.context import TaskContext
 
@@ -23,3 +26,27 @@ async def keep_pins_in_sync(ctx: TaskContext, interval: float) -> None:
 
     await every(interval, sync, OutageLog(log, "making the engine's adapter pins match the database", interval),
                 at_start=True)
+
+
+async def prefetch_in_engines(services, version_id: int, engine_pin: bool | None) -> str:
+    """Prefetch a ready version and set its content's pin in the engines (this process's, or every engine
+    process through the router); where that is not possible now, a pin or unpin already recorded in the
+    database reaches the engines through their pin sync. Returns where it went (`PrefetchResult.where`);
+    raises EngineOverloadedError for a plain prefetch that no engine could take."""
+    from loraplex.platform.tasks.jobs import lora_request_for
+
+    lora = lora_request_for(TaskContext(services.settings, services.sessions), version_id)
+    if lora is None:  # deleted meanwhile
+        raise not_found(f"no adapter version {version_id}", param="version_id")
+    if services.engine is None:
+        await services.tasks.send_async("loraplex.prefetch_adapter", version_id, engine_pin)
+        return "queued"
+    try:
+        await services.engine.prefetch_adapter(lora, pin=engine_pin)
+    except EngineOverloadedError as exc:  # no engine process, or none reachable
+        if engine_pin is None:
+            raise
+        log.warning("adapter version %s: %s now (%s); the engines apply it at their next pin sync", version_id,
+                    "pinning" if engine_pin else "unpinning", exc)
+        return "sync"
+    return "engine"

@@ -26,6 +26,8 @@ def test_prices_statement_report_and_finalize_from_the_command_line(tmp_path):
     assert r.exit_code == 0, r.output
     bad = _run(["billing", "set-price", "--prompt", "0.1234567", "--completion", "1"], env)
     assert bad.exit_code != 0 and "more than 6 decimals" in bad.output
+    bad = _run(["billing", "set-price", "--prompt", "1", "--completion", "1", "--currency", "xyz"], env)
+    assert bad.exit_code != 0 and "ISO 4217" in bad.output and "'XYZ'" in bad.output
 
     from loraplex.config import Settings
     from loraplex.platform.db import make_engine, make_session_factory, session_scope

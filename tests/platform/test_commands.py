@@ -137,3 +137,44 @@ def test_a_worker_that_cannot_reach_its_database_says_so_before_taking_tasks(cli
     assert r.exit_code == 1, r.output
     assert "cannot reach the database" in r.output and "loraplex_no_such_db" in r.output
     assert "Traceback" not in r.output and not started
+
+
+@pytest.mark.slow
+def test_sigterm_stops_serve_after_the_shutdown_timeout_with_a_request_still_running(cli_env, tiny_llama_dir):
+    """A request that never completes (here: a body that never arrives) does not keep a stopping server up
+    past LORAPLEX_SHUTDOWN_TIMEOUT; the server answered before and exits cleanly after."""
+    import signal
+    import socket
+
+    port = free_port()
+    cmd = [sys.executable, "-m", "loraplex.cli", "serve", "--model", str(tiny_llama_dir), "--port", str(port)]
+    env = {**os.environ, "LORAPLEX_KV_CACHE_MEMORY": str(4 * 1024 * 1024), "LORAPLEX_MAX_MODEL_LEN": "256",
+           "LORAPLEX_SHUTDOWN_TIMEOUT": "1"}
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                assert httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1).status_code == 200
+                break
+            except httpx.HTTPError:
+                if proc.poll() is not None:
+                    raise AssertionError(proc.stdout.read()) from None
+                time.sleep(0.2)
+        else:
+            raise AssertionError("serve did not come up")
+        with socket.create_connection(("127.0.0.1", port)) as stuck:
+            stuck.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                          b"Authorization: Bearer lpx_nothing\r\nContent-Length: 1000\r\n\r\n{\"model\"")
+            time.sleep(0.5)
+            proc.send_signal(signal.SIGTERM)
+            try:
+                code = proc.wait(timeout=90)  # without the timeout it waits for that body forever
+            except subprocess.TimeoutExpired:
+                raise AssertionError("serve kept running with a request open after SIGTERM") from None
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        output = proc.stdout.read()
+    assert code in (0, -signal.SIGTERM), output  # uvicorn re-raises the signal it stopped for
+    assert "timeout graceful shutdown exceeded" in output and "Application shutdown complete" in output, output

@@ -74,8 +74,22 @@ def test_currencies_are_iso_codes_in_the_console_too(console):
                                                  "adapter_surcharge": "0", "currency": "éur"})
     assert "3-letter ISO code" in console.client.get(r.headers["location"]).text
     r = console.post("/console/billing/prices", {"plan_id": "", "prompt": "1", "completion": "2",
+                                                 "adapter_surcharge": "0", "currency": "xyz"})
+    assert "ISO 4217" in console.client.get(r.headers["location"]).text
+    r = console.post("/console/billing/prices", {"plan_id": "", "prompt": "1", "completion": "2",
                                                  "adapter_surcharge": "0", "currency": "eur"})
     assert "Prices saved" in console.client.get(r.headers["location"]).text
+
+
+def test_currencies_that_iso_4217_does_not_know_are_refused_by_the_admin_api(client, admin_key):
+    body = {"prompt_price": 1, "completion_price": 2, "adapter_surcharge_price": 0}
+    for code in ("XYZ", "ABC"):
+        r = client.put("/admin/api/billing/prices/default", headers=_admin(admin_key), json={**body, "currency": code})
+        assert r.status_code == 400 and "ISO 4217" in r.json()["error"]["message"], r.text
+        assert r.json()["error"]["param"] == "currency", r.text
+    for code in ("JPY", "CHF", "EUR"):
+        r = client.put("/admin/api/billing/prices/default", headers=_admin(admin_key), json={**body, "currency": code})
+        assert r.status_code == 200 and r.json()["price"]["currency"] == code, r.text
 
 
 def test_odd_query_values_get_a_message_not_a_server_error(console):

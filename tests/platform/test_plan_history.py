@@ -108,3 +108,27 @@ def test_no_statement_for_a_month_before_the_tenant_existed(client, make_tenant)
     future = f"{int(this[:4]) + 1}{this[4:]}"
     r = client.get(f"/v1/billing/statements/{future}", headers=tenant.headers)
     assert r.status_code == 404 and "has not begun" in r.json()["error"]["message"], r.text
+
+
+def test_admin_views_have_no_statement_where_the_tenant_api_has_none(client, admin_key, make_tenant):
+    """The admin API, the admin list and the console say "no statement" for the months the tenant API does:
+    one that has not begun and one before the tenant existed (they used to show an empty draft)."""
+    from console_helpers import Console
+
+    h = _admin(admin_key)
+    tenant = make_tenant()
+    this, last = period_of(today_utc()), previous_period(today_utc())
+    future = f"{int(this[:4]) + 1}{this[4:]}"
+    for period, words in ((future, "has not begun"), (last, "did not exist then")):
+        r = client.get(f"/admin/api/billing/statements/{tenant.tenant_id}/{period}", headers=h)
+        assert r.status_code == 404 and words in r.json()["error"]["message"], r.text
+        assert r.json()["error"]["param"] == "period"
+        listing = client.get("/admin/api/billing/statements", headers=h,
+                             params={"period": period, "tenant_id": tenant.tenant_id})
+        assert listing.status_code == 200 and listing.json()["data"] == [], listing.text
+    r = client.get(f"/admin/api/billing/statements/{tenant.tenant_id}/{this}", headers=h)
+    assert r.status_code == 200 and r.json()["status"] == "draft", r.text
+    console = Console(client=client, app=client.app, admin_key=admin_key)
+    console.sign_in()
+    assert client.get(f"/console/billing/statements/{tenant.tenant_id}/{future}").status_code == 404
+    assert client.get(f"/console/billing/statements/{tenant.tenant_id}/{this}").status_code == 200

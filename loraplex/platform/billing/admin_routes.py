@@ -13,7 +13,7 @@ from sqlalchemy import select
 from loraplex.platform.billing.export import statement_dict, statements_summary_csv
 from loraplex.platform.billing.periods import checked_period, days_in, parse_period, resolve_rollup_range
 from loraplex.platform.billing.prices import price_lists, set_plan_price, set_tenant_override, tenant_override
-from loraplex.platform.billing.pricing import Price, PriceOverride
+from loraplex.platform.billing.pricing import Price, PriceOverride, known_currency
 from loraplex.platform.billing.reports import usage_report
 from loraplex.platform.billing.responses import (
     EndQuery,
@@ -27,9 +27,11 @@ from loraplex.platform.billing.responses import (
 )
 from loraplex.platform.billing.rollups import rollup_day
 from loraplex.platform.billing.statements import (
+    NoStatement,
     finalize_period,
     get_statement,
     list_statements,
+    statement_of,
     tenants_of_period,
 )
 from loraplex.platform.deps import AdminDep, IdPath, RowId, SessionDep
@@ -55,7 +57,7 @@ class PriceBody(BaseModel):
     prompt_price: Micros
     completion_price: Micros
     adapter_surcharge_price: Micros
-    currency: str = Field(default="USD", pattern=r"^[A-Z]{3}$")
+    currency: Annotated[str, AfterValidator(known_currency)] = Field(default="USD", pattern=r"^[A-Z]{3}$")
     effective_period: PeriodStr | None = _effective_period()
 
 
@@ -178,7 +180,11 @@ def statements(
 def statement(*, _admin: AdminDep, session: SessionDep, tenant_id: IdPath, period: str,
               format: FormatQuery = "json") -> Response:
     _check_period(period)
-    return statement_response(get_statement(session, get_tenant(session, tenant_id), period), format)
+    try:
+        view = statement_of(session, get_tenant(session, tenant_id), period)
+    except NoStatement as exc:
+        raise not_found(str(exc), param="period") from exc
+    return statement_response(view, format)
 
 
 @router.post("/statements/finalize")

@@ -51,12 +51,12 @@ def set_price_cmd(plan, prompt, completion, surcharge, currency, period):
     from sqlalchemy import select
 
     from loraplex.platform.billing.prices import set_plan_price
-    from loraplex.platform.billing.pricing import Price
+    from loraplex.platform.billing.pricing import Price, known_currency
     from loraplex.platform.models import Plan
 
     try:
         price = Price(_money(prompt, "prompt"), _money(completion, "completion"), _money(surcharge, "surcharge"),
-                      currency.upper())
+                      known_currency(currency.upper()))
     except ValueError as exc:
         raise click.BadParameter(str(exc)) from exc
     with _session() as (session, _):
@@ -131,19 +131,15 @@ def report_cmd(start, end, tenants, group_by, fmt):
 def statement_cmd(tenant, period, fmt):
     """One tenant's statement for PERIOD (YYYY-MM): final if finalized, else a draft."""
     from loraplex.platform.billing.export import statement_csv, statement_dict, to_json
-    from loraplex.platform.billing.periods import period_of, today_utc
-    from loraplex.platform.billing.statements import get_statement, tenants_of_period
+    from loraplex.platform.billing.statements import NoStatement, statement_of
     from loraplex.platform.tenants import get_tenant
 
     _check_period(period)
-    if period > period_of(today_utc()):
-        raise click.ClickException(f"there is no statement for {period}: the month has not begun")
     with _session() as (session, _):
-        found = get_tenant(session, tenant)
-        if not tenants_of_period(session, period, [found.id]):
-            raise click.ClickException(f"there is no statement for {period}: tenant {found.name} did not exist "
-                                       "then")
-        view = get_statement(session, found, period)
+        try:
+            view = statement_of(session, get_tenant(session, tenant), period)
+        except NoStatement as exc:
+            raise click.ClickException(str(exc)) from exc
     click.echo(statement_csv(view) if fmt == "csv" else to_json(statement_dict(view)), nl=False)
 
 

@@ -25,6 +25,15 @@ class Price:
             raise ValueError(f"currency must be a 3-letter ISO code, got {self.currency!r}")
 
 
+def known_currency(code: str) -> str:
+    """`code` if it is an ISO 4217 currency code (as prices are entered: stored prices are read as they are)."""
+    import pycountry
+
+    if not (isinstance(code, str) and len(code) == 3 and pycountry.currencies.get(alpha_3=code)):
+        raise ValueError(f"currency must be a 3-letter ISO code (ISO 4217, such as USD or EUR), got {code[:20]!r}")
+    return code
+
+
 @dataclass(frozen=True)
 class PriceOverride:
     """Per-tenant exceptions; None keeps the plan's value."""

@@ -8,7 +8,7 @@ from fastapi import APIRouter, Query
 from fastapi.responses import Response
 
 from loraplex.platform.billing.export import statement_dict
-from loraplex.platform.billing.periods import parse_period, period_of, previous_period, today_utc
+from loraplex.platform.billing.periods import period_of, previous_period, today_utc
 from loraplex.platform.billing.reports import usage_report
 from loraplex.platform.billing.responses import (
     EndQuery,
@@ -27,7 +27,13 @@ from loraplex.platform.billing.schemas import (
     StatementSummary,
     UsageReportPublic,
 )
-from loraplex.platform.billing.statements import get_statement, list_statements, tenants_of_period
+from loraplex.platform.billing.statements import (
+    NoStatement,
+    get_statement,
+    list_statements,
+    statement_of,
+    tenants_of_period,
+)
 from loraplex.platform.deps import RowId, SessionDep, UsageKeyDep
 from loraplex.platform.errors import bad_request, not_found
 from loraplex.platform.models import Tenant
@@ -75,14 +81,11 @@ def statements(*, caller: UsageKeyDep, session: SessionDep) -> StatementList:
             responses={200: {"model": StatementPublic, **CSV_OR_JSON}})
 def statement(*, caller: UsageKeyDep, session: SessionDep, period: str, format: FormatQuery = "json") -> Response:
     try:
-        parse_period(period)
+        view = statement_of(session, session.get(Tenant, caller.tenant_id), period)
+    except NoStatement as exc:
+        raise not_found(str(exc), param="period") from exc
     except ValueError as exc:
         raise bad_request(str(exc), param="period") from exc
-    if period > period_of(today_utc()):
-        raise not_found(f"there is no statement for {period}: the month has not begun", param="period")
-    if not tenants_of_period(session, period, [caller.tenant_id]):
-        raise not_found(f"there is no statement for {period}: the tenant did not exist then", param="period")
-    tenant = session.get(Tenant, caller.tenant_id)
-    return statement_response(get_statement(session, tenant, period), format)
+    return statement_response(view, format)
 
 

@@ -17,7 +17,7 @@ from loraplex.platform.billing.aggregate import adapter_label, aggregate_records
 from loraplex.platform.billing.lines import Line, UsageGroup, build_lines, total_amount
 from loraplex.platform.billing.locks import STATEMENT_TENANT, serialize
 from loraplex.platform.billing.models import Statement, StatementLine
-from loraplex.platform.billing.periods import day_start, period_bounds
+from loraplex.platform.billing.periods import day_start, parse_period, period_bounds, period_of, today_utc
 from loraplex.platform.billing.prices import price_for_tenant
 from loraplex.platform.models import Tenant, UsageRecord, utcnow
 
@@ -80,6 +80,22 @@ def get_statement(session: Session, tenant: Tenant, period: str) -> StatementVie
     return _view(row, tenant.name) if row is not None else compute_statement(session, tenant, period)
 
 
+class NoStatement(LookupError):
+    """There is no statement of that tenant for that month (the month has not begun, or the tenant did not
+    exist in it and had no usage)."""
+
+
+def statement_of(session: Session, tenant: Tenant, period: str) -> StatementView:
+    """`tenant`'s statement for `period` as every view shows it: final if finalized, else a live draft.
+    ValueError for a malformed period; NoStatement for a month that has not begun or one before the tenant."""
+    parse_period(period)
+    if period > period_of(today_utc()):
+        raise NoStatement(f"there is no statement for {period}: the month has not begun")
+    if not tenants_of_period(session, period, [tenant.id]):
+        raise NoStatement(f"there is no statement for {period}: tenant {tenant.name} did not exist then")
+    return get_statement(session, tenant, period)
+
+
 def finalize_statement(session: Session, tenant: Tenant, period: str, *, now: datetime | None = None) -> StatementView:
     """Store the statement of a closed month; idempotent (an existing final statement is returned as is)."""
     if not is_closed(period, now):
@@ -120,7 +136,10 @@ def finalize_period(session: Session, period: str, *, now: datetime | None = Non
 
 def tenants_of_period(session: Session, period: str, tenant_ids: list[int] | None = None) -> list[Tenant]:
     """The tenants that have a statement for `period`: those that existed in it or have usage in it (a
-    tenant created later gets none), by id; optionally only some."""
+    tenant created later gets none; nobody has one for a month that has not begun), by id; optionally only
+    some."""
+    if period > period_of(today_utc()):
+        return []
     first, nxt = period_bounds(period)
     used = select(UsageRecord.tenant_id).where(
         UsageRecord.created_at >= day_start(first), UsageRecord.created_at < day_start(nxt))

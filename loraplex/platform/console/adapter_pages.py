@@ -131,7 +131,7 @@ async def prefetch(request: Request, _context: ConsolePostDep, services: Service
         engine_pin = pin_version(session, version, pin)
         session.commit()
     from loraplex.engine.errors import AdapterLoadError, EngineOverloadedError, InvalidRequestError
-    from loraplex.platform.routes.admin_adapters import prefetch_in_engines
+    from loraplex.platform.pin_sync import prefetch_in_engines
 
     try:  # straight to the engines (every engine process for a pin), as the admin API does
         where = await prefetch_in_engines(services, version_id, engine_pin)

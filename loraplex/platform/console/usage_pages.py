@@ -21,10 +21,17 @@ from loraplex.platform.billing.periods import (
     upcoming_periods,
 )
 from loraplex.platform.billing.prices import price_lists, set_plan_price
-from loraplex.platform.billing.pricing import Price
+from loraplex.platform.billing.pricing import Price, known_currency
 from loraplex.platform.billing.reports import DIMENSIONS, usage_report
 from loraplex.platform.billing.responses import Format, report_response, statement_response
-from loraplex.platform.billing.statements import finalize_period, get_statement, is_closed, tenants_of_period
+from loraplex.platform.billing.statements import (
+    NoStatement,
+    finalize_period,
+    get_statement,
+    is_closed,
+    statement_of,
+    tenants_of_period,
+)
 from loraplex.platform.console import forms
 from loraplex.platform.console.deps import ConsoleDep, ConsolePostDep
 from loraplex.platform.console.templating import redirect, render
@@ -183,7 +190,7 @@ async def billing_prices(request: Request, _context: ConsolePostDep, services: S
         values = [forms.money(form, f) for f in ("prompt", "completion", "adapter_surcharge")]
         if any(v is None for v in values):
             raise forms.FormError("all three prices are needed (0 is a price)")
-        price = Price(*values, currency=(forms.text(form, "currency") or "USD").upper())
+        price = Price(*values, currency=known_currency((forms.text(form, "currency") or "USD").upper()))
         period = forms.text(form, "period") or period_of(today_utc())
         with services.sessions() as session:
             set_plan_price(session, plan, price, period)
@@ -218,8 +225,8 @@ def statement_page(request: Request, context: ConsoleDep, services: ServicesDep,
     with services.sessions() as session:
         try:
             tenant = get_tenant(session, tenant_id)
-            view = get_statement(session, tenant, period)
-        except (TenantError, ValueError):
+            view = statement_of(session, tenant, period)
+        except (TenantError, NoStatement, ValueError):
             return render(request, "not_found.html", context, status_code=404,
                           what=f"statement {period} of tenant {tenant_id}")
     if fmt in ("csv", "json"):

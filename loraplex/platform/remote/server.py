@@ -268,5 +268,6 @@ def run_engine_server(settings: Settings, *, host: str, port: int, advertise: st
             super().handle_exit(sig, frame)
 
     config = uvicorn.Config(app, host=host, port=port, log_level="info",
-                            timeout_keep_alive=settings.keep_alive_timeout)
+                            timeout_keep_alive=settings.keep_alive_timeout,
+                            timeout_graceful_shutdown=settings.shutdown_timeout)
     Server(config).run()

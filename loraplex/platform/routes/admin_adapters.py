@@ -14,6 +14,7 @@ from loraplex.platform.adapter_registry import adapter_public, pin_version
 from loraplex.platform.deps import AdminDep, IdPath, RowId, ServicesDep, SessionDep
 from loraplex.platform.errors import APIError, bad_request, from_engine_error, not_found
 from loraplex.platform.models import Adapter, AdapterVersion, Tenant, VersionStatus
+from loraplex.platform.pin_sync import prefetch_in_engines
 from loraplex.platform.routes.adapters import handle_delete, handle_upload, handle_version_delete
 from loraplex.platform.schemas.adapters import (
     AdapterDeleted,
@@ -21,7 +22,6 @@ from loraplex.platform.schemas.adapters import (
     AdapterVersionDeleted,
     PrefetchRequest,
 )
-from loraplex.platform.tasks.jobs import lora_request_for
 from loraplex.platform.tenants import get_tenant
 
 log = logging.getLogger(__name__)
@@ -77,30 +77,6 @@ class PrefetchResult(BaseModel):
     # "engine": done in the engines now; "queued": sent to the engine processes' queue; "sync": recorded, but
     # no engine could be reached now: each applies it at start or at its next pin sync (202)
     where: str
-
-
-async def prefetch_in_engines(services, version_id: int, engine_pin: bool | None) -> str:
-    """Prefetch a ready version and set its content's pin in the engines (this process's, or every engine
-    process through the router); where that is not possible now, a pin or unpin already recorded in the
-    database reaches the engines through their pin sync. Returns where it went (`PrefetchResult.where`);
-    raises EngineOverloadedError for a plain prefetch that no engine could take."""
-    from loraplex.platform.tasks.context import TaskContext
-
-    lora = lora_request_for(TaskContext(services.settings, services.sessions), version_id)
-    if lora is None:  # deleted meanwhile
-        raise not_found(f"no adapter version {version_id}", param="version_id")
-    if services.engine is None:
-        await services.tasks.send_async("loraplex.prefetch_adapter", version_id, engine_pin)
-        return "queued"
-    try:
-        await services.engine.prefetch_adapter(lora, pin=engine_pin)
-    except EngineOverloadedError as exc:  # no engine process, or none reachable
-        if engine_pin is None:
-            raise
-        log.warning("adapter version %s: %s now (%s); the engines apply it at their next pin sync", version_id,
-                    "pinning" if engine_pin else "unpinning", exc)
-        return "sync"
-    return "engine"
 
 
 @router.post("/adapter-versions/{version_id}/prefetch", response_model=PrefetchResult)
