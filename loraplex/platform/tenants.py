@@ -8,7 +8,7 @@ from sqlalchemy.orm import Session
 
 from loraplex.config import Settings
 from loraplex.platform.billing.models import ALWAYS, TenantPlan
-from loraplex.platform.billing.prices import record_plan
+from loraplex.platform.billing.prices import CurrencyConflict, record_plan
 from loraplex.platform.models import MAX_ROW_ID, AdminKey, ApiKey, Plan, Tenant, TenantStatus, utcnow
 from loraplex.platform.quotas import QuotaLimits
 from loraplex.platform.schemas.tenants import (
@@ -113,7 +113,10 @@ def update_tenant(session: Session, tenant: Tenant, data: TenantUpdate) -> Tenan
     changes = data.model_dump(exclude_unset=True)
     if "plan" in changes:
         plan = _plan_by_name(session, changes["plan"]) if changes["plan"] else None
-        record_plan(session, tenant, plan.id if plan is not None else None)
+        try:
+            record_plan(session, tenant, plan.id if plan is not None else None)
+        except CurrencyConflict as exc:
+            raise TenantError(str(exc), status=409, param="plan") from exc
         session.expire(tenant, ["plan"])
         changes.pop("plan")
     if "status" in changes:

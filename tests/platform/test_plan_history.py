@@ -132,3 +132,36 @@ def test_admin_views_have_no_statement_where_the_tenant_api_has_none(client, adm
     console.sign_in()
     assert client.get(f"/console/billing/statements/{tenant.tenant_id}/{future}").status_code == 404
     assert client.get(f"/console/billing/statements/{tenant.tenant_id}/{this}").status_code == 200
+
+
+def test_an_override_is_never_carried_into_another_currency(app, client, admin_key):
+    """An override's amounts were set in the currency its tenant was billed in: pricing the tenant's plan in
+    another currency, or moving the tenant to a plan priced in one, is refused (409) while it is in force or
+    scheduled, and goes through once it is cleared."""
+    from loraplex.platform.billing.periods import next_period
+
+    h = _admin(admin_key)
+    tenant_id, tenant, _last = _setup(app, client, h)
+    this = period_of(today_utc())
+    plans = {p["name"]: p["id"] for p in client.get("/admin/api/plans", headers=h).json()}
+    override = f"/admin/api/billing/tenants/{tenant_id}/price-override"
+    basic_price = f"/admin/api/billing/prices/plans/{plans['basic']}"
+    price = {"prompt_price": 1_000_000, "completion_price": 2_000_000, "adapter_surcharge_price": 0}
+
+    for starts in (this, next_period(this)):  # in force now, and scheduled for next month
+        assert client.put(override, headers=h, json={"prompt_price": 5, "effective_period": starts}).status_code == 200
+        r = client.put(basic_price, headers=h, json={**price, "currency": "EUR", "effective_period": this})
+        assert r.status_code == 409 and r.json()["error"]["param"] == "currency", r.text
+        assert "hist" in r.json()["error"]["message"] and "USD" in r.json()["error"]["message"], r.text
+        r = client.patch(f"/admin/api/tenants/{tenant_id}", headers=h, json={"plan": "pro"})
+        assert r.status_code == 409 and r.json()["error"]["param"] == "plan", r.text
+        assert client.get(f"/admin/api/tenants/{tenant_id}", headers=h).json()["plan"] == "basic"
+        assert _statement(client, tenant, this)[0] == "USD"
+        # the same currency is no conflict
+        r = client.put(basic_price, headers=h, json={**price, "currency": "USD", "effective_period": this})
+        assert r.status_code == 200, r.text
+        assert client.put(override, headers=h, json={"effective_period": starts}).status_code == 200  # cleared
+
+    r = client.put(basic_price, headers=h, json={**price, "currency": "EUR", "effective_period": this})
+    assert r.status_code == 200, r.text
+    assert _statement(client, tenant, this)[0] == "EUR"

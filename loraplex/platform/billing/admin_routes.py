@@ -12,7 +12,13 @@ from sqlalchemy import select
 
 from loraplex.platform.billing.export import statement_dict, statements_summary_csv
 from loraplex.platform.billing.periods import checked_period, days_in, parse_period, resolve_rollup_range
-from loraplex.platform.billing.prices import price_lists, set_plan_price, set_tenant_override, tenant_override
+from loraplex.platform.billing.prices import (
+    CurrencyConflict,
+    price_lists,
+    set_plan_price,
+    set_tenant_override,
+    tenant_override,
+)
 from loraplex.platform.billing.pricing import Price, PriceOverride, known_currency
 from loraplex.platform.billing.reports import usage_report
 from loraplex.platform.billing.responses import (
@@ -114,6 +120,8 @@ def _set_price(session, plan_id: int | None, body: PriceBody) -> JSONResponse:
         set_plan_price(session, plan_id, price, body.effective_period)
     except LookupError as exc:
         raise not_found(str(exc), param="plan_id") from exc
+    except CurrencyConflict as exc:
+        raise conflict(str(exc), param="currency") from exc
     except ValueError as exc:  # a month already billed
         raise conflict(str(exc), param="effective_period") from exc
     return JSONResponse({"plan_id": plan_id, "effective_period": body.effective_period, "price": _price_json(price)})

@@ -7,12 +7,12 @@ looks up the rows in force for its own period.
 
 from __future__ import annotations
 
-from sqlalchemy import func, select
+from sqlalchemy import func, or_, select
 from sqlalchemy.orm import Session
 
 from loraplex.platform.billing.models import ALWAYS, PlanPrice, Statement, TenantPlan, TenantPrice
 from loraplex.platform.billing.periods import next_period, parse_period, period_of, today_utc
-from loraplex.platform.billing.pricing import Price, PriceOverride, effective_price
+from loraplex.platform.billing.pricing import FREE, Price, PriceOverride, effective_price
 from loraplex.platform.models import Plan, Tenant
 
 
@@ -38,6 +38,57 @@ def _plan_cond(plan_id: int | None):
     return PlanPrice.plan_id.is_(None) if plan_id is None else PlanPrice.plan_id == plan_id
 
 
+class CurrencyConflict(ValueError):
+    """A change that would put a tenant's price override, whose amounts were set in one currency, under a
+    price list in another: the same numbers would then bill in the other currency."""
+
+
+def _base_currency(session: Session, tenant: Tenant, period: str) -> str:
+    """The currency `tenant` is billed in in `period` (its overrides carry none of their own)."""
+    plan_id = plan_of(session, tenant, period)
+    base = plan_price(session, plan_id, period) if plan_id is not None else None
+    return (base or plan_price(session, None, period) or FREE).currency
+
+
+def _override_periods(session: Session, period: str, tenant_id: int | None = None) -> dict[int, list[str]]:
+    """Per tenant with an override in force in `period` or starting later: the periods from which each of
+    them applies (`period` itself for the one already in force)."""
+    stmt = select(TenantPrice).where(or_(TenantPrice.prompt_price.is_not(None),
+                                         TenantPrice.completion_price.is_not(None),
+                                         TenantPrice.adapter_surcharge_price.is_not(None)))
+    if tenant_id is not None:
+        stmt = stmt.where(TenantPrice.tenant_id == tenant_id)
+    out: dict[int, list[str]] = {}
+    for row in session.scalars(stmt):
+        if row.effective_period > period:
+            out.setdefault(row.tenant_id, []).append(row.effective_period)
+        elif tenant_override(session, row.tenant_id, period) is not None:
+            out.setdefault(row.tenant_id, []).append(period)
+    return {t: sorted(set(ps)) for t, ps in out.items()}
+
+
+def _currencies(session: Session, periods: dict[int, list[str]]) -> dict[tuple[int, str], str]:
+    tenants = {t.id: t for t in session.scalars(select(Tenant).where(Tenant.id.in_(list(periods))))}
+    return {(tid, p): _base_currency(session, tenants[tid], p) for tid, ps in periods.items() for p in ps}
+
+
+def _refuse_currency_changes(session: Session, before: dict[tuple[int, str], str], what: str) -> None:
+    """After a change (flushed, not committed): refused when it moved an override to another currency."""
+    moved = {}
+    for (tid, period), currency in before.items():
+        now = _base_currency(session, session.get(Tenant, tid), period)
+        if now != currency:
+            moved.setdefault(tid, (period, currency, now))
+    if not moved:
+        return
+    names = sorted(session.get(Tenant, tid).name for tid in moved)
+    period, old, new = next(iter(moved.values()))
+    who = f"tenant {names[0]} has" if len(names) == 1 else f"tenants {', '.join(names[:10])}{' ...' if len(names) > 10 else ''} have"
+    raise CurrencyConflict(
+        f"{what} would bill {who} price overrides set in {old} in {new} (from {period}); change or clear "
+        f"those overrides first, or keep the currency")
+
+
 def plan_price(session: Session, plan_id: int | None, period: str | None = None) -> Price | None:
     row = session.scalars(
         select(PlanPrice).where(_plan_cond(plan_id), PlanPrice.effective_period <= _period(period))
@@ -54,6 +105,7 @@ def set_plan_price(session: Session, plan_id: int | None, price: Price, effectiv
         raise LookupError(f"no plan with id {plan_id}")
     period = _period(effective_period)
     _refuse_billed_periods(session, period)
+    before = _currencies(session, _override_periods(session, period))
     row = session.scalars(
         select(PlanPrice).where(_plan_cond(plan_id), PlanPrice.effective_period == period)
     ).first()
@@ -65,6 +117,8 @@ def set_plan_price(session: Session, plan_id: int | None, price: Price, effectiv
     row.adapter_surcharge_price = price.adapter_surcharge
     row.currency = price.currency
     session.flush()
+    _refuse_currency_changes(session, before, f"pricing {'the no-plan list' if plan_id is None else 'this plan'} "
+                                              f"in {price.currency}")
 
 
 def tenant_override(session: Session, tenant_id: int, period: str | None = None) -> PriceOverride | None:
@@ -113,6 +167,7 @@ def record_plan(session: Session, tenant: Tenant, plan_id: int | None) -> None:
     """Put `tenant` on plan `plan_id` (None: no plan) for the whole current month and on. Earlier months keep
     the plan they were on, so their statements and reports keep their prices and currency."""
     period = _period(None)
+    before = _currencies(session, _override_periods(session, period, tenant.id))
     if not session.scalar(select(func.count()).select_from(TenantPlan).where(TenantPlan.tenant_id == tenant.id)):
         # the plan so far holds for every earlier month (tenant.plan_id is still the old one here)
         session.add(TenantPlan(tenant_id=tenant.id, effective_period=ALWAYS, plan_id=tenant.plan_id))
@@ -127,6 +182,7 @@ def record_plan(session: Session, tenant: Tenant, plan_id: int | None) -> None:
             row.plan_id = plan_id
     tenant.plan_id = plan_id
     session.flush()
+    _refuse_currency_changes(session, before, "this plan change")
 
 
 def price_for_tenant(session: Session, tenant: Tenant, period: str | None = None) -> Price:
@@ -154,6 +210,6 @@ def price_lists(session: Session, period: str | None = None) -> list[dict]:
 
 
 __all__ = [
-    "ALWAYS", "plan_of", "plan_price", "price_for_tenant", "price_lists", "record_plan", "set_plan_price",
-    "set_tenant_override", "tenant_override",
+    "ALWAYS", "CurrencyConflict", "plan_of", "plan_price", "price_for_tenant", "price_lists", "record_plan",
+    "set_plan_price", "set_tenant_override", "tenant_override",
 ]
