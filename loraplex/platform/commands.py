@@ -113,8 +113,13 @@ def serve(model, host, port, data_dir, no_engine):
         from loraplex.platform.engine_worker import consume_engine_queue_with_app
 
         consume_engine_queue_with_app(app)
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level="info",
-                timeout_keep_alive=settings.keep_alive_timeout, timeout_graceful_shutdown=settings.shutdown_timeout)
+    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level="info",
+                            timeout_keep_alive=settings.keep_alive_timeout,
+                            # a backstop for what stop_requests cannot end (a request whose body never came)
+                            timeout_graceful_shutdown=settings.shutdown_timeout + 5)
+    from loraplex.platform.stopping import StoppingServer
+
+    StoppingServer(config, app.state.services, settings.shutdown_timeout).run()
 
 
 def _refuse_unreachable_database(settings) -> None:

@@ -16,6 +16,9 @@ from loraplex.platform.services import Services
 
 log = logging.getLogger(__name__)
 
+# seconds the shutdown waits for running requests to settle their quota and usage before closing the journal
+SETTLE_TIMEOUT = 10.0
+
 
 def build_services(settings: Settings, *, engine: EngineClient | None = None,
                    limiter: QuotaLimiter | None = None) -> Services:
@@ -159,6 +162,10 @@ async def _billing_loop(services: Services) -> None:
 
 
 async def shutdown_services(services: Services) -> None:
+    # requests the server ended (or cancelled) settle in shielded code that may still be running: their
+    # quota and usage record need Redis and the journal, closed below
+    if not await services.requests_settled(SETTLE_TIMEOUT):
+        log.warning("%d requests had not settled their usage when the server stopped", len(services.running))
     for hook in reversed(services.shutdown_hooks):
         try:
             await hook(services)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -31,6 +32,24 @@ class Services:
     shutdown_hooks: list[Any] = field(default_factory=list)  # async (services) -> None
     owns_engine: bool = False  # started and shut down with the app
     on_request_finished: Any = None  # metrics hook: callable(endpoint, status, tenant, adapter, ...)
+    running: dict[str, Any] = field(default_factory=dict)  # request id -> InferenceJob admitted, not settled
+
+    def stop_requests(self) -> int:
+        """At shutdown, once the running requests have had their time: end each of them now (a 503, or an
+        error event in its stream), settled and journaled as failed on the server's side. Returns how many."""
+        jobs = list(self.running.values())
+        for job in jobs:
+            job.cut()
+        return len(jobs)
+
+    async def requests_settled(self, timeout: float) -> bool:
+        """Wait (up to `timeout` seconds) until every admitted request has settled its quota and journaled
+        its usage; the shutdown closes the journal and Redis only after that."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while self.running and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        return not self.running
 
     @cached_property
     def store_dir(self) -> Path:

@@ -165,3 +165,17 @@ def test_an_override_is_never_carried_into_another_currency(app, client, admin_k
     r = client.put(basic_price, headers=h, json={**price, "currency": "EUR", "effective_period": this})
     assert r.status_code == 200, r.text
     assert _statement(client, tenant, this)[0] == "EUR"
+
+
+def test_admin_billing_views_name_an_unknown_tenant_id(client, admin_key, make_tenant):
+    """A mistyped tenant id is a 404 naming it, not an empty list that reads as "no usage"."""
+    h = _admin(admin_key)
+    tenant = make_tenant()
+    this = period_of(today_utc())
+    for path, params in (("/admin/api/billing/statements", {"period": this}),
+                         ("/admin/api/billing/report", {}),
+                         ("/admin/api/billing/statements", {})):
+        r = client.get(path, headers=h, params={**params, "tenant_id": [tenant.tenant_id, 999]})
+        assert r.status_code == 404 and "999" in r.json()["error"]["message"], (path, r.text)
+        assert r.json()["error"]["param"] == "tenant_id"
+        assert client.get(path, headers=h, params={**params, "tenant_id": tenant.tenant_id}).status_code == 200

@@ -6,12 +6,15 @@ import asyncio
 import fcntl
 import os
 
+import pytest
 from sqlalchemy import func, select
 
 from loraplex.platform.db import make_engine, make_session_factory
 from loraplex.platform.models import Tenant, UsageRecord
 from loraplex.platform.usage import UsageEvent, UsageRecorder
 from loraplex.platform.usage.file_journal import FileJournal
+
+REDIS_URL = os.environ.get("LORAPLEX_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 
 
 def _event(tenant_id: int, i: int) -> UsageEvent:
@@ -107,3 +110,43 @@ def test_a_record_the_database_refuses_does_not_block_the_others(settings, caplo
     assert asyncio.run(main()) == 3
     assert _count(sessions) == (3, 0 + 1 + 2)
     assert "req_9" in caplog.text
+
+
+@pytest.mark.integration
+def test_a_flush_cancelled_mid_batch_leaves_no_lock_held_and_close_moves_everything(settings):
+    """The shutdown cancels the background flush: a batch cut between its take and its ack used to leave the
+    Redis journal's lock held for a minute, so the final flush (and every other process's) moved nothing."""
+    import uuid
+
+    import redis.asyncio as aioredis
+
+    from loraplex.platform.usage.redis_journal import RedisJournal
+
+    sessions, tenant_id = _sessions(settings)
+
+    async def scenario() -> tuple[int, int, bool]:
+        redis = aioredis.from_url(REDIS_URL)
+        journal = RedisJournal(redis, f"lpxtest-journal-{uuid.uuid4().hex[:8]}")
+        real_ack = journal.ack
+
+        async def slow_ack(receipt):  # a round trip to a remote Redis
+            await asyncio.sleep(0.3)
+            return await real_ack(receipt)
+
+        journal.ack = slow_ack
+        recorder = UsageRecorder(sessions, journal)
+        try:
+            for i in range(3):
+                await recorder.record(_event(tenant_id, i))
+            flushing = asyncio.create_task(recorder.flush())
+            await asyncio.sleep(0.15)  # the batch is in the database, its ack under way
+            flushing.cancel()
+            await asyncio.gather(flushing, return_exceptions=True)
+            await recorder.close()
+            return await journal.pending(), _count(sessions)[0], bool(await redis.exists(journal.lock_key))
+        finally:
+            await redis.delete(journal.key, journal.lock_key)
+            await redis.aclose()
+
+    pending, stored, locked = asyncio.run(scenario())
+    assert (pending, stored, locked) == (0, 3, False)

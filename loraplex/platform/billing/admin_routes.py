@@ -158,6 +158,8 @@ def report(
 ) -> Response:
     start, end = date_range(start, end)
     dims = dimensions(group_by)
+    if tenant_id:
+        _tenants(session, tenant_id)  # unknown ids are a 404, not an empty report
     rows = usage_report(session, start, end, group_by=dims, tenant_ids=tenant_id, adapter=adapter,
                         api_key_id=api_key_id)
     return report_response(rows, dims, start, end, format, "usage-all-tenants")
@@ -222,7 +224,12 @@ def _check_period(period: str) -> None:
 
 
 def _tenants(session, tenant_ids: list[int] | None) -> list[Tenant]:
+    """The tenants named (all without `tenant_ids`), by name; a 404 naming any id that is no tenant's."""
     stmt = select(Tenant).order_by(Tenant.name)
     if tenant_ids:
         stmt = stmt.where(Tenant.id.in_(tenant_ids))
-    return list(session.scalars(stmt))
+    found = list(session.scalars(stmt))
+    unknown = sorted(set(tenant_ids or ()) - {t.id for t in found})
+    if unknown:
+        raise not_found(f"no tenant with id {', '.join(map(str, unknown[:10]))}", param="tenant_id")
+    return found

@@ -19,7 +19,7 @@ from loraplex.engine.errors import AdapterLoadError, EngineError, EngineOverload
 from loraplex.engine.outputs import RequestOutput
 from loraplex.engine.sampling_params import SamplingParams
 from loraplex.platform.auth import TenantContext
-from loraplex.platform.errors import APIError, from_engine_error
+from loraplex.platform.errors import APIError, from_engine_error, unavailable
 from loraplex.platform.quotas import QuotaExceeded, Reservation
 from loraplex.platform.registry import ModelTarget
 from loraplex.platform.services import Services
@@ -46,7 +46,9 @@ class InferenceJob:
     finished_ok: bool = False
     failed: bool = False
     refused: bool = False  # the engine refused it as a client error (InvalidRequestError): not usage
+    stopped: bool = False  # ended by the server's shutdown (Services.stop_requests)
     _closed: bool = False
+    _consumer: asyncio.Task | None = None  # the task iterating run() now
 
     @property
     def prompt_tokens(self) -> int:
@@ -77,6 +79,7 @@ class InferenceJob:
         try:
             self.reservation = await self.services.limiter.acquire(
                 self.tenant.tenant_id, self.tenant.limits, self.request_id, self.reserve_tokens)
+            self.services.running[self.request_id] = self
         except QuotaExceeded as exc:
             self._record_metrics("rejected", 0, None)
             over_budget = exc.kind == "monthly_budget"
@@ -88,17 +91,27 @@ class InferenceJob:
         engine = self.services.require_engine()
         streams = [engine.generate(p, self.params, self.engine_request_id(i), adapter=self.target.adapter,
                                    tenant=str(self.tenant.tenant_id)) for i, p in enumerate(self.prompts)]
+        self._consumer = asyncio.current_task()
         try:
             merged = streams[0] if len(streams) == 1 else None
             if merged is not None:
                 async for out in merged:
                     self._observe(0, out)
                     yield 0, out
+                    self._consumer = asyncio.current_task()
             else:
                 async for index, out in _merge(streams):
                     self._observe(index, out)
                     yield index, out
+                    self._consumer = asyncio.current_task()
             self.finished_ok = True
+        except asyncio.CancelledError:
+            if not self.stopped:
+                raise
+            asyncio.current_task().uncancel()  # this cancellation was stop_requests' and ends here
+            self.failed = True
+            raise unavailable(f"The server is shutting down and stopped request {self.request_id} after "
+                              f"{self.completion_tokens} tokens; it is not billed. Retry it.", retry_after=1) from None
         except InvalidRequestError as exc:
             # the engine refused the request as it stands (n above what it runs at once, say): the client's
             # error, answered 400 like any other, neither a failed request nor usage
@@ -115,6 +128,16 @@ class InferenceJob:
         finally:
             with anyio.CancelScope(shield=True):
                 await self._close(streams)
+
+    def cut(self) -> None:
+        """End this request now (Services.stop_requests): its consumer is cancelled inside run(), which
+        turns that into a 503 / an error event; one consuming elsewhere (writing to a slow client) ends
+        there, recorded as failed all the same."""
+        if self._closed or self.stopped:
+            return
+        self.stopped = True
+        if self._consumer is not None and not self._consumer.done():
+            self._consumer.cancel(msg="loraplex: the server is shutting down")
 
     def _observe(self, index: int, out: RequestOutput) -> None:
         if out.error is not None:
@@ -148,7 +171,7 @@ class InferenceJob:
                     await engine.abort(self.engine_request_id(i))
                 except Exception:
                     log.exception("abort of %s failed", self.engine_request_id(i))
-        status = "ok" if self.finished_ok else ("error" if self.failed else "cancelled")
+        status = "ok" if self.finished_ok else ("error" if self.failed or self.stopped else "cancelled")
         await self.finish(status)
 
     async def _release(self) -> None:
@@ -161,6 +184,12 @@ class InferenceJob:
 
     async def finish(self, status: str) -> None:
         """Settle the reservation and journal the usage record. Both happen once, whatever calls this."""
+        try:
+            await self._finish("error" if self.stopped and status == "cancelled" else status)
+        finally:
+            self.services.running.pop(self.request_id, None)
+
+    async def _finish(self, status: str) -> None:
         if self.reservation is None or self.reservation.settled:
             return
         if self.refused and not self.completion_tokens:

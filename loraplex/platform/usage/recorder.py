@@ -24,6 +24,7 @@ class UsageRecorder:
         self.batch_size = batch_size
         self.interval = interval
         self._flush_lock = asyncio.Lock()
+        self._batch: asyncio.Future | None = None  # the Redis batch being moved (see _flush_redis)
 
     async def record(self, event: UsageEvent) -> None:
         if isinstance(self.journal, RedisJournal):
@@ -54,21 +55,30 @@ class UsageRecorder:
         return inserted
 
     async def _flush_redis(self) -> int:
-        journal: RedisJournal = self.journal
         inserted = 0
         while True:
-            taken = await journal.take(self.batch_size)
-            if taken is None:
-                return inserted  # another process is flushing
-            receipt, events = taken
-            try:
-                inserted += await asyncio.to_thread(insert_events, self.sessions, events)
-            except BaseException:
-                await journal.release(receipt)
-                raise
-            await journal.ack(receipt)
-            if len(events) < self.batch_size:
+            # a batch runs to its ack or release even when the flush is cancelled (the background loop at
+            # shutdown): cut between the two it would leave the journal's lock held for its whole expiry,
+            # and every process's flushes waiting on it
+            self._batch = asyncio.ensure_future(self._flush_redis_batch())
+            count, more = await asyncio.shield(self._batch)
+            inserted += count
+            if not more:
                 return inserted
+
+    async def _flush_redis_batch(self) -> tuple[int, bool]:
+        journal: RedisJournal = self.journal
+        taken = await journal.take(self.batch_size)
+        if taken is None:
+            return 0, False  # another process is flushing
+        receipt, events = taken
+        try:
+            inserted = await asyncio.to_thread(insert_events, self.sessions, events)
+        except BaseException:
+            await journal.release(receipt)
+            raise
+        await journal.ack(receipt)
+        return inserted, len(events) >= self.batch_size
 
     async def run(self) -> None:
         """The background loop; errors are logged and retried, never lost (the journal keeps them)."""
@@ -76,6 +86,8 @@ class UsageRecorder:
                     OutageLog(log, "usage flush", self.interval, " (the journal keeps the records)"))
 
     async def close(self) -> None:
+        if self._batch is not None and not self._batch.done():  # a cancelled flush's batch, still finishing
+            await asyncio.wait([self._batch])
         try:
             await self.flush()
         finally:
