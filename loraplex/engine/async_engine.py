@@ -11,6 +11,7 @@ import contextlib
 import logging
 import queue
 import threading
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import Future, InvalidStateError
 from typing import Any
@@ -26,6 +27,8 @@ from loraplex.engine.scheduler import fit_max_tokens
 
 log = logging.getLogger(__name__)
 IDLE_STEP_WAIT_S = 0.005  # how long the loop waits after a step in which nothing could run
+# how many ended requests' prompt progress the engine keeps for `abort` to report (their callers ask at once)
+ENDED_KEPT = 4096
 
 
 class _Stream:
@@ -49,6 +52,9 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._num_aborted = 0
+        # request id -> prompt tokens processed, for requests that ended (finished, aborted, failed) and were
+        # not yet asked about by `abort`; only the step thread reads and writes it
+        self._ended: OrderedDict[str, int] = OrderedDict()
         self.failure: str | None = None  # why the step thread stopped, if it stopped on an error
 
     # -- lifecycle --------------------------------------------------------------------------------------
@@ -117,11 +123,17 @@ class AsyncEngine:
         """False once the step thread has stopped on an error: nothing would be served."""
         return self.failure is None
 
-    async def abort(self, request_id: str) -> None:
+    async def abort(self, request_id: str) -> int | None:
+        """End the request if it still runs, and say how many of its prompt tokens the engine processed:
+        0 for one that never left the queue (or that this engine never had), some or all of them for one
+        dropped in its (chunked) prefill, all of them once it generated. A request whose stream was closed
+        first (a client that left) was aborted by that close: its count is kept for this call. None when the
+        step thread is not running to tell."""
         done: Future = Future()
         self._send(("abort", request_id, done))
-        if self._thread is not None:
-            await asyncio.wrap_future(done)
+        if self._thread is None:
+            return None
+        return await asyncio.wrap_future(done)
 
     def encode(self, text: str) -> list[int]:
         return self.engine.tokenizer.encode(text)
@@ -223,11 +235,20 @@ class AsyncEngine:
             if done is not None and not done.set_running_or_notify_cancel():
                 done = None
             try:
-                if self.engine.abort_request(request_id) is not None:
+                out = self.engine.abort_request(request_id)
+                if out is not None:
                     self._num_aborted += 1
+                    self._note_ended(out)
             finally:
                 if done is not None:
-                    done.set_result(None)
+                    done.set_result(self._ended.pop(request_id, 0))
+
+    def _note_ended(self, out: RequestOutput) -> None:
+        """Keep an ended request's prompt progress for `abort` (its caller may have left before the last
+        output, or closed the stream, which aborts it, before asking)."""
+        self._ended[out.request_id] = out.num_prompt_tokens_processed
+        while len(self._ended) > ENDED_KEPT:
+            self._ended.popitem(last=False)
 
     def _refuse_commands(self) -> None:
         """Answer every queued command of a stopped engine: requests fail, aborts are done."""
@@ -265,12 +286,14 @@ class AsyncEngine:
             except Exception as exc:  # a bug in a step must not take the server down silently
                 log.exception("engine step failed; failing the requests in flight")
                 for request_id in list(self.engine.requests):
-                    self.engine.abort_request(request_id)
+                    self._note_ended(self.engine.abort_request(request_id))
                     stream = self._streams.get(request_id)
                     if stream is not None:
                         stream.put(RuntimeError(f"engine step failed: {exc!r}"))
                 continue
             for out in outputs:
+                if out.finished:
+                    self._note_ended(out)
                 stream = self._streams.get(out.request_id)
                 if stream is not None:
                     stream.put(out)

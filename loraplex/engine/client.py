@@ -63,7 +63,10 @@ class EngineClient(Protocol):
         the iterator (client disconnect) aborts the request and frees its blocks at once."""
         ...
 
-    async def abort(self, request_id: str) -> None: ...
+    async def abort(self, request_id: str) -> int | None:
+        """End the request if it still runs. Returns how many of its prompt tokens the engine processed (0:
+        it never left the queue; what a dropped request is billed), or None where the engine cannot tell."""
+        ...
 
     def encode_chat(self, messages: Sequence[dict[str, Any]], *, add_generation_prompt: bool = True) -> list[int]:
         """Apply the model's chat template and tokenize. Raises InvalidRequestError on bad messages."""

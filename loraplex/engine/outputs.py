@@ -66,6 +66,9 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     error: str | None = None
     error_kind: str | None = None  # with error: "adapter_load" (its adapter failed to load) | "engine"
+    # prompt tokens the engine has run through so far (all of them once a token is generated; part of them
+    # in a chunked prefill; 0 while the request waits in the queue)
+    num_prompt_tokens_processed: int = 0
 
     @property
     def num_prompt_tokens(self) -> int:

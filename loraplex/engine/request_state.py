@@ -148,4 +148,5 @@ class RequestState:
             metrics=self.metrics,
             error=self.error,
             error_kind=self.error_kind,
+            num_prompt_tokens_processed=max((s.num_prompt_tokens_processed for s in self.seqs), default=0),
         )

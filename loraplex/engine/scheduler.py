@@ -286,6 +286,8 @@ class Scheduler:
                 continue
             prefill_tokens = max(0, min(seq.num_prompt_tokens - seq.num_computed_tokens, n))
             seq.num_computed_tokens += n
+            seq.num_prompt_tokens_processed = max(seq.num_prompt_tokens_processed,
+                                                  min(seq.num_computed_tokens, seq.num_prompt_tokens))
             self.bm.register_full_blocks(seq, self._salt(seq))
             self.fairness.charge(seq.tenant, prefill_tokens, 0)
             for member in batch.sample_groups.get(seq.seq_id, ()):

@@ -46,6 +46,9 @@ class Sequence:
         self.block_table: list[int] = []
         self.num_computed_tokens = 0  # tokens whose K/V are in the cache
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at the last admission
+        # the most prompt tokens a step has run through (prefix-cache hits included); a preemption does not
+        # lower it: what a request dropped mid-prefill is billed (see AsyncEngine.abort)
+        self.num_prompt_tokens_processed = 0
         self.num_full_blocks_hashed = 0  # leading blocks of block_table registered in the prefix cache
         self.block_hashes: list[bytes] = []  # chained hashes of the leading full blocks
         self.cache_salt: bytes | None = None  # prefix-cache salt: adapter content hash and tenant

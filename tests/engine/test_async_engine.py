@@ -182,5 +182,93 @@ async def test_a_step_thread_that_stops_fails_requests_and_turns_unavailable(eng
     await asyncio.wait_for(engine.abort("waiting"), 5)  # answered, not left waiting on a dead thread
 
 
-async def _collect(engine, prompt, request_id):
-    return [out async for out in engine.generate(prompt, GREEDY, request_id)]
+async def _collect(engine, prompt, request_id, params=GREEDY):
+    return [out async for out in engine.generate(prompt, params, request_id)]
+
+
+def _gate_steps(engine):
+    """Make each step of the step thread wait for a `gate.release()`; `stepped` counts steps that ran."""
+    import threading
+
+    gate, stepped = threading.Semaphore(0), []
+    step = engine.engine.step
+
+    def gated_step():
+        gate.acquire(timeout=10)
+        outs = step()
+        stepped.append(len(outs))
+        return outs
+
+    engine.engine.step = gated_step
+    return gate, stepped
+
+
+async def _until(predicate, timeout: float = 10.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not predicate():
+        assert asyncio.get_running_loop().time() < deadline, "timed out"
+        await asyncio.sleep(0.005)
+
+
+async def test_abort_reports_no_prompt_tokens_for_a_request_that_never_left_the_queue(tiny_llama_dir):
+    """A request dropped while it waits in the queue cost the engine nothing: its abort says so."""
+    eng = AsyncEngine(EngineConfig(str(tiny_llama_dir), num_kv_blocks=64, max_num_seqs=1))
+    await eng.start()
+    try:
+        gate, _ = _gate_steps(eng)
+        busy = asyncio.create_task(_collect(eng, "Hello world", "busy"))
+        gate.release()  # the busy request's prefill: it holds the only sequence slot from now on
+        queued = asyncio.create_task(_collect(eng, "The quick brown fox", "queued"))
+        await _until(lambda: eng.stats().num_waiting == 1)
+        queued.cancel()  # the client leaves: closing its stream aborts it
+        with pytest.raises(asyncio.CancelledError):
+            await queued
+        gate.release()  # a decode of the busy request; the queued one is still not admitted
+        assert await eng.abort("queued") == 0
+        assert await eng.abort("never-sent") == 0
+        for _ in range(40):
+            gate.release()
+        assert (await asyncio.wait_for(busy, 30))[-1].finished
+    finally:
+        for _ in range(40):
+            gate.release()
+        await eng.shutdown()
+
+
+async def test_abort_reports_the_prompt_of_a_request_dropped_in_its_prefill(engine):
+    """The client leaves while the step with its prefill runs: the engine finishes that step (and here the
+    request, max_tokens=1) for nobody, and the abort that follows reports the whole prompt processed."""
+    gate, stepped = _gate_steps(engine)
+    prompt = engine.encode("The quick brown fox jumps over the lazy dog")
+    params = SamplingParams(temperature=0, max_tokens=1, n=2)
+    leaver = asyncio.create_task(_collect(engine, prompt, "leaver", params))
+    await _until(lambda: "leaver" in engine.engine.requests)
+    leaver.cancel()  # its stream's abort waits for the step under way
+    with pytest.raises(asyncio.CancelledError):
+        await leaver
+    gate.release()
+    assert await engine.abort("leaver") == len(prompt)  # n=2: the prompt ran once, and counts once
+    assert stepped == [1] and engine.stats().kv_blocks_used == 0
+
+
+async def test_abort_reports_how_far_a_chunked_prefill_ran(tiny_llama_dir):
+    eng = AsyncEngine(EngineConfig(str(tiny_llama_dir), num_kv_blocks=64, max_num_batched_tokens=8))
+    await eng.start()
+    try:
+        gate, stepped = _gate_steps(eng)
+        prompt = list(range(5, 35))  # 30 tokens: four chunks of 8
+        params = SamplingParams(temperature=0, max_tokens=4)
+        leaver = asyncio.create_task(_collect(eng, prompt, "chunked", params))
+        await _until(lambda: "chunked" in eng.engine.requests)
+        gate.release()
+        gate.release()
+        await _until(lambda: len(stepped) == 2)  # two chunks ran, no token yet
+        leaver.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await leaver
+        gate.release()  # the step under way when the client left (a third chunk) runs to its end
+        assert await eng.abort("chunked") == 24
+    finally:
+        for _ in range(10):
+            gate.release()
+        await eng.shutdown()

@@ -29,9 +29,11 @@ def _token_text(token_id: int) -> str:
 
 class FakeEngine:
     def __init__(self, *, model_name: str = "fake-base", max_model_len: int = 256, token_delay: float = 0.0,
-                 eos_rate: int = 0, first_token_delay: float = 0.0):
+                 eos_rate: int = 0, first_token_delay: float = 0.0, prefill_delay: float = 0.0):
         self.model_name = model_name
-        self.first_token_delay = first_token_delay  # a request waiting in the queue or in its prefill
+        self.first_token_delay = first_token_delay  # a request waiting in the queue: none of its prompt processed
+        self.prefill_delay = prefill_delay  # then in its prefill: abort reports its whole prompt processed
+        self.prompt_processed: dict[str, int] = {}  # request id -> prompt tokens processed, as abort reports
         self.max_model_len = max_model_len
         self.token_delay = token_delay
         self.eos_rate = eos_rate  # 1 in eos_rate steps emits EOS; 0: never
@@ -116,6 +118,9 @@ class FakeEngine:
         try:
             if self.first_token_delay:
                 await asyncio.sleep(self.first_token_delay)
+            self.prompt_processed[request_id] = len(prompt_ids)
+            if self.prefill_delay:
+                await asyncio.sleep(self.prefill_delay)
             for step in range(max_tokens):
                 if step == self.fail_at_step:
                     raise RuntimeError("engine step failed: device lost")
@@ -170,10 +175,11 @@ class FakeEngine:
             if not done:
                 self.aborted.append(request_id)
 
-    async def abort(self, request_id: str) -> None:
+    async def abort(self, request_id: str) -> int:
         if request_id in self.running:
             self.running.discard(request_id)
             self.aborted.append(request_id)
+        return self.prompt_processed.get(request_id, 0)
 
     async def prefetch_adapter(self, adapter: LoRARequest, *, pin: bool | None = None) -> None:
         self.prefetched.append((adapter.content_hash, pin))

@@ -300,3 +300,31 @@ def test_an_engine_refusing_an_adapter_is_an_adapter_error_not_an_http_error():
                           http=httpx.AsyncClient(transport=httpx.MockTransport(refuse)))
     with pytest.raises(AdapterLoadError, match="corrupt safetensors"):
         asyncio.run(engine.prefetch_adapter(ADAPTER, pin=True))
+
+
+def test_an_abort_after_the_stream_closed_still_asks_the_engine_that_had_it():
+    """A client that leaves closes its stream first; the abort that follows must still reach the engine that
+    served the request, for what it processed of the prompt (the bill), not answer for it."""
+    import asyncio
+
+    from fake_engine import FakeEngine
+
+    from loraplex.engine.sampling_params import SamplingParams
+
+    router = _router({"a": {}})
+    fake = FakeEngine(prefill_delay=5.0)
+    fake.inflight = 0  # what the router reads of a RemoteEngine
+    router.engines["a"] = fake
+
+    async def run():
+        async def consume():
+            async for _ in router.generate([1, 2, 3, 4], SamplingParams(max_tokens=2), "r1"):
+                pass
+
+        task = asyncio.create_task(consume())
+        await asyncio.sleep(0.05)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        return await router.abort("r1"), await router.abort("never-sent")
+
+    assert asyncio.run(run()) == (4, 0)

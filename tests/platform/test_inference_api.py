@@ -267,3 +267,20 @@ def test_a_model_that_cannot_be_served_says_why(client, make_tenant, app):
     assert "refused at validation (non_finite: tensor 'x' holds NaN)" in message("broken")
     assert "adapter 'early' has no version 'ffffff'" in message("early@ffffff")
     assert "does not exist or you do not have access" in message("nobody")
+
+
+def test_a_dropped_multi_prompt_request_is_billed_prompt_by_prompt():
+    """Each prompt of a job counts for what the engine processed of it: whole once it has an output, what its
+    abort reported when dropped in its prefill, nothing when dropped in the queue, and whole where the
+    engine could not tell (an older engine process, a failed abort)."""
+    from loraplex.engine.sampling_params import SamplingParams
+    from loraplex.platform.inference.job import InferenceJob
+
+    job = InferenceJob(services=None, tenant=None, request_id="r", endpoint="completions", target=None,
+                       prompts=[[1, 2, 3], [4, 5, 6, 7], [8, 9]], params=SamplingParams(n=2), max_new_tokens=4)
+    assert job.billed_prompt_tokens == 0  # nothing sent to the engine yet
+    job.generated[0] = 2
+    job.prefilled.update({1: 2, 2: 0})
+    assert job.billed_prompt_tokens == 3 + 2 + 0
+    job.prefilled[1] = None
+    assert job.billed_prompt_tokens == 3 + 4 + 0

@@ -7,6 +7,7 @@ import asyncio
 import time
 
 import httpx
+import pytest
 from fake_engine import FakeEngine
 from live_server import live_server
 from platform_helpers import make_settings
@@ -68,8 +69,8 @@ def test_client_disconnect_on_non_streaming_request_aborts(data_dir, tiny_llama_
 
 def test_client_that_leaves_a_stream_before_its_first_token_aborts_it(data_dir, tiny_llama_dir,
                                                                        make_tenant_factory):
-    """A streamed request still in the queue or its prefill when its client gives up is aborted there and
-    billed nothing, as one that is not streamed is; the engine must not run it for nobody."""
+    """A streamed request still in the queue when its client gives up is aborted there and billed nothing,
+    as one that is not streamed is; the engine must not run it for nobody."""
     engine = FakeEngine(first_token_delay=4.0)
     app, make = make_tenant_factory(make_settings(data_dir, model=str(tiny_llama_dir)), engine)
     with live_server(app) as url:
@@ -91,6 +92,90 @@ def test_client_that_leaves_a_stream_before_its_first_token_aborts_it(data_dir, 
             records = session.scalars(select(UsageRecord)).all()
         assert sorted(r.endpoint for r in records) == ["chat.completions", "completions"]
         assert all(r.status == "cancelled" and r.prompt_tokens == 0 and r.completion_tokens == 0 for r in records)
+
+
+def _usage_records(app) -> list[UsageRecord]:
+    asyncio.run_coroutine_threadsafe(app.state.services.usage.flush(), _loop()).result(10)
+    with app.state.services.sessions() as session:
+        return session.scalars(select(UsageRecord)).all()
+
+
+def _tokens_counted(app, tenant_id: int) -> tuple[int, int]:
+    """(this minute's, this month's) tokens the limiter counts for the tenant."""
+    return asyncio.run_coroutine_threadsafe(app.state.services.limiter.used_now(tenant_id), _loop()).result(10)
+
+
+def test_a_client_that_leaves_during_its_prefill_is_billed_its_prompt(data_dir, tiny_llama_dir,
+                                                                     make_tenant_factory):
+    """The engine had begun the prompt when the client hung up: the prompt tokens it processed are billed
+    and counted against the limits, streamed or not; no completion token is."""
+    from loraplex.platform.quotas.memory import MemoryQuotaLimiter
+
+    engine = FakeEngine(prefill_delay=4.0)
+    frozen = time.time()
+    app, make = make_tenant_factory(make_settings(data_dir, model=str(tiny_llama_dir)), engine,
+                                    limiter=MemoryQuotaLimiter(clock=lambda: frozen))
+    with live_server(app) as url:
+        tenant = make()
+        for stream in (False, True):
+            try:
+                httpx.post(f"{url}/v1/completions", headers=tenant.headers, timeout=1.0,
+                           json={"model": "fake-base", "prompt": "word " * 30, "max_tokens": 5, "stream": stream})
+            except httpx.TimeoutException:
+                pass
+            assert _wait_until(lambda: not app.state.services.limiter._inflight[tenant.tenant_id], timeout=2.0)
+        assert not engine.finished and engine.generated_tokens == 0
+        records = _usage_records(app)
+        assert [(r.status, r.prompt_tokens, r.completion_tokens) for r in records] == [("cancelled", 150, 0)] * 2
+        assert _tokens_counted(app, tenant.tenant_id) == (300, 300)
+
+
+def _gate_model_runs(engine):
+    """Make each model run of a real engine's step (after the step has scheduled its batch) wait for
+    `gate.release()`: a step under way, as a long prefill is."""
+    import threading
+
+    gate = threading.Semaphore(0)
+    run = engine.engine.runner.run
+
+    def gated_run(batch):
+        gate.acquire(timeout=30)
+        return run(batch)
+
+    engine.engine.runner.run = gated_run
+    return gate
+
+
+def test_the_embedded_engine_bills_a_prefill_its_client_left(data_dir, tiny_llama_dir, make_tenant_factory):
+    """On the real engine: a client times out while the step with its prefill runs (the step goes on, and
+    here finishes the request for nobody); the request is billed its prompt and the limits count it."""
+    from loraplex.engine.async_engine import AsyncEngine
+    from loraplex.engine.config import EngineConfig
+    from loraplex.platform.quotas.memory import MemoryQuotaLimiter
+
+    real = AsyncEngine(EngineConfig(model=str(tiny_llama_dir), num_kv_blocks=64, max_model_len=256))
+    asyncio.run(real.start())
+    gate = _gate_model_runs(real)
+    frozen = time.time()
+    app, make = make_tenant_factory(make_settings(data_dir, model=str(tiny_llama_dir), served_model_name="tiny"),
+                                    real, limiter=MemoryQuotaLimiter(clock=lambda: frozen))
+    prompt = "The quick brown fox jumps over the lazy dog"
+    try:
+        with live_server(app) as url:
+            tenant = make()
+            with pytest.raises(httpx.TimeoutException):
+                httpx.post(f"{url}/v1/completions", headers=tenant.headers, timeout=1.0,
+                           json={"model": "tiny", "prompt": prompt, "max_tokens": 1})
+            gate.release()  # the prefill under way when the client left runs to its end
+            assert _wait_until(lambda: not app.state.services.limiter._inflight[tenant.tenant_id], timeout=5.0)
+            [record] = _usage_records(app)
+            billed = len(real.encode(prompt))
+            assert (record.status, record.prompt_tokens, record.completion_tokens) == ("cancelled", billed, 0)
+            assert _tokens_counted(app, tenant.tenant_id) == (billed, billed)
+    finally:
+        for _ in range(20):
+            gate.release()
+        asyncio.run(real.shutdown())
 
 
 def test_streamed_upload_is_cut_off_at_the_limit(data_dir, tiny_llama_dir, make_tenant_factory):

@@ -130,3 +130,42 @@ def test_an_api_process_that_leaves_before_its_request_is_read_is_no_engine_erro
         asyncio.run(app(scope, receive, send))
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR], [r.getMessage() for r in caplog.records]
     assert sent[0]["status"] == 499
+
+
+def test_an_engine_process_reports_what_a_dropped_request_processed(monkeypatch):
+    """Over the wire as in process: an abort answers the prompt tokens the engine processed, 0 for a request
+    dropped in the queue; an engine process of an older version, whose answer has no count, reads as None
+    (the API process then bills the prompt whole)."""
+    import asyncio
+
+    import httpx
+    from fake_engine import FakeEngine
+
+    from loraplex.engine.sampling_params import SamplingParams
+
+    engine = FakeEngine(first_token_delay=0.3, prefill_delay=5.0)
+    remote, http = _engine_client(engine, monkeypatch, heartbeat=0.01)
+
+    async def leave_after(request_id: str, seconds: float) -> int | None:
+        async def consume():
+            async for _ in remote.generate("one two three", SamplingParams(max_tokens=3), request_id):
+                pass
+
+        task = asyncio.create_task(consume())
+        await asyncio.sleep(seconds)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        return await remote.abort(request_id)
+
+    async def run():
+        queued = await leave_after("queued", 0.1)
+        prefilling = await leave_after("prefilling", 0.6)
+        remote._http = httpx.AsyncClient(transport=httpx.MockTransport(
+            lambda request: httpx.Response(200, json={"ok": True})))  # an older engine's answer
+        old = await remote.abort("prefilling")
+        remote._http = httpx.AsyncClient(transport=httpx.MockTransport(lambda request: httpx.Response(500)))
+        failed = await remote.abort("prefilling")
+        await http.aclose()
+        return queued, prefilling, old, failed
+
+    assert asyncio.run(run()) == (0, len("one two three"), None, None)

@@ -43,6 +43,8 @@ class InferenceJob:
     started: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
     generated: dict[int, int] = field(default_factory=dict)  # prompt index -> tokens generated so far
+    # prompt index -> prompt tokens the engine processed, as its abort answered (None: it could not tell)
+    prefilled: dict[int, int | None] = field(default_factory=dict)
     finished_ok: bool = False
     failed: bool = False
     refused: bool = False  # the engine refused it as a client error (InvalidRequestError): not usage
@@ -56,9 +58,21 @@ class InferenceJob:
 
     @property
     def billed_prompt_tokens(self) -> int:
-        """Prompts count once the engine has worked on them; a request refused or dropped before its first
-        output cost nothing."""
-        return self.prompt_tokens if self.generated else 0
+        """Prompts count for what the engine processed of them: a prompt with an output counts whole, one
+        dropped in its prefill for the tokens the engine ran through (which the engine spent whether or not
+        the client stayed), one dropped while it waited in the queue, or refused, for nothing. Where the
+        engine could not tell (an older engine process, or an abort that failed) the prompt counts whole:
+        free prefills are what a client that hangs up on purpose would be after."""
+        return sum(self._billed_prompt(i) for i in range(len(self.prompts)))
+
+    def _billed_prompt(self, index: int) -> int:
+        size = len(self.prompts[index])
+        if index in self.generated:
+            return size
+        if index not in self.prefilled:
+            return 0
+        processed = self.prefilled[index]
+        return size if processed is None else min(processed, size)
 
     @property
     def completion_tokens(self) -> int:
@@ -166,11 +180,16 @@ class InferenceJob:
                 await stream.aclose()
             except Exception:
                 log.exception("closing engine stream %s failed", self.engine_request_id(i))
-            if not self.finished_ok and engine is not None:
+            if self.finished_ok:
+                continue
+            processed = None
+            if engine is not None:
                 try:
-                    await engine.abort(self.engine_request_id(i))
+                    processed = await engine.abort(self.engine_request_id(i))
                 except Exception:
                     log.exception("abort of %s failed", self.engine_request_id(i))
+            if not (self.failed or self.stopped):
+                self.prefilled[i] = processed  # a dropped request: billed the prompt tokens the engine processed
         status = "ok" if self.finished_ok else ("error" if self.failed or self.stopped else "cancelled")
         await self.finish(status)
 

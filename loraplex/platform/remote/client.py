@@ -79,11 +79,15 @@ class RemoteEngine:
         finally:
             self.inflight -= 1
 
-    async def abort(self, request_id: str) -> None:
+    async def abort(self, request_id: str) -> int | None:
+        """Abort it on the engine; the prompt tokens the engine processed for it, or None where that is not
+        known: an engine process of an older version (its answer has no count), or one that did not answer."""
         try:
-            await self._http.post(f"{self.url}/engine/abort", json={"request_id": request_id}, headers=self._headers)
+            r = await self._http.post(f"{self.url}/engine/abort", json={"request_id": request_id},
+                                      headers=self._headers)
         except httpx.TransportError:
-            pass  # a closed stream already aborted it, or the engine is gone with it
+            return None  # a closed stream already aborted it, or the engine is gone with it
+        return _prompt_tokens_processed(r)
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text)
@@ -129,6 +133,17 @@ class RemoteEngine:
         r = await self._http.get(f"{self.url}/engine/stats", headers=self._headers)
         r.raise_for_status()
         return EngineStats(**r.json())
+
+
+def _prompt_tokens_processed(response: httpx.Response) -> int | None:
+    """The count in an engine's answer to an abort, or None for an error answer or one without it."""
+    if response.status_code != 200:
+        return None
+    try:
+        value = response.json().get("prompt_tokens_processed")
+    except (ValueError, AttributeError):
+        return None
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
 
 
 def _why(exc: BaseException) -> str:

@@ -59,7 +59,8 @@ def output_from_json(data: dict[str, Any]) -> RequestOutput:
     return RequestOutput(request_id=data["request_id"], prompt=data.get("prompt"),
                          prompt_token_ids=data["prompt_token_ids"], outputs=outputs, finished=data["finished"],
                          metrics=metrics, error=data.get("error"),
-                         error_kind=data.get("error_kind"))
+                         error_kind=data.get("error_kind"),
+                         num_prompt_tokens_processed=data.get("num_prompt_tokens_processed", 0))
 
 
 def stats_to_json(stats: EngineStats) -> dict[str, Any]:

@@ -11,6 +11,7 @@ import asyncio
 import json
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
@@ -27,6 +28,7 @@ from loraplex.platform.remote.server import REGISTRATION_TTL, registry_key
 
 log = logging.getLogger(__name__)
 REFRESH_SECONDS = 1.0
+ENDED_KEPT = 4096  # ended requests whose engine `abort` can still ask (their callers ask at once)
 OVERLOAD_FACTOR = 2.0  # queued work above this multiple of max_num_seqs counts as overloaded
 
 
@@ -41,6 +43,7 @@ class EngineRouter:
         self.records: dict[str, dict] = {}
         self._refresher: asyncio.Task | None = None
         self._owner: dict[str, RemoteEngine] = {}  # request id -> engine serving it
+        self._ended: OrderedDict[str, RemoteEngine] = OrderedDict()  # request id -> engine that served it
         # engines found unreachable, passed over until this time (monotonic) unless nothing else is left:
         # their registrations live on in Redis for up to REGISTRATION_TTL after they die
         self._down: dict[str, float] = {}
@@ -149,11 +152,17 @@ class EngineRouter:
                     raise
             finally:
                 self._owner.pop(request_id, None)
+                self._ended[request_id] = engine
+                while len(self._ended) > ENDED_KEPT:
+                    self._ended.popitem(last=False)
 
-    async def abort(self, request_id: str) -> None:
-        engine = self._owner.get(request_id)
-        if engine is not None:
-            await engine.abort(request_id)
+    async def abort(self, request_id: str) -> int | None:
+        """Abort it on the engine that has it; a request whose stream ended (the client left and its stream was
+        closed first) is still asked about there, for the prompt tokens that engine processed."""
+        engine = self._owner.get(request_id) or self._ended.pop(request_id, None)
+        if engine is None:
+            return 0  # no engine was sent it
+        return await engine.abort(request_id)
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text)

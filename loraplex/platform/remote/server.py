@@ -179,8 +179,10 @@ def build_engine_app(settings: Settings, engine: EngineClient, *, advertise: str
 
     @app.post("/engine/abort")
     async def abort(body: dict) -> dict:
-        await engine.abort(body["request_id"])
-        return {"ok": True}
+        # the API process bills a dropped request for the prompt tokens this engine processed; one of an
+        # older version, which reads only "ok", bills as it did
+        processed = await engine.abort(body["request_id"])
+        return {"ok": True, "prompt_tokens_processed": processed}
 
     @app.post("/engine/prefetch")
     async def prefetch(body: dict) -> dict:
