@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -33,6 +34,8 @@ class Services:
     owns_engine: bool = False  # started and shut down with the app
     on_request_finished: Any = None  # metrics hook: callable(endpoint, status, tenant, adapter, ...)
     running: dict[str, Any] = field(default_factory=dict)  # request id -> InferenceJob admitted, not settled
+    # Unix time this process began serving: the base model's `created` in /v1/models (when it was loaded)
+    started_at: int = field(default_factory=lambda: int(time.time()))
 
     def stop_requests(self) -> int:
         """At shutdown, once the running requests have had their time: end each of them now (a 503, or an

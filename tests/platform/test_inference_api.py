@@ -284,3 +284,14 @@ def test_a_dropped_multi_prompt_request_is_billed_prompt_by_prompt():
     assert job.billed_prompt_tokens == 3 + 2 + 0
     job.prefilled[1] = None
     assert job.billed_prompt_tokens == 3 + 4 + 0
+
+
+def test_the_base_model_card_has_a_real_created_time(client, make_tenant):
+    """OpenAI gives every model a Unix time; clients sort and show models by it (0 reads as 1970)."""
+    import time
+
+    tenant = make_tenant()
+    listed = client.get("/v1/models", headers=tenant.headers).json()["data"]
+    base = next(m for m in listed if m["id"] == "fake-base")
+    one = client.get("/v1/models/fake-base", headers=tenant.headers).json()
+    assert abs(base["created"] - time.time()) < 24 * 3600 and one["created"] == base["created"], (base, one)

@@ -15,7 +15,7 @@ router = APIRouter(prefix="/v1", tags=["openai"])
 
 @router.get("/models", response_model=ModelList)
 def list_models(*, tenant: InferenceKeyDep, services: ServicesDep, session: SessionDep) -> ModelList:
-    cards = [ModelCard(id=services.base_model_name, created=0, owned_by="loraplex")]
+    cards = [ModelCard(id=services.base_model_name, created=services.started_at, owned_by="loraplex")]
     for model_id, created, _parent in list_model_ids(session, tenant.tenant_id, services.base_model_name):
         cards.append(ModelCard(id=model_id, created=created, owned_by=tenant.tenant_name,
                                parent=services.base_model_name))
@@ -26,7 +26,7 @@ def list_models(*, tenant: InferenceKeyDep, services: ServicesDep, session: Sess
 def read_model(*, tenant: InferenceKeyDep, services: ServicesDep, session: SessionDep, model_id: str) -> ModelCard:
     check_text(model_id, "model")
     if model_id == services.base_model_name:
-        return ModelCard(id=model_id, created=0, owned_by="loraplex")
+        return ModelCard(id=model_id, created=services.started_at, owned_by="loraplex")
     try:
         target = resolve_model(session, tenant.tenant_id, model_id, services.base_model_name)
     except ModelNotFound as exc:
