@@ -52,6 +52,24 @@ def test_create_tenant_edit_quotas_and_suspend(console):
     assert _tenant(console, "acme").status == "active"
 
 
+def test_the_console_takes_every_quota_up_to_the_limit_the_api_takes(console):
+    from loraplex.platform.schemas.tenants import QUOTA_MAX
+
+    largest = {f: str(v) for f, v in QUOTA_MAX.items()}
+    r = console.post("/console/plans", {"name": "huge", **largest})
+    assert "Plan huge added." in console.client.get(r.headers["location"]).text
+    console.post("/console/tenants", {"name": "big"})
+    tenant = _tenant(console, "big")
+    r = console.post(f"/console/tenants/{tenant.id}", {"plan": "", **largest})
+    assert "Plan and quotas saved." in console.client.get(r.headers["location"]).text
+    tenant = _tenant(console, "big")
+    assert {f: getattr(tenant, f) for f in QUOTA_MAX} == QUOTA_MAX
+    for field, limit in QUOTA_MAX.items():  # one past the limit: refused on the page, naming the limit
+        r = console.post(f"/console/tenants/{tenant.id}", {field: str(limit + 1)})
+        page = console.client.get(r.headers["location"]).text
+        assert "Not saved" in page and str(limit) in page, field
+
+
 def test_a_new_key_is_shown_once_and_works_until_revoked(console):
     console.post("/console/tenants", {"name": "acme"})
     tenant = _tenant(console, "acme")

@@ -19,7 +19,14 @@ from loraplex.platform.console.session import cookie_secure
 from loraplex.platform.console.templating import redirect, render
 from loraplex.platform.deps import IdPath, ServicesDep
 from loraplex.platform.models import ALL_SCOPES, ApiKey, Plan, Tenant
-from loraplex.platform.schemas.tenants import KeyCreate, KeyCreated, PlanCreate, TenantCreate, TenantUpdate
+from loraplex.platform.schemas.tenants import (
+    QUOTA_MAX,
+    KeyCreate,
+    KeyCreated,
+    PlanCreate,
+    TenantCreate,
+    TenantUpdate,
+)
 from loraplex.platform.tenants import (
     TenantError,
     create_api_key,
@@ -82,7 +89,7 @@ async def plans_create(request: Request, _context: ConsolePostDep, services: Ser
     form = await request.form()
     try:
         data = PlanCreate(name=forms.text(form, "name", required=True),
-                          **{f: forms.positive_int(form, f, required=True) for f, _ in QUOTA_FIELDS})
+                          **{f: forms.positive_int(form, f, required=True, maximum=QUOTA_MAX[f]) for f, _ in QUOTA_FIELDS})
         with services.sessions() as session:
             create_plan(session, data)
             session.commit()
@@ -153,7 +160,7 @@ async def tenant_update(request: Request, _context: ConsolePostDep, services: Se
     back = f"/console/tenants/{tenant_id}"
     try:
         # every quota field is sent: empty clears the override back to the plan's value
-        changes = {f: forms.positive_int(form, f) for f, _ in QUOTA_FIELDS}
+        changes = {f: forms.positive_int(form, f, maximum=QUOTA_MAX[f]) for f, _ in QUOTA_FIELDS}
         data = TenantUpdate(plan=forms.text(form, "plan"), **changes)
         with services.sessions() as session:
             update_tenant(session, get_tenant(session, tenant_id), data)
