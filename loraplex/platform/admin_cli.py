@@ -111,36 +111,52 @@ def create_tenant_cmd(name, plan, **quotas):
                    f"{q.monthly_token_budget} tokens/month")
 
 
+# the CLI's short name of each quota (its option without the dashes) and the field it sets
+_QUOTA_NAMES = {"rpm": "requests_per_minute", "tpm": "tokens_per_minute", "concurrent": "max_concurrent",
+                "monthly-tokens": "monthly_token_budget"}
+
+
 @admin.command("list-tenants")
 def list_tenants_cmd():
-    """Every tenant with its status, plan and effective quotas."""
+    """Every tenant with its status, plan and effective quotas; each quota says where it comes from:
+    (own) the tenant's override, (plan) its plan, (default) the service default."""
     from sqlalchemy import select
 
     from loraplex.platform.models import Tenant
-    from loraplex.platform.tenants import tenant_public
+    from loraplex.platform.tenants import quota_sources, tenant_public
 
     with _session() as (session, settings):
         for tenant in session.scalars(select(Tenant).order_by(Tenant.id)):
             q = tenant_public(tenant, settings).quotas
+            source = quota_sources(tenant)
+            shown = "\t".join(f"{short.replace('-', '_')}={getattr(q, field)}({source[field]})"
+                              for short, field in _QUOTA_NAMES.items())
             click.echo(f"{tenant.id}\t{tenant.name}\t{tenant.status}\tplan={tenant.plan.name if tenant.plan else '-'}"
-                       f"\trpm={q.requests_per_minute}\ttpm={q.tokens_per_minute}\tconcurrent={q.max_concurrent}"
-                       f"\tmonthly_tokens={q.monthly_token_budget}")
+                       f"\t{shown}")
 
 
 @admin.command("set-quota")
 @click.argument("tenant")
-@click.option("--plan", default=None)
+@click.option("--plan", default=None, help='name of an existing plan; --plan "" removes the plan')
 @quota_options
-def set_quota_cmd(tenant, plan, **quotas):
+@click.option("--clear", "cleared", multiple=True, type=click.Choice([*_QUOTA_NAMES, "all"]),
+              help="drop the tenant's own value of a quota, so the plan's (or the default) applies; repeat for "
+                   "several, or `all`")
+def set_quota_cmd(tenant, plan, cleared, **quotas):
     """Change a tenant's plan or quota overrides (TENANT: name or id)."""
     from loraplex.platform.schemas.tenants import TenantUpdate
     from loraplex.platform.tenants import get_tenant, update_tenant
 
     changes = {k: v for k, v in quotas.items() if v is not None}
+    clear = set(_QUOTA_NAMES.values()) if "all" in cleared else {_QUOTA_NAMES[c] for c in cleared}
+    both = [short for short, field in _QUOTA_NAMES.items() if field in clear and field in changes]
+    if both:
+        raise click.ClickException(f"--{both[0]} and --clear {both[0]} (or all) contradict each other: give one")
+    changes |= dict.fromkeys(clear)  # None: the override is cleared
     if plan is not None:
         changes["plan"] = plan
     if not changes:
-        raise click.ClickException("nothing to change: give --plan or a quota option")
+        raise click.ClickException("nothing to change: give --plan, a quota option or --clear")
     with _session() as (session, _):
         t = update_tenant(session, get_tenant(session, tenant), TenantUpdate(**changes))
         click.echo(f"tenant {t.name} updated")

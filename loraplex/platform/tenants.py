@@ -47,6 +47,15 @@ def effective_limits(tenant: Tenant, settings: Settings) -> QuotaLimits:
     return QuotaLimits(**values)
 
 
+def quota_sources(tenant: Tenant) -> dict[str, str]:
+    """Where each of the tenant's quotas comes from, as effective_limits resolves it: "own" (its override),
+    "plan" or "default" (the service's)."""
+    return {
+        name: "own" if getattr(tenant, name) is not None else "plan" if tenant.plan is not None else "default"
+        for name in _QUOTA_FIELDS
+    }
+
+
 def tenant_public(tenant: Tenant, settings: Settings) -> TenantPublic:
     limits = effective_limits(tenant, settings)
     return TenantPublic(

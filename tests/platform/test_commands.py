@@ -54,6 +54,33 @@ def test_admin_commands(cli_env):
         assert "Traceback" not in r.output
 
 
+def test_set_quota_clears_overrides_and_list_tenants_says_where_each_quota_comes_from(cli_env):
+    runner = CliRunner()
+
+    def run(*args):
+        r = runner.invoke(admin, list(args))
+        assert r.exit_code == 0, r.output
+        return r.output
+
+    run("create-plan", "pro", "--rpm", "10", "--tpm", "1000", "--concurrent", "2", "--monthly-tokens", "100000")
+    run("create-tenant", "zeta", "--rpm", "600", "--tpm", "5000", "--concurrent", "3")
+    listed = run("list-tenants")
+    assert "rpm=600(own)" in listed and "concurrent=3(own)" in listed and "monthly_tokens=" in listed
+    assert "(default)" in listed.split("concurrent=3(own)")[1]  # no plan: the monthly budget is the default
+    run("set-quota", "zeta", "--plan", "pro", "--clear", "rpm", "--clear", "tpm")
+    listed = run("list-tenants")
+    assert "rpm=10(plan)" in listed and "tpm=1000(plan)" in listed and "concurrent=3(own)" in listed
+    assert "monthly_tokens=100000(plan)" in listed
+    run("set-quota", "zeta", "--clear", "all")
+    assert "concurrent=2(plan)" in run("list-tenants")
+    run("set-quota", "zeta", "--plan", "")
+    assert "plan=-" in run("list-tenants") and "rpm=" in run("list-tenants")
+    assert "--plan \"\" removes the plan" in " ".join(run("set-quota", "--help").split())
+    both = runner.invoke(admin, ["set-quota", "zeta", "--rpm", "5", "--clear", "all"])
+    assert both.exit_code == 1 and "contradict" in both.output
+    assert runner.invoke(admin, ["set-quota", "zeta", "--clear", "rps"]).exit_code == 2
+
+
 @pytest.mark.slow
 def test_serve_prints_admin_key_once_and_serves(cli_env, tiny_llama_dir):
     port = free_port()
