@@ -94,6 +94,56 @@ def create_plan_cmd(name, **quotas):
         click.echo(f"plan {plan.name} (id {plan.id})")
 
 
+@admin.command("list-plans")
+def list_plans_cmd():
+    """Every plan with its quotas and how many tenants are on it."""
+    from sqlalchemy import func, select
+
+    from loraplex.platform.models import Plan, Tenant
+
+    with _session() as (session, _):
+        counts = dict(session.execute(select(Tenant.plan_id, func.count()).group_by(Tenant.plan_id)).all())
+        for plan in session.scalars(select(Plan).order_by(Plan.id)):
+            click.echo(f"{plan.id}\t{plan.name}\trpm={plan.requests_per_minute}\ttpm={plan.tokens_per_minute}"
+                       f"\tconcurrent={plan.max_concurrent}\tmonthly_tokens={plan.monthly_token_budget}"
+                       f"\ttenants={counts.get(plan.id, 0)}")
+
+
+@admin.command("update-plan")
+@click.argument("name")
+@click.option("--name", "new_name", default=None, help="rename the plan (names stay unique)")
+@quota_options
+def update_plan_cmd(name, new_name, **quotas):
+    """Change a plan's quotas (or name). Its tenants without an override of their own get the new values from
+    their next request on, in every running server."""
+    from loraplex.platform.schemas.tenants import PlanUpdate
+    from loraplex.platform.tenants import get_plan, update_plan
+
+    changes = {k: v for k, v in quotas.items() if v is not None}
+    if new_name is not None:
+        changes["name"] = new_name
+    if not changes:
+        raise click.ClickException("nothing to change: give --name or a quota option")
+    with _session() as (session, _):
+        plan = update_plan(session, get_plan(session, name), PlanUpdate(**changes))
+        click.echo(f"plan {plan.name} (id {plan.id}): {plan.requests_per_minute} req/min, "
+                   f"{plan.tokens_per_minute} tokens/min, {plan.max_concurrent} concurrent, "
+                   f"{plan.monthly_token_budget} tokens/month")
+
+
+@admin.command("delete-plan")
+@click.argument("name")
+def delete_plan_cmd(name):
+    """Delete a plan no tenant is on or ever was on (a plan in a tenant's history prices its past months, so
+    it is kept)."""
+    from loraplex.platform.tenants import delete_plan, get_plan
+
+    with _session() as (session, _):
+        plan = get_plan(session, name)
+        delete_plan(session, plan)
+        click.echo(f"plan {name} deleted")
+
+
 @admin.command("create-tenant")
 @click.argument("name")
 @click.option("--plan", default=None, help="name of an existing plan")

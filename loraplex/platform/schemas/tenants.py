@@ -54,6 +54,18 @@ class PlanCreate(PlanBase):
     model_config = ConfigDict(extra="forbid", strict=True)
 
 
+class PlanUpdate(BaseModel):
+    """Any of a plan's quotas, or its name; a field left out keeps its value. A plan's quotas are never empty
+    (its tenants fall back on them), so null is refused."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    name: str | None = Field(default=None, pattern=NAME_PATTERN)
+    requests_per_minute: int | None = Field(default=None, ge=1, le=QUOTA_MAX["requests_per_minute"])
+    tokens_per_minute: int | None = Field(default=None, ge=1, le=QUOTA_MAX["tokens_per_minute"])
+    max_concurrent: int | None = Field(default=None, ge=1, le=QUOTA_MAX["max_concurrent"])
+    monthly_token_budget: int | None = Field(default=None, ge=1, le=QUOTA_MAX["monthly_token_budget"])
+
+
 class PlanPublic(PlanBase):
     model_config = ConfigDict(from_attributes=True)
     id: int
