@@ -55,8 +55,22 @@ def validate(path: Path, model: str, max_rank: int, store_dir: Path | None) -> N
     click.echo(json.dumps(report, indent=2))
 
 
+def _settings_store_dir() -> Path:
+    """The store the server uses (LORAPLEX_ADAPTER_STORE_DIR, else $LORAPLEX_DATA_DIR/adapters): where the
+    store options point when not given, so `loraplex adapter list` run beside the server needs no --store."""
+    from pydantic import ValidationError
+
+    from loraplex.config import Settings
+
+    try:
+        return Settings().resolved_adapter_store_dir
+    except ValidationError as exc:
+        raise click.ClickException(f"cannot read the settings for the adapter store: {exc}") from exc
+
+
 @adapter.command("list")
-@click.option("--store", "store_dir", required=True, type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option("--store", "store_dir", default=_settings_store_dir, show_default="the server's adapter store",
+              type=click.Path(exists=True, file_okay=False, path_type=Path))
 def list_versions(store_dir: Path) -> None:
     """List the content hashes held by a local store."""
     for content_hash in LocalAdapterStore(store_dir).list():

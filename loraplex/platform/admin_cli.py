@@ -94,6 +94,56 @@ def create_plan_cmd(name, **quotas):
         click.echo(f"plan {plan.name} (id {plan.id})")
 
 
+@admin.command("list-plans")
+def list_plans_cmd():
+    """Every plan with its quotas and how many tenants are on it."""
+    from sqlalchemy import func, select
+
+    from loraplex.platform.models import Plan, Tenant
+
+    with _session() as (session, _):
+        counts = dict(session.execute(select(Tenant.plan_id, func.count()).group_by(Tenant.plan_id)).all())
+        for plan in session.scalars(select(Plan).order_by(Plan.id)):
+            click.echo(f"{plan.id}\t{plan.name}\trpm={plan.requests_per_minute}\ttpm={plan.tokens_per_minute}"
+                       f"\tconcurrent={plan.max_concurrent}\tmonthly_tokens={plan.monthly_token_budget}"
+                       f"\ttenants={counts.get(plan.id, 0)}")
+
+
+@admin.command("update-plan")
+@click.argument("name")
+@click.option("--name", "new_name", default=None, help="rename the plan (names stay unique)")
+@quota_options
+def update_plan_cmd(name, new_name, **quotas):
+    """Change a plan's quotas (or name). Its tenants without an override of their own get the new values from
+    their next request on, in every running server."""
+    from loraplex.platform.schemas.tenants import PlanUpdate
+    from loraplex.platform.tenants import get_plan, update_plan
+
+    changes = {k: v for k, v in quotas.items() if v is not None}
+    if new_name is not None:
+        changes["name"] = new_name
+    if not changes:
+        raise click.ClickException("nothing to change: give --name or a quota option")
+    with _session() as (session, _):
+        plan = update_plan(session, get_plan(session, name), PlanUpdate(**changes))
+        click.echo(f"plan {plan.name} (id {plan.id}): {plan.requests_per_minute} req/min, "
+                   f"{plan.tokens_per_minute} tokens/min, {plan.max_concurrent} concurrent, "
+                   f"{plan.monthly_token_budget} tokens/month")
+
+
+@admin.command("delete-plan")
+@click.argument("name")
+def delete_plan_cmd(name):
+    """Delete a plan no tenant is on or ever was on (a plan in a tenant's history prices its past months, so
+    it is kept)."""
+    from loraplex.platform.tenants import delete_plan, get_plan
+
+    with _session() as (session, _):
+        plan = get_plan(session, name)
+        delete_plan(session, plan)
+        click.echo(f"plan {name} deleted")
+
+
 @admin.command("create-tenant")
 @click.argument("name")
 @click.option("--plan", default=None, help="name of an existing plan")
@@ -111,36 +161,52 @@ def create_tenant_cmd(name, plan, **quotas):
                    f"{q.monthly_token_budget} tokens/month")
 
 
+# the CLI's short name of each quota (its option without the dashes) and the field it sets
+_QUOTA_NAMES = {"rpm": "requests_per_minute", "tpm": "tokens_per_minute", "concurrent": "max_concurrent",
+                "monthly-tokens": "monthly_token_budget"}
+
+
 @admin.command("list-tenants")
 def list_tenants_cmd():
-    """Every tenant with its status, plan and effective quotas."""
+    """Every tenant with its status, plan and effective quotas; each quota says where it comes from:
+    (own) the tenant's override, (plan) its plan, (default) the service default."""
     from sqlalchemy import select
 
     from loraplex.platform.models import Tenant
-    from loraplex.platform.tenants import tenant_public
+    from loraplex.platform.tenants import quota_sources, tenant_public
 
     with _session() as (session, settings):
         for tenant in session.scalars(select(Tenant).order_by(Tenant.id)):
             q = tenant_public(tenant, settings).quotas
+            source = quota_sources(tenant)
+            shown = "\t".join(f"{short.replace('-', '_')}={getattr(q, field)}({source[field]})"
+                              for short, field in _QUOTA_NAMES.items())
             click.echo(f"{tenant.id}\t{tenant.name}\t{tenant.status}\tplan={tenant.plan.name if tenant.plan else '-'}"
-                       f"\trpm={q.requests_per_minute}\ttpm={q.tokens_per_minute}\tconcurrent={q.max_concurrent}"
-                       f"\tmonthly_tokens={q.monthly_token_budget}")
+                       f"\t{shown}")
 
 
 @admin.command("set-quota")
 @click.argument("tenant")
-@click.option("--plan", default=None)
+@click.option("--plan", default=None, help='name of an existing plan; --plan "" removes the plan')
 @quota_options
-def set_quota_cmd(tenant, plan, **quotas):
+@click.option("--clear", "cleared", multiple=True, type=click.Choice([*_QUOTA_NAMES, "all"]),
+              help="drop the tenant's own value of a quota, so the plan's (or the default) applies; repeat for "
+                   "several, or `all`")
+def set_quota_cmd(tenant, plan, cleared, **quotas):
     """Change a tenant's plan or quota overrides (TENANT: name or id)."""
     from loraplex.platform.schemas.tenants import TenantUpdate
     from loraplex.platform.tenants import get_tenant, update_tenant
 
     changes = {k: v for k, v in quotas.items() if v is not None}
+    clear = set(_QUOTA_NAMES.values()) if "all" in cleared else {_QUOTA_NAMES[c] for c in cleared}
+    both = [short for short, field in _QUOTA_NAMES.items() if field in clear and field in changes]
+    if both:
+        raise click.ClickException(f"--{both[0]} and --clear {both[0]} (or all) contradict each other: give one")
+    changes |= dict.fromkeys(clear)  # None: the override is cleared
     if plan is not None:
         changes["plan"] = plan
     if not changes:
-        raise click.ClickException("nothing to change: give --plan or a quota option")
+        raise click.ClickException("nothing to change: give --plan, a quota option or --clear")
     with _session() as (session, _):
         t = update_tenant(session, get_tenant(session, tenant), TenantUpdate(**changes))
         click.echo(f"tenant {t.name} updated")

@@ -17,6 +17,7 @@ from loraplex.platform.schemas.tenants import (
     KeyCreated,
     KeyPublic,
     PlanCreate,
+    PlanUpdate,
     TenantCreate,
     TenantPublic,
     TenantUpdate,
@@ -45,6 +46,15 @@ def effective_limits(tenant: Tenant, settings: Settings) -> QuotaLimits:
             value = getattr(settings, f"default_{name}")
         values[name] = value
     return QuotaLimits(**values)
+
+
+def quota_sources(tenant: Tenant) -> dict[str, str]:
+    """Where each of the tenant's quotas comes from, as effective_limits resolves it: "own" (its override),
+    "plan" or "default" (the service's)."""
+    return {
+        name: "own" if getattr(tenant, name) is not None else "plan" if tenant.plan is not None else "default"
+        for name in _QUOTA_FIELDS
+    }
 
 
 def tenant_public(tenant: Tenant, settings: Settings) -> TenantPublic:
@@ -79,6 +89,60 @@ def create_plan(session: Session, data: PlanCreate) -> Plan:
     except IntegrityError as exc:  # a concurrent create with the same name
         raise TenantError(f"a plan named {data.name!r} already exists", status=409, param="name") from exc
     return plan
+
+
+def get_plan(session: Session, ref: int | str) -> Plan:
+    """By id (the admin API's way), or by name (the CLI's and the console's)."""
+    if isinstance(ref, int):
+        plan = session.get(Plan, ref) if 1 <= ref <= MAX_ROW_ID else None
+        if plan is None:
+            raise TenantError(f"no plan with id {ref}", status=404, param="plan_id")
+        return plan
+    return _plan_by_name(session, ref)
+
+
+def update_plan(session: Session, plan: Plan, data: PlanUpdate) -> Plan:
+    """Change a plan's quotas (or its name). Its tenants take the new values from their next request on,
+    wherever they have no override of their own: every request reads its limits from the database."""
+    changes = data.model_dump(exclude_unset=True)
+    nulls = [name for name, value in changes.items() if value is None]
+    if nulls:
+        raise TenantError(f"{nulls[0]} cannot be null: a plan's tenants fall back on its quotas", param=nulls[0])
+    name = changes.get("name")
+    if name is not None and name != plan.name and \
+            session.scalar(select(Plan.id).where(Plan.name == name)) is not None:
+        raise TenantError(f"a plan named {name!r} already exists", status=409, param="name")
+    for field, value in changes.items():
+        setattr(plan, field, value)
+    try:
+        session.flush()
+    except IntegrityError as exc:  # a concurrent create or rename to the same name
+        raise TenantError(f"a plan named {name!r} already exists", status=409, param="name") from exc
+    return plan
+
+
+def _listed(names: list[str], limit: int = 10) -> str:
+    shown = ", ".join(names[:limit])
+    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
+def delete_plan(session: Session, plan: Plan) -> None:
+    """Delete a plan no tenant is on, nor ever was. Refused (409) while tenants are on it, and also while a
+    tenant's plan history refers to it: months are billed at the plan the tenant was on in them, so deleting
+    the plan (its prices go with it) would re-price those months' statements and reports at the no-plan list."""
+    on_it = list(session.scalars(select(Tenant.name).where(Tenant.plan_id == plan.id).order_by(Tenant.name)))
+    if on_it:
+        raise TenantError(f"plan {plan.name!r} has {len(on_it)} tenant(s): {_listed(on_it)}; move them to another "
+                          "plan first", status=409, param="plan")
+    history = list(session.scalars(
+        select(Tenant.name).join(TenantPlan, TenantPlan.tenant_id == Tenant.id)
+        .where(TenantPlan.plan_id == plan.id).distinct().order_by(Tenant.name)))
+    if history:
+        raise TenantError(f"plan {plan.name!r} is in the plan history of {len(history)} tenant(s): "
+                          f"{_listed(history)}; the months they were on it are billed at its prices, so it is kept",
+                          status=409, param="plan")
+    session.delete(plan)
+    session.flush()
 
 
 def create_tenant(session: Session, data: TenantCreate) -> Tenant:

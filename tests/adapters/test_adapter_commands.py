@@ -40,3 +40,17 @@ def test_validate_takes_the_model_as_generate_does_and_names_a_bad_one(llama_ada
     zero = run("--model", str(tiny_llama_dir), "--max-rank", "0")
     assert zero.exit_code == 2 and "--max-rank" in zero.output
     assert run("--model", str(tiny_llama_dir)).exit_code == 0
+
+
+def test_list_defaults_to_the_settings_store(llama_adapter_dir, tiny_llama_dir, tmp_path, monkeypatch):
+    monkeypatch.delenv("LORAPLEX_ADAPTER_STORE_DIR", raising=False)
+    monkeypatch.setenv("LORAPLEX_DATA_DIR", str(tmp_path / "data"))
+    stored = CliRunner().invoke(main, ["adapter", "validate", str(llama_adapter_dir), "--model",
+                                       str(tiny_llama_dir), "--store", str(tmp_path / "data" / "adapters")])
+    assert stored.exit_code == 0, stored.output
+    listed = CliRunner().invoke(main, ["adapter", "list"])
+    assert listed.exit_code == 0, listed.output
+    assert listed.output.split() == [json.loads(stored.output)["content_hash"]]
+    monkeypatch.setenv("LORAPLEX_ADAPTER_STORE_DIR", str(tmp_path / "elsewhere"))
+    missing = CliRunner().invoke(main, ["adapter", "list"])
+    assert missing.exit_code == 2 and "elsewhere" in missing.output, missing.output

@@ -84,3 +84,76 @@ def test_out_of_range_ids_are_4xx(client, admin_key):
         r = client.get(path, headers=_admin(admin_key))
         assert r.status_code == 400, r.text
     assert client.get("/admin/api/tenants/12345", headers=_admin(admin_key)).status_code == 404
+
+
+PRO = {"name": "pro", "requests_per_minute": 100, "tokens_per_minute": 100000, "max_concurrent": 4,
+       "monthly_token_budget": 10**6}
+
+
+def _chat_limit(client, headers) -> str:
+    r = client.post("/v1/chat/completions", headers=headers,
+                    json={"model": "fake-base", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+    assert r.status_code == 200, r.text
+    return r.headers["x-ratelimit-limit-requests"]
+
+
+def test_a_plan_edit_reaches_its_tenants_next_request_unless_they_override(client, admin_key, make_tenant):
+    from loraplex.platform.db import session_scope
+    from loraplex.platform.models import Plan, Tenant
+
+    h = _admin(admin_key)
+    plan = client.post("/admin/api/plans", headers=h, json=PRO).json()
+    on_plan, own = make_tenant(), make_tenant(requests_per_minute=50)
+    with session_scope(client.app.state.services.sessions) as session:
+        for t in (on_plan, own):
+            session.get(Tenant, t.tenant_id).plan = session.get(Plan, plan["id"])
+    assert _chat_limit(client, on_plan.headers) == "100" and _chat_limit(client, own.headers) == "50"
+
+    r = client.patch(f"/admin/api/plans/{plan['id']}", headers=h, json={"requests_per_minute": 7, "name": "pro2"})
+    assert r.status_code == 200, r.text
+    assert r.json()["requests_per_minute"] == 7 and r.json()["name"] == "pro2"
+    assert r.json()["tokens_per_minute"] == 100000  # left out: kept
+    assert _chat_limit(client, on_plan.headers) == "7" and _chat_limit(client, own.headers) == "50"
+    assert client.get(f"/admin/api/tenants/{on_plan.tenant_id}", headers=h).json()["quotas"]["requests_per_minute"] == 7
+
+
+def test_a_plan_edit_is_strict_and_names_stay_unique(client, admin_key):
+    h = _admin(admin_key)
+    plan = client.post("/admin/api/plans", headers=h, json=PRO).json()
+    client.post("/admin/api/plans", headers=h, json={**PRO, "name": "basic"})
+    for body, param in [({"requests_per_minute": "600"}, "requests_per_minute"), ({"rpm": 5}, "rpm"),
+                        ({"max_concurrent": None}, "max_concurrent"), ({"monthly_token_budget": 2**63}, None),
+                        ({"name": "bad name"}, "name")]:
+        r = client.patch(f"/admin/api/plans/{plan['id']}", headers=h, json=body)
+        assert r.status_code == 400, (body, r.text)
+        assert param is None or r.json()["error"]["param"] == param, (body, r.text)
+    r = client.patch(f"/admin/api/plans/{plan['id']}", headers=h, json={"name": "basic"})
+    assert r.status_code == 409 and "already exists" in r.json()["error"]["message"]
+    assert client.patch("/admin/api/plans/999", headers=h, json={}).status_code == 404
+    assert client.patch(f"/admin/api/plans/{plan['id']}", headers=h, json={"name": "pro"}).status_code == 200
+    assert client.patch(f"/admin/api/plans/{plan['id']}", headers={}, json={}).status_code == 401
+
+
+def test_a_plan_is_deleted_only_when_no_tenant_is_or_was_on_it(client, admin_key):
+    h = _admin(admin_key)
+    used = client.post("/admin/api/plans", headers=h, json=PRO).json()
+    unused = client.post("/admin/api/plans", headers=h, json={**PRO, "name": "spare"}).json()
+    r = client.put(f"/admin/api/billing/prices/plans/{unused['id']}", headers=h,
+                   json={"prompt_price": 1, "completion_price": 1, "adapter_surcharge_price": 0})
+    assert r.status_code == 200, r.text  # its price list goes with it
+    tenant = client.post("/admin/api/tenants", headers=h, json={"name": "acme", "plan": "pro"}).json()
+    client.post("/admin/api/tenants", headers=h, json={"name": "beta", "plan": "pro"})
+
+    r = client.delete(f"/admin/api/plans/{used['id']}", headers=h)
+    assert r.status_code == 409, r.text
+    assert "has 2 tenant(s): acme, beta" in r.json()["error"]["message"]
+    for name in ("acme", "beta"):  # off the plan, but this month and before were billed at it
+        client.patch(f"/admin/api/tenants/{tenant['id'] if name == 'acme' else tenant['id'] + 1}", headers=h,
+                     json={"plan": None})
+    r = client.delete(f"/admin/api/plans/{used['id']}", headers=h)
+    assert r.status_code == 409 and "plan history of 2 tenant(s): acme, beta" in r.json()["error"]["message"]
+
+    r = client.delete(f"/admin/api/plans/{unused['id']}", headers=h)
+    assert r.status_code == 200 and r.json()["name"] == "spare"
+    assert [p["name"] for p in client.get("/admin/api/plans", headers=h).json()] == ["pro"]
+    assert client.delete(f"/admin/api/plans/{unused['id']}", headers=h).status_code == 404

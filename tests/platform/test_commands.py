@@ -54,6 +54,60 @@ def test_admin_commands(cli_env):
         assert "Traceback" not in r.output
 
 
+def test_plans_are_listed_updated_and_deleted_from_the_command_line(cli_env):
+    runner = CliRunner()
+
+    def run(*args, code=0):
+        r = runner.invoke(admin, list(args))
+        assert r.exit_code == code, r.output
+        assert "Traceback" not in r.output
+        return r.output
+
+    run("create-plan", "tiny", "--rpm", "1", "--tpm", "1", "--concurrent", "1", "--monthly-tokens", "1")
+    run("create-plan", "spare", "--rpm", "5", "--tpm", "5", "--concurrent", "1", "--monthly-tokens", "5")
+    run("create-tenant", "acme", "--plan", "tiny")
+    run("create-tenant", "own", "--plan", "tiny", "--rpm", "3")
+    assert "tiny\trpm=1\ttpm=1\tconcurrent=1\tmonthly_tokens=1\ttenants=2" in run("list-plans")
+    out = run("update-plan", "tiny", "--rpm", "600", "--monthly-tokens", "1000000")
+    assert "600 req/min" in out and "1 tokens/min" in out and "1000000 tokens/month" in out
+    listed = run("list-tenants")
+    assert "acme\tactive\tplan=tiny\trpm=600(plan)" in listed and "own\tactive\tplan=tiny\trpm=3(own)" in listed
+    assert "nothing to change" in run("update-plan", "tiny", code=1)
+    assert "already exists" in run("update-plan", "tiny", "--name", "spare", code=1)
+    assert "unknown plan 'gold'" in run("update-plan", "gold", "--rpm", "2", code=1)
+    assert "less than or equal to 2147483647" in run("update-plan", "tiny", "--rpm", str(2**31), code=1)
+    assert "has 2 tenant(s): acme, own" in run("delete-plan", "tiny", code=1)
+    run("delete-plan", "spare")
+    assert "spare" not in run("list-plans")
+
+
+def test_set_quota_clears_overrides_and_list_tenants_says_where_each_quota_comes_from(cli_env):
+    runner = CliRunner()
+
+    def run(*args):
+        r = runner.invoke(admin, list(args))
+        assert r.exit_code == 0, r.output
+        return r.output
+
+    run("create-plan", "pro", "--rpm", "10", "--tpm", "1000", "--concurrent", "2", "--monthly-tokens", "100000")
+    run("create-tenant", "zeta", "--rpm", "600", "--tpm", "5000", "--concurrent", "3")
+    listed = run("list-tenants")
+    assert "rpm=600(own)" in listed and "concurrent=3(own)" in listed and "monthly_tokens=" in listed
+    assert "(default)" in listed.split("concurrent=3(own)")[1]  # no plan: the monthly budget is the default
+    run("set-quota", "zeta", "--plan", "pro", "--clear", "rpm", "--clear", "tpm")
+    listed = run("list-tenants")
+    assert "rpm=10(plan)" in listed and "tpm=1000(plan)" in listed and "concurrent=3(own)" in listed
+    assert "monthly_tokens=100000(plan)" in listed
+    run("set-quota", "zeta", "--clear", "all")
+    assert "concurrent=2(plan)" in run("list-tenants")
+    run("set-quota", "zeta", "--plan", "")
+    assert "plan=-" in run("list-tenants") and "rpm=" in run("list-tenants")
+    assert "--plan \"\" removes the plan" in " ".join(run("set-quota", "--help").split())
+    both = runner.invoke(admin, ["set-quota", "zeta", "--rpm", "5", "--clear", "all"])
+    assert both.exit_code == 1 and "contradict" in both.output
+    assert runner.invoke(admin, ["set-quota", "zeta", "--clear", "rps"]).exit_code == 2
+
+
 @pytest.mark.slow
 def test_serve_prints_admin_key_once_and_serves(cli_env, tiny_llama_dir):
     port = free_port()

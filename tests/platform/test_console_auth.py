@@ -11,12 +11,12 @@ from sqlalchemy import func, select
 
 from loraplex.platform.console import routes as console_routes
 from loraplex.platform.db import Base
-from loraplex.platform.models import ApiKey, Tenant
+from loraplex.platform.models import ApiKey, Plan, Tenant
 
 PUBLIC = {("GET", "/console/login"), ("POST", "/console/login"), ("GET", "/console"), ("GET", "/console/"),
           ("GET", "/console/static/{path:path}")}
 SAMPLE_PARAMS = {"tenant_id": "1", "key_id": "1", "version_id": "1", "period": "2026-11", "name": "sql",
-                 "path": "css/console.css"}
+                 "path": "css/console.css", "plan_id": "1"}
 
 
 def _console_routes() -> list[tuple[str, str]]:
@@ -42,12 +42,20 @@ def _state(console: Console) -> dict:
                   if t.name not in ("console_sessions",)}
         tenants = [(t.name, t.status, t.plan_id, t.requests_per_minute) for t in s.scalars(select(Tenant))]
         keys = [(k.id, k.revoked_at) for k in s.scalars(select(ApiKey))]
-    return {"counts": counts, "tenants": tenants, "keys": keys}
+        plans = [(p.name, p.requests_per_minute) for p in s.scalars(select(Plan))]
+    return {"counts": counts, "tenants": tenants, "keys": keys, "plans": plans}
 
 
 @pytest.fixture
 def console(app, client, admin_key, make_tenant) -> Console:
+    from loraplex.platform.db import session_scope
+    from loraplex.platform.schemas.tenants import PlanCreate
+    from loraplex.platform.tenants import create_plan
+
     make_tenant("acme")  # tenant 1 with key 1: targets for every action
+    with session_scope(app.state.services.sessions) as session:  # plan 1, unused: a delete would go through
+        create_plan(session, PlanCreate(name="spare", requests_per_minute=5, tokens_per_minute=5, max_concurrent=1,
+                                        monthly_token_budget=5))
     return Console(client=client, app=app, admin_key=admin_key)
 
 

@@ -52,6 +52,53 @@ def test_create_tenant_edit_quotas_and_suspend(console):
     assert _tenant(console, "acme").status == "active"
 
 
+def test_the_console_takes_every_quota_up_to_the_limit_the_api_takes(console):
+    from loraplex.platform.schemas.tenants import QUOTA_MAX
+
+    largest = {f: str(v) for f, v in QUOTA_MAX.items()}
+    r = console.post("/console/plans", {"name": "huge", **largest})
+    assert "Plan huge added." in console.client.get(r.headers["location"]).text
+    console.post("/console/tenants", {"name": "big"})
+    tenant = _tenant(console, "big")
+    r = console.post(f"/console/tenants/{tenant.id}", {"plan": "", **largest})
+    assert "Plan and quotas saved." in console.client.get(r.headers["location"]).text
+    tenant = _tenant(console, "big")
+    assert {f: getattr(tenant, f) for f in QUOTA_MAX} == QUOTA_MAX
+    for field, limit in QUOTA_MAX.items():  # one past the limit: refused on the page, naming the limit
+        r = console.post(f"/console/tenants/{tenant.id}", {field: str(limit + 1)})
+        page = console.client.get(r.headers["location"]).text
+        assert "Not saved" in page and str(limit) in page, field
+
+
+def test_a_plans_quotas_are_edited_and_an_unused_plan_deleted_on_the_tenants_page(console):
+    from loraplex.platform.models import Plan
+
+    quotas = {"requests_per_minute": "1", "tokens_per_minute": "1", "max_concurrent": "1", "monthly_token_budget": "1"}
+    console.post("/console/plans", {"name": "oops", **quotas})
+    console.post("/console/plans", {"name": "spare", **quotas})
+    console.post("/console/tenants", {"name": "acme", "plan": "oops"})
+    with console.sessions() as s:
+        ids = {p.name: p.id for p in s.scalars(select(Plan))}
+    page = console.client.get("/console/tenants").text
+    assert f'action="/console/plans/{ids["oops"]}"' in page
+    assert f'/console/plans/{ids["spare"]}/delete' in page and f'/console/plans/{ids["oops"]}/delete' not in page
+
+    r = console.post(f"/console/plans/{ids['oops']}", {**quotas, "requests_per_minute": "600",
+                                                         "monthly_token_budget": "9223372036854775807"})
+    assert "Plan oops saved" in console.client.get(r.headers["location"]).text
+    tenant = _tenant(console, "acme")
+    assert tenant.plan.requests_per_minute == 600 and tenant.plan.monthly_token_budget == 2**63 - 1
+    r = console.post(f"/console/plans/{ids['oops']}", {**quotas, "max_concurrent": ""})
+    assert "Plan not saved: max concurrent is required" in console.client.get(r.headers["location"]).text
+
+    r = console.post(f"/console/plans/{ids['oops']}/delete")
+    assert "Plan not deleted: plan &#39;oops&#39; has 1 tenant(s): acme" in console.client.get(r.headers["location"]).text
+    r = console.post(f"/console/plans/{ids['spare']}/delete")
+    assert "Plan spare deleted." in console.client.get(r.headers["location"]).text
+    with console.sessions() as s:
+        assert sorted(s.scalars(select(Plan.name))) == ["oops"]
+
+
 def test_a_new_key_is_shown_once_and_works_until_revoked(console):
     console.post("/console/tenants", {"name": "acme"})
     tenant = _tenant(console, "acme")

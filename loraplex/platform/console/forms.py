@@ -6,6 +6,7 @@ from starlette.datastructures import FormData
 
 from loraplex.platform.billing.money import parse_money
 from loraplex.platform.models import MAX_ROW_ID
+from loraplex.platform.schemas.tenants import INT64_MAX
 
 
 class FormError(ValueError):
@@ -22,7 +23,9 @@ def text(form: FormData, name: str, *, required: bool = False) -> str | None:
     return value or None
 
 
-def positive_int(form: FormData, name: str, *, required: bool = False) -> int | None:
+def positive_int(form: FormData, name: str, *, required: bool = False, maximum: int = INT64_MAX) -> int | None:
+    """A whole number from 1 to `maximum` (by default what a BIGINT column holds; a quota passes its own
+    QUOTA_MAX, so the console accepts exactly what the API and the CLI accept)."""
     value = text(form, name, required=required)
     if value is None:
         return None
@@ -34,11 +37,13 @@ def positive_int(form: FormData, name: str, *, required: bool = False) -> int | 
     if not (digits.isascii() and digits.isdigit()):
         shown = value if len(value) <= 40 else value[:40] + "..."
         raise FormError(f"{label} must be a whole number, got {shown!r}")
-    if len(digits.lstrip("0")) > 18:
-        raise FormError(f"{label} is too large ({len(digits)} digits)")
+    if len(digits.lstrip("0")) > len(str(maximum)):  # never int() thousands of digits
+        raise FormError(f"{label} is too large ({len(digits)} digits; at most {maximum})")
     number = -int(digits) if negative else int(digits)
     if number < 1:
         raise FormError(f"{label} must be at least 1")
+    if number > maximum:
+        raise FormError(f"{label} is too large (at most {maximum})")
     return number
 
 

@@ -19,16 +19,27 @@ from loraplex.platform.console.session import cookie_secure
 from loraplex.platform.console.templating import redirect, render
 from loraplex.platform.deps import IdPath, ServicesDep
 from loraplex.platform.models import ALL_SCOPES, ApiKey, Plan, Tenant
-from loraplex.platform.schemas.tenants import KeyCreate, KeyCreated, PlanCreate, TenantCreate, TenantUpdate
+from loraplex.platform.schemas.tenants import (
+    QUOTA_MAX,
+    KeyCreate,
+    KeyCreated,
+    PlanCreate,
+    PlanUpdate,
+    TenantCreate,
+    TenantUpdate,
+)
 from loraplex.platform.tenants import (
     TenantError,
     create_api_key,
     create_plan,
     create_tenant,
+    delete_plan,
+    get_plan,
     get_tenant,
     key_public,
     revoke_api_key,
     tenant_public,
+    update_plan,
     update_tenant,
 )
 
@@ -57,10 +68,12 @@ def tenants_page(request: Request, context: ConsoleDep, services: ServicesDep) -
     with services.sessions() as session:
         tenants = [tenant_public(t, services.settings) for t in session.scalars(select(Tenant).order_by(Tenant.name))]
         plans = list(session.scalars(select(Plan).order_by(Plan.name)))
+        plan_tenants = dict(session.execute(select(Tenant.plan_id, func.count()).group_by(Tenant.plan_id)).all())
         counts = dict(session.execute(
             select(ApiKey.tenant_id, func.count(ApiKey.id)).where(ApiKey.revoked_at.is_(None)).group_by(ApiKey.tenant_id)
         ).all())
-    return render(request, "tenants.html", context, tenants=tenants, plans=plans, key_counts=counts)
+    return render(request, "tenants.html", context, tenants=tenants, plans=plans, key_counts=counts,
+                  plan_tenants=plan_tenants, quota_fields=QUOTA_FIELDS)
 
 
 @router.post("/tenants")
@@ -82,13 +95,43 @@ async def plans_create(request: Request, _context: ConsolePostDep, services: Ser
     form = await request.form()
     try:
         data = PlanCreate(name=forms.text(form, "name", required=True),
-                          **{f: forms.positive_int(form, f, required=True) for f, _ in QUOTA_FIELDS})
+                          **{f: forms.positive_int(form, f, required=True, maximum=QUOTA_MAX[f]) for f, _ in QUOTA_FIELDS})
         with services.sessions() as session:
             create_plan(session, data)
             session.commit()
     except (TenantError, ValidationError, forms.FormError) as exc:
         return redirect(request, "/console/tenants", error=f"Could not add the plan: {_problem(exc)}")
     return redirect(request, "/console/tenants", flash=f"Plan {data.name} added.")
+
+
+@router.post("/plans/{plan_id}")
+async def plan_update(request: Request, _context: ConsolePostDep, services: ServicesDep,
+                      plan_id: IdPath) -> RedirectResponse:
+    """Every quota field is sent; its tenants without overrides take the new values at once."""
+    form = await request.form()
+    try:
+        data = PlanUpdate(**{f: forms.positive_int(form, f, required=True, maximum=QUOTA_MAX[f])
+                             for f, _ in QUOTA_FIELDS})
+        with services.sessions() as session:
+            name = update_plan(session, get_plan(session, plan_id), data).name
+            session.commit()
+    except (TenantError, ValidationError, forms.FormError) as exc:
+        return redirect(request, "/console/tenants", error=f"Plan not saved: {_problem(exc)}")
+    return redirect(request, "/console/tenants", flash=f"Plan {name} saved: its tenants have the new quotas.")
+
+
+@router.post("/plans/{plan_id}/delete")
+async def plan_delete(request: Request, _context: ConsolePostDep, services: ServicesDep,
+                      plan_id: IdPath) -> RedirectResponse:
+    try:
+        with services.sessions() as session:
+            plan = get_plan(session, plan_id)
+            name = plan.name
+            delete_plan(session, plan)
+            session.commit()
+    except TenantError as exc:
+        return redirect(request, "/console/tenants", error=f"Plan not deleted: {exc}")
+    return redirect(request, "/console/tenants", flash=f"Plan {name} deleted.")
 
 
 def _tenant_page(request: Request, context, services, tenant_id: int, *, new_key=None, status_code=200):
@@ -153,7 +196,7 @@ async def tenant_update(request: Request, _context: ConsolePostDep, services: Se
     back = f"/console/tenants/{tenant_id}"
     try:
         # every quota field is sent: empty clears the override back to the plan's value
-        changes = {f: forms.positive_int(form, f) for f, _ in QUOTA_FIELDS}
+        changes = {f: forms.positive_int(form, f, maximum=QUOTA_MAX[f]) for f, _ in QUOTA_FIELDS}
         data = TenantUpdate(plan=forms.text(form, "plan"), **changes)
         with services.sessions() as session:
             update_tenant(session, get_tenant(session, tenant_id), data)

@@ -15,6 +15,7 @@ from loraplex.platform.schemas.tenants import (
     KeyPublic,
     PlanCreate,
     PlanPublic,
+    PlanUpdate,
     TenantCreate,
     TenantPublic,
     TenantUpdate,
@@ -23,11 +24,14 @@ from loraplex.platform.tenants import (
     create_api_key,
     create_plan,
     create_tenant,
+    delete_plan,
+    get_plan,
     get_tenant,
     key_public,
     revoke_admin_key,
     revoke_api_key,
     tenant_public,
+    update_plan,
     update_tenant,
 )
 
@@ -42,6 +46,21 @@ def list_plans(*, _admin: AdminDep, session: SessionDep) -> list[Plan]:
 @router.post("/plans", response_model=PlanPublic, status_code=status.HTTP_201_CREATED)
 def add_plan(*, _admin: AdminDep, session: SessionDep, body: PlanCreate) -> Plan:
     return create_plan(session, body)
+
+
+@router.patch("/plans/{plan_id}", response_model=PlanPublic)
+def edit_plan(*, _admin: AdminDep, session: SessionDep, plan_id: IdPath, body: PlanUpdate) -> Plan:
+    """Its tenants without overrides of their own take the new quotas from their next request on."""
+    return update_plan(session, get_plan(session, plan_id), body)
+
+
+@router.delete("/plans/{plan_id}", response_model=PlanPublic)
+def remove_plan(*, _admin: AdminDep, session: SessionDep, plan_id: IdPath) -> PlanPublic:
+    """409 while any tenant is on the plan or its plan history refers to it (see delete_plan)."""
+    plan = get_plan(session, plan_id)
+    deleted = PlanPublic.model_validate(plan)
+    delete_plan(session, plan)
+    return deleted
 
 
 @router.get("/tenants", response_model=list[TenantPublic])

@@ -25,26 +25,45 @@ def refuse_control_characters(value: str) -> str:
 # rather than failing in the database.
 INT32_MAX = 2**31 - 1
 INT64_MAX = 2**63 - 1
+# the largest value of each quota: the one limit the API, the CLI and the console's forms all check against
+QUOTA_MAX = {
+    "requests_per_minute": INT32_MAX,
+    "tokens_per_minute": INT32_MAX,
+    "max_concurrent": INT32_MAX,
+    "monthly_token_budget": INT64_MAX,
+}
 
 
 class QuotaFields(BaseModel):
-    requests_per_minute: int | None = Field(default=None, ge=1, le=INT32_MAX)
-    tokens_per_minute: int | None = Field(default=None, ge=1, le=INT32_MAX)
-    max_concurrent: int | None = Field(default=None, ge=1, le=INT32_MAX)
-    monthly_token_budget: int | None = Field(default=None, ge=1, le=INT64_MAX)
+    requests_per_minute: int | None = Field(default=None, ge=1, le=QUOTA_MAX["requests_per_minute"])
+    tokens_per_minute: int | None = Field(default=None, ge=1, le=QUOTA_MAX["tokens_per_minute"])
+    max_concurrent: int | None = Field(default=None, ge=1, le=QUOTA_MAX["max_concurrent"])
+    monthly_token_budget: int | None = Field(default=None, ge=1, le=QUOTA_MAX["monthly_token_budget"])
 
 
 class PlanBase(BaseModel):
     name: str = Field(pattern=NAME_PATTERN)
-    requests_per_minute: int = Field(ge=1, le=INT32_MAX)
-    tokens_per_minute: int = Field(ge=1, le=INT32_MAX)
-    max_concurrent: int = Field(ge=1, le=INT32_MAX)
-    monthly_token_budget: int = Field(ge=1, le=INT64_MAX)
+    requests_per_minute: int = Field(ge=1, le=QUOTA_MAX["requests_per_minute"])
+    tokens_per_minute: int = Field(ge=1, le=QUOTA_MAX["tokens_per_minute"])
+    max_concurrent: int = Field(ge=1, le=QUOTA_MAX["max_concurrent"])
+    monthly_token_budget: int = Field(ge=1, le=QUOTA_MAX["monthly_token_budget"])
 
 
 class PlanCreate(PlanBase):
     # a misspelt field is refused, not silently dropped; "600" or true for a number is refused, not converted
     model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class PlanUpdate(BaseModel):
+    """Any of a plan's quotas, or its name; a field left out keeps its value. A plan's quotas are never empty
+    (its tenants fall back on them), so null is refused."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    name: str | None = Field(default=None, pattern=NAME_PATTERN)
+    requests_per_minute: int | None = Field(default=None, ge=1, le=QUOTA_MAX["requests_per_minute"])
+    tokens_per_minute: int | None = Field(default=None, ge=1, le=QUOTA_MAX["tokens_per_minute"])
+    max_concurrent: int | None = Field(default=None, ge=1, le=QUOTA_MAX["max_concurrent"])
+    monthly_token_budget: int | None = Field(default=None, ge=1, le=QUOTA_MAX["monthly_token_budget"])
 
 
 class PlanPublic(PlanBase):
