@@ -108,6 +108,19 @@ def test_set_quota_clears_overrides_and_list_tenants_says_where_each_quota_comes
     assert runner.invoke(admin, ["set-quota", "zeta", "--clear", "rps"]).exit_code == 2
 
 
+def _wait_for_serve(proc: subprocess.Popen, port: int) -> int:
+    """The status of /healthz once `loraplex serve` answers (its output in the error if it exits first)."""
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        try:
+            return httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1).status_code
+        except httpx.HTTPError:
+            if proc.poll() is not None:
+                raise AssertionError(proc.stdout.read()) from None
+            time.sleep(0.2)
+    raise AssertionError("serve did not come up")
+
+
 @pytest.mark.slow
 def test_serve_prints_admin_key_once_and_serves(cli_env, tiny_llama_dir):
     port = free_port()
@@ -117,17 +130,7 @@ def test_serve_prints_admin_key_once_and_serves(cli_env, tiny_llama_dir):
     def run_once() -> tuple[str, int]:
         proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         try:
-            deadline = time.monotonic() + 120
-            while time.monotonic() < deadline:
-                try:
-                    status = httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1).status_code
-                    break
-                except httpx.HTTPError:
-                    if proc.poll() is not None:
-                        raise AssertionError(proc.stdout.read()) from None
-                    time.sleep(0.2)
-            else:
-                raise AssertionError("serve did not come up")
+            status = _wait_for_serve(proc, port)
         finally:
             proc.terminate()
             output, _ = proc.communicate(timeout=60)
@@ -206,17 +209,7 @@ def test_sigterm_stops_serve_after_the_shutdown_timeout_with_a_request_still_run
            "LORAPLEX_SHUTDOWN_TIMEOUT": "1"}
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            try:
-                assert httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1).status_code == 200
-                break
-            except httpx.HTTPError:
-                if proc.poll() is not None:
-                    raise AssertionError(proc.stdout.read()) from None
-                time.sleep(0.2)
-        else:
-            raise AssertionError("serve did not come up")
+        assert _wait_for_serve(proc, port) == 200
         with socket.create_connection(("127.0.0.1", port)) as stuck:
             stuck.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                           b"Authorization: Bearer lpx_nothing\r\nContent-Length: 1000\r\n\r\n{\"model\"")
