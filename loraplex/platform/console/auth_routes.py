@@ -21,8 +21,9 @@ from loraplex.platform.console.session import (
 )
 from loraplex.platform.console.templating import SECURITY_HEADERS, environment
 from loraplex.platform.deps import ServicesDep
+from loraplex.platform.strict_json import StrictJsonRoute
 
-router = APIRouter()
+router = APIRouter(route_class=StrictJsonRoute)
 
 
 def _safe_next(target: str | None) -> str:

@@ -18,8 +18,9 @@ from loraplex.platform.console import (
 from loraplex.platform.console.session import SESSION_COOKIE, ConsoleContext, load_session
 from loraplex.platform.console.templating import WEB_DIR, render
 from loraplex.platform.errors import answer_errors_in_html
+from loraplex.platform.strict_json import StrictJsonRoute
 
-router = APIRouter(prefix="/console", include_in_schema=False)
+router = APIRouter(route_class=StrictJsonRoute, prefix="/console", include_in_schema=False)
 STATIC_DIR = (WEB_DIR / "static").resolve()
 
 

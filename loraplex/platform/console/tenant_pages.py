@@ -20,6 +20,7 @@ from loraplex.platform.console.templating import redirect, render
 from loraplex.platform.deps import IdPath, ServicesDep
 from loraplex.platform.models import ALL_SCOPES, ApiKey, Plan, Tenant
 from loraplex.platform.schemas.tenants import KeyCreate, KeyCreated, PlanCreate, TenantCreate, TenantUpdate
+from loraplex.platform.strict_json import StrictJsonRoute
 from loraplex.platform.tenants import (
     TenantError,
     create_api_key,
@@ -32,7 +33,7 @@ from loraplex.platform.tenants import (
     update_tenant,
 )
 
-router = APIRouter()
+router = APIRouter(route_class=StrictJsonRoute)
 
 QUOTA_FIELDS = (
     ("requests_per_minute", "Requests per minute"),

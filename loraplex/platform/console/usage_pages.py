@@ -38,9 +38,10 @@ from loraplex.platform.console.templating import redirect, render
 from loraplex.platform.deps import IdPath, ServicesDep
 from loraplex.platform.ids import parse_row_id
 from loraplex.platform.models import Tenant
+from loraplex.platform.strict_json import StrictJsonRoute
 from loraplex.platform.tenants import TenantError, get_tenant
 
-router = APIRouter()
+router = APIRouter(route_class=StrictJsonRoute)
 
 
 def _parse_date(value: str | None) -> date | None:

@@ -19,6 +19,7 @@ from loraplex.platform.schemas.tenants import (
     TenantPublic,
     TenantUpdate,
 )
+from loraplex.platform.strict_json import StrictJsonRoute
 from loraplex.platform.tenants import (
     create_api_key,
     create_plan,
@@ -31,7 +32,7 @@ from loraplex.platform.tenants import (
     update_tenant,
 )
 
-router = APIRouter(prefix="/admin/api", tags=["admin"])
+router = APIRouter(route_class=StrictJsonRoute, prefix="/admin/api", tags=["admin"])
 
 
 @router.get("/plans", response_model=list[PlanPublic])
