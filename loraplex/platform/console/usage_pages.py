@@ -125,7 +125,7 @@ def usage_export(request: Request, _context: ConsoleDep, services: ServicesDep) 
         return Response(f"{exc}\n", status_code=400, media_type="text/plain; charset=utf-8")
     with services.sessions() as session:
         rows = usage_report(session, start, end, group_by=dims, tenant_ids=[tenant_id] if tenant_id else None)
-    return report_response(rows, dims, start, end, fmt, "usage")
+    return report_response(rows, dims, start, end, fmt, "usage", download=True)
 
 
 @router.get("/billing", response_class=HTMLResponse)
@@ -162,7 +162,8 @@ def billing_export(request: Request, _context: ConsoleDep, services: ServicesDep
     if fmt == "csv":
         return Response(statements_summary_csv(views), media_type="text/csv; charset=utf-8",
                         headers={"content-disposition": f'attachment; filename="statements-{period}.csv"'})
-    return JSONResponse({"object": "list", "period": period, "data": [statement_dict(v) for v in views]})
+    return JSONResponse({"object": "list", "period": period, "data": [statement_dict(v) for v in views]},
+                        headers={"content-disposition": f'attachment; filename="statements-{period}.json"'})
 
 
 def by_currency(rows) -> list[tuple[str, int]]:
@@ -231,5 +232,5 @@ def statement_page(request: Request, context: ConsoleDep, services: ServicesDep,
             return render(request, "not_found.html", context, status_code=404,
                           what=f"statement {period} of tenant {tenant_id}")
     if fmt in ("csv", "json"):
-        return statement_response(view, fmt)
+        return statement_response(view, fmt, download=True)
     return render(request, "statement.html", context, s=view)
