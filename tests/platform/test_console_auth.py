@@ -118,6 +118,26 @@ def test_sign_in_needs_the_admin_key_and_its_own_csrf_token(console):
     assert tenant_key.status_code == 401
 
 
+def test_a_refused_sign_in_shows_the_signed_out_layout(console):
+    """A sign-in form posted without its cookie (cleared, or the page left open past its 30 minutes) is
+    refused; the page says why and leads back to the sign-in page, with no menu of a console not signed in to."""
+    token = FORM_TOKEN.search(console.client.get("/console/login").text).group(1)
+    console.client.cookies.clear()
+    r = console.client.post("/console/login", data={"csrf_token": token, "credential": console.admin_key},
+                            follow_redirects=False)
+    assert r.status_code == 403
+    assert "reload the sign-in page and try again" in r.text
+    assert 'href="/console/login"' in r.text
+    for signed_in_only in ("Dashboard", "Tenants", "Sign out", "Back to the dashboard", "/console/logout"):
+        assert signed_in_only not in r.text, signed_in_only
+    assert "lpx_console=" not in r.headers.get("set-cookie", "")
+    unknown = console.client.get("/console/no-such-page")  # any error page, for someone not signed in
+    assert unknown.status_code == 404 and "Sign out" not in unknown.text and 'href="/console/login"' in unknown.text
+    console.sign_in()
+    signed_in = console.client.get("/console/no-such-page")
+    assert "Sign out" in signed_in.text and "Back to the dashboard" in signed_in.text
+
+
 def test_sign_in_pages_open_in_two_tabs_both_work(console):
     """A session that expired under several tabs sends each to the sign-in page; the one signed in from
     first must not be refused because another tab loaded the page later."""
