@@ -24,6 +24,7 @@ from loraplex.platform.ids import parse_row_id
 from loraplex.platform.inference.service import chat_completion
 from loraplex.platform.models import ALL_SCOPES, Tenant, TenantStatus
 from loraplex.platform.registry import list_model_ids
+from loraplex.platform.schemas.messages import plain_errors
 from loraplex.platform.schemas.openai import ChatCompletionRequest
 from loraplex.platform.schemas.text import DbText
 from loraplex.platform.strict_json import StrictJsonRoute
@@ -81,8 +82,7 @@ async def playground_chat(request: Request, _context: ConsolePostDep, services: 
     except json.JSONDecodeError as exc:
         raise HTTPException(400, f"We could not parse the JSON body of your request: {exc.msg}") from exc
     except ValidationError as exc:
-        first = exc.errors()[0]
-        raise HTTPException(400, f"{'.'.join(map(str, first['loc']))}: {first['msg']}") from exc
+        raise HTTPException(400, plain_errors(exc)) from exc
     with services.sessions() as session:
         try:
             tenant = get_tenant(session, body.tenant_id)

@@ -44,14 +44,23 @@ from loraplex.platform.tenants import TenantError, get_tenant
 router = APIRouter(route_class=StrictJsonRoute)
 
 
-def _parse_date(value: str | None) -> date | None:
-    return date.fromisoformat(value) if value else None
+def _parse_date(q, name: str) -> date | None:
+    """A day from the query, or a message that shows what a day looks like (not Python's "Invalid isoformat")."""
+    value = q.get(name)
+    if not value:
+        return None
+    try:
+        return date.fromisoformat(value)
+    except ValueError:
+        shown = value if len(value) <= 40 else value[:40] + "..."
+        raise ValueError(f"{name} must be a date like 2026-12-01, got {shown!r}") from None
 
 
 def _filters(request: Request) -> tuple[date, date, int | None]:
     q = request.query_params
+    start, end = _parse_date(q, "start"), _parse_date(q, "end")
     try:
-        start, end = resolve_range(_parse_date(q.get("start")), _parse_date(q.get("end")))
+        start, end = resolve_range(start, end)
     except ValueError as exc:
         raise ValueError(f"Bad date range: {exc}") from exc
     tenant = q.get("tenant_id")
