@@ -21,6 +21,7 @@ def _session():
     from loraplex.platform.bootstrap import prepare_database
     from loraplex.platform.commands import _setting_error
     from loraplex.platform.db import make_engine, make_session_factory, session_scope
+    from loraplex.platform.schemas.messages import plain_errors
     from loraplex.platform.tenants import TenantError
 
     try:
@@ -52,8 +53,7 @@ def _session():
     except TenantError as exc:
         raise click.ClickException(str(exc)) from exc
     except ValidationError as exc:
-        problems = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors())
-        raise click.ClickException(problems) from exc
+        raise click.ClickException(plain_errors(exc)) from exc
     finally:
         engine.dispose()
 

@@ -133,6 +133,16 @@ def _as_page(request: Request, response: JSONResponse) -> Response:
     return response
 
 
+def _plain_msg(error: dict[str, Any]) -> str:
+    """Pydantic's message, but a pattern said as the rule it stands for (never a regex) and a custom check's
+    message without pydantic's "Value error," prefix."""
+    if error.get("type") in ("string_pattern_mismatch", "value_error"):
+        from loraplex.platform.schemas.messages import plain_rule
+
+        return plain_rule(error)
+    return error.get("msg", "invalid value")
+
+
 async def _validation_handler(request: Request, exc: RequestValidationError) -> Response:
     return _as_page(request, _validation_response(exc, request.headers.get("content-type", "")))
 
@@ -145,11 +155,11 @@ def _validation_response(exc: RequestValidationError, content_type: str = "appli
     if first.get("type") == "json_invalid":
         return bad_request("We could not parse the JSON body of your request: "
                            f"{first.get('ctx', {}).get('error', 'invalid JSON')}").response()
-    msg = first.get("msg", "invalid value")
+    msg = _plain_msg(first)
     # a value that fits no branch of a union fails once per branch, all under the same parameter
     same = [e for e in errors if _loc_to_param(tuple(e.get("loc", ()))) == param]
     if param and len(same) > 1:
-        msgs = list(dict.fromkeys(e.get("msg", "invalid value") for e in same))
+        msgs = list(dict.fromkeys(_plain_msg(e) for e in same))
         msg = msgs[0] + "".join(f", or {m[0].lower()}{m[1:]}" for m in msgs[1:])
         errors = [first] + [e for e in errors if e not in same]
     if tuple(first.get("loc", ())) == ("body",):  # no body at all, or JSON that is not an object

@@ -48,10 +48,18 @@ def test_admin_commands(cli_env):
         (["revoke-key", "99"], "no API key with id 99"),
         (["create-plan", "half", "--rpm", "1"], "a plan needs every quota"),
         (["set-quota", "acme"], "nothing to change"),
+        # validation errors in words: the field, the rule, no regex, no "Value error,"
+        (["create-tenant", "<b>p3</b>"], "Error: name must be 1-64 letters, digits, '.', '_' or '-', starting with"),
+        (["create-tenant", "héllo"], "name must be 1-64 letters"),
+        (["create-tenant", "123"], "Error: name: a tenant name must not be digits only"),
+        (["create-key", "acme", "--name", "k" * 65], "Error: name must be at most 64 characters long (this one has 65)"),
+        (["create-plan", "<p>", "--rpm", "0", "--tpm", "1", "--concurrent", "1", "--monthly-tokens", "1"],
+         "name must be 1-64 letters"),
     ]:
         r = runner.invoke(admin, args)
         assert r.exit_code == 1 and message in r.output, (args, r.output)
         assert "Traceback" not in r.output
+        assert "should match pattern" not in r.output and "Value error" not in r.output and "^[" not in r.output
 
 
 def test_plans_are_listed_updated_and_deleted_from_the_command_line(cli_env):
@@ -175,6 +183,7 @@ def test_serve_and_engine_name_a_model_they_cannot_serve_in_one_line(cli_env, tm
         assert r.exit_code == 1, r.output
         assert "Error: cannot serve the model" in r.output and message in r.output, r.output
         assert "Traceback" not in r.output
+        assert "should match pattern" not in r.output and "Value error" not in r.output and "^[" not in r.output
     monkeypatch.setenv("LORAPLEX_REDIS_URL", "redis://127.0.0.1:6379/0")
     monkeypatch.setattr("loraplex.platform.commands._refuse_unreachable_redis", lambda url: None)
     r = CliRunner().invoke(engine, ["--model", str(empty), "--port", str(free_port())])

@@ -126,6 +126,26 @@ def test_sign_in_needs_the_admin_key_and_its_own_csrf_token(console):
     assert tenant_key.status_code == 401
 
 
+def test_a_refused_sign_in_shows_the_signed_out_layout(console):
+    """A sign-in form posted without its cookie (cleared, or the page left open past its 30 minutes) is
+    refused; the page says why and leads back to the sign-in page, with no menu of a console not signed in to."""
+    token = FORM_TOKEN.search(console.client.get("/console/login").text).group(1)
+    console.client.cookies.clear()
+    r = console.client.post("/console/login", data={"csrf_token": token, "credential": console.admin_key},
+                            follow_redirects=False)
+    assert r.status_code == 403
+    assert "reload the sign-in page and try again" in r.text
+    assert 'href="/console/login"' in r.text
+    for signed_in_only in ("Dashboard", "Tenants", "Sign out", "Back to the dashboard", "/console/logout"):
+        assert signed_in_only not in r.text, signed_in_only
+    assert "lpx_console=" not in r.headers.get("set-cookie", "")
+    unknown = console.client.get("/console/no-such-page")  # any error page, for someone not signed in
+    assert unknown.status_code == 404 and "Sign out" not in unknown.text and 'href="/console/login"' in unknown.text
+    console.sign_in()
+    signed_in = console.client.get("/console/no-such-page")
+    assert "Sign out" in signed_in.text and "Back to the dashboard" in signed_in.text
+
+
 def test_sign_in_pages_open_in_two_tabs_both_work(console):
     """A session that expired under several tabs sends each to the sign-in page; the one signed in from
     first must not be refused because another tab loaded the page later."""
@@ -209,10 +229,70 @@ def test_a_form_posted_after_the_session_ended_leads_to_sign_in_and_back(console
                             headers={"Referer": "http://testserver/console/tenants?page=2",
                                      "Origin": "http://testserver"}, follow_redirects=False)
     assert r.status_code == 303
-    assert r.headers["location"] == "/console/login?next=/console/tenants%3Fpage%3D2"
+    assert r.headers["location"] == "/console/login?next=/console/tenants%3Fpage%3D2&reason=unsaved"
     assert _state(console) == before
     foreign = console.client.post("/console/tenants", data={"name": "late"},
                                   headers={"Referer": "http://evil.example/console/x"}, follow_redirects=False)
-    assert foreign.status_code == 303 and foreign.headers["location"] == "/console/login?next=/console/tenants"
+    assert foreign.status_code == 303
+    assert foreign.headers["location"] == "/console/login?next=/console/tenants&reason=unsaved"
     api = console.client.post("/console/api/dashboard", follow_redirects=False)
     assert api.status_code in (401, 405)
+
+
+def _expire_sessions(console) -> None:
+    from datetime import timedelta
+
+    from loraplex.platform.console.models import ConsoleSession
+    from loraplex.platform.models import utcnow
+
+    with console.sessions() as s:
+        for row in s.scalars(select(ConsoleSession)):
+            row.expires_at = utcnow() - timedelta(seconds=1)
+        s.commit()
+
+
+def test_an_edit_refused_for_an_expired_session_is_said_to_be_lost(console):
+    """An operator's session expired while the tenant's page was open; Save is refused. The sign-in page says
+    the session expired and the change was not saved, and so does the page it returns to after signing in."""
+    console.sign_in()
+    _expire_sessions(console)
+    r = console.client.post("/console/tenants/1", data={"csrf_token": console.csrf, "requests_per_minute": "77"},
+                            headers={"Referer": "http://testserver/console/tenants/1", "Origin": "http://testserver"},
+                            follow_redirects=False)
+    assert r.status_code == 303
+    assert r.headers["location"] == "/console/login?next=/console/tenants/1&reason=unsaved"
+    page = console.client.get(r.headers["location"])
+    assert "Your session has expired, so the change you submitted was not saved" in page.text
+    assert 'name="reason" value="unsaved"' in page.text
+    token = FORM_TOKEN.search(page.text).group(1)
+    bad = console.client.post("/console/login", follow_redirects=False, data={
+        "csrf_token": token, "credential": "lpx_admin_wrong", "next": "/console/tenants/1", "reason": "unsaved"})
+    assert bad.status_code == 401 and "was not saved" in bad.text  # a mistyped key keeps the notice
+    signed_in = console.client.post("/console/login", follow_redirects=False, data={
+        "csrf_token": token, "credential": console.admin_key, "next": "/console/tenants/1", "reason": "unsaved"})
+    assert signed_in.status_code == 303 and signed_in.headers["location"].startswith("/console/tenants/1?msg=")
+    back = console.client.get(signed_in.headers["location"])
+    assert "The change you submitted before signing in was not saved; make it again." in back.text
+    with console.sessions() as s:
+        assert s.get(Tenant, 1).requests_per_minute != 77
+
+
+def test_a_page_asked_for_after_expiry_says_the_session_expired(console):
+    console.sign_in()
+    _expire_sessions(console)
+    r = console.client.get("/console/usage?start=2026-12-01", follow_redirects=False)
+    assert r.headers["location"] == "/console/login?next=/console/usage%3Fstart%3D2026-12-01&reason=expired"
+    page = console.client.get(r.headers["location"]).text
+    assert "Your session has expired; sign in again" in page and "not saved" not in page
+    token = FORM_TOKEN.search(page).group(1)
+    signed_in = console.client.post("/console/login", follow_redirects=False, data={
+        "csrf_token": token, "credential": console.admin_key, "next": "/console/usage", "reason": "expired"})
+    assert signed_in.headers["location"] == "/console/usage"  # nothing was lost: no message to carry
+    console.client.cookies.clear()  # a first visit: nothing expired
+    first = console.client.get("/console/tenants", follow_redirects=False)
+    assert first.headers["location"] == "/console/login?next=/console/tenants"
+    assert "expired" not in console.client.get(first.headers["location"]).text
+    # the page shows only its own words: a made-up reason shows nothing, and `next` is as strict as before
+    made_up = console.client.get("/console/login?next=https://evil.example/&reason=<b>hi</b>").text
+    assert "<b>hi" not in made_up and "&lt;b&gt;hi" not in made_up and 'name="reason" value=""' in made_up
+    assert "evil.example" not in made_up and 'name="next" value="/console/dashboard"' in made_up

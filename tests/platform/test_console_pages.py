@@ -230,6 +230,25 @@ def test_billing_export_of_every_statement_for_a_period(console, make_tenant):
     assert console.client.get("/console/billing/export?period=2026-99").status_code == 400
 
 
+def test_json_exports_download_as_files_like_the_csv_ones(console, make_tenant):
+    """The console's Export JSON links save a file, named as the CSV one is, instead of turning the tab into
+    raw JSON; the API's JSON (read by programs) stays a plain response."""
+    tk = make_tenant("acme")
+    period = console.client.get("/console/billing").text.split('<option selected>')[1][:7]
+    for url, name in [
+        ("/console/usage/export?start=2026-12-01&end=2026-12-02&format={fmt}", "usage-2026-12-01-2026-12-02"),
+        (f"/console/billing/export?period={period}&format={{fmt}}", f"statements-{period}"),
+        (f"/console/billing/statements/{tk.tenant_id}/{period}?format={{fmt}}", f"statement-acme-{period}"),
+    ]:
+        for fmt in ("csv", "json"):
+            r = console.client.get(url.format(fmt=fmt))
+            assert r.status_code == 200, (url, r.text)
+            assert r.headers.get("content-disposition") == f'attachment; filename="{name}.{fmt}"', (url, fmt)
+        assert r.json()  # the JSON file is the same JSON as before
+    api = console.client.get(f"/v1/billing/statements/{period}?format=json", headers=tk.headers)
+    assert api.status_code == 200 and "content-disposition" not in api.headers
+
+
 def test_exports_refuse_what_they_cannot_read(console, make_tenant):
     tk = make_tenant("acme")
     get = console.client.get
@@ -239,7 +258,7 @@ def test_exports_refuse_what_they_cannot_read(console, make_tenant):
         ("/console/usage/export?tenant_id=abc", "tenant_id must be"),
         ("/console/usage/export?tenant_id=0", "tenant_id must be"),
         ("/console/usage/export?tenant_id=99999999999999999999999", "tenant_id must be"),
-        ("/console/usage/export?start=2026-13-01", "Bad date range"),
+        ("/console/usage/export?start=2026-13-01", "start must be a date like 2026-12-01, got '2026-13-01'"),
         ("/console/billing/export?format=pdf", "format must be csv or json"),
         (f"/console/billing/statements/{tk.tenant_id}/2026-11?format=xml", "format must be csv or json"),
     ]:

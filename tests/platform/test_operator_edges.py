@@ -264,3 +264,48 @@ def test_a_pin_the_engine_cannot_load_is_a_422_and_not_recorded(client, admin_ke
     assert "corrupt safetensors" in r.json()["error"]["message"]
     with app.state.services.sessions() as session:
         assert session.get(AdapterVersion, version["id"]).pinned is False
+
+
+@pytest.mark.parametrize(("form", "words"), [
+    ({"name": "<b>p3</b>"}, "name must be 1-64 letters, digits, &#39;.&#39;, &#39;_&#39; or &#39;-&#39;, starting with"),
+    ({"name": "héllo"}, "name must be 1-64 letters"),
+    ({"name": "42"}, "name: a tenant name must not be digits only"),
+])
+def test_console_tenant_names_are_refused_in_words(console, form, words):
+    """A refused name says the rule, not pydantic's regex or its "Value error," prefix."""
+    page = console.client.get(console.post("/console/tenants", form).headers["location"]).text
+    assert "Could not create the tenant: " + words in page, page
+    assert "should match pattern" not in page and "Value error" not in page and "^[A-Za-z" not in page
+
+
+def test_console_plan_and_key_errors_are_in_words(console, make_tenant):
+    tk = make_tenant("acme")
+    r = console.post("/console/plans", {"name": "<b>p3</b>", "requests_per_minute": "1", "tokens_per_minute": "1",
+                                        "max_concurrent": "1", "monthly_token_budget": "1"})
+    page = console.client.get(r.headers["location"]).text
+    assert "Could not add the plan: name must be 1-64 letters" in page and "should match pattern" not in page
+    r = console.post(f"/console/tenants/{tk.tenant_id}/keys", {"name": "k" * 65})
+    page = console.client.get(r.headers["location"]).text
+    assert "No key created: name must be at most 64 characters long (this one has 65)" in page, page
+
+
+def test_console_dates_that_cannot_be_read_are_said_so(console):
+    page = console.client.get("/console/usage?start=garbage").text
+    assert "start must be a date like 2026-12-01, got &#39;garbage&#39;" in page
+    assert "isoformat" not in page
+    r = console.client.get("/console/usage/export?end=2026-02-30")
+    assert r.status_code == 400 and r.text == "end must be a date like 2026-12-01, got '2026-02-30'\n"
+
+
+def test_admin_api_says_a_pattern_as_its_rule(client, admin_key):
+    r = client.post("/admin/api/tenants", headers=_admin(admin_key), json={"name": "<b>p3</b>"})
+    assert r.status_code == 400
+    error = r.json()["error"]
+    assert error["param"] == "name" and error["type"] == "invalid_request_error"
+    assert error["message"] == ("Invalid value for 'name': must be 1-64 letters, digits, '.', '_' or '-', "
+                                "starting with a letter or digit"), error
+    r = client.post("/admin/api/tenants", headers=_admin(admin_key), json={"name": "42"})
+    assert "Value error" not in r.json()["error"]["message"] and "digits only" in r.json()["error"]["message"]
+    body = {"prompt_price": 1, "completion_price": 2, "adapter_surcharge_price": 0, "currency": "usd"}
+    r = client.put("/admin/api/billing/prices/default", headers=_admin(admin_key), json=body)
+    assert r.json()["error"]["param"] == "currency" and "^[" not in r.json()["error"]["message"], r.text

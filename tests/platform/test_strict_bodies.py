@@ -4,6 +4,8 @@ boolean is asked for is a 400 naming the field, not read as something else ("str
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 CHAT = {"model": "fake-base", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
@@ -105,3 +107,66 @@ def test_a_value_that_fits_no_branch_of_a_union_is_named_plainly(client, make_te
     assert "string" in error["message"] and "list" in error["message"] and "more problem" not in error["message"]
     r = client.post("/v1/completions", headers=tenant.headers, json={**COMPLETION, "prompt": 3.5})
     assert r.json()["error"]["param"] == "prompt", r.text
+
+
+@pytest.mark.parametrize(("field", "token"), [("temperature", "NaN"), ("presence_penalty", "Infinity"),
+                                              ("frequency_penalty", "-Infinity"), ("top_p", "NaN")])
+def test_nan_and_infinity_are_not_json(client, make_tenant, fake_engine, field, token):
+    """Python's json.loads reads NaN and Infinity; they are not JSON, so the body is refused as unparsable
+    (naming the token), not validated and reported as a number out of range."""
+    tenant = make_tenant()
+    before = len(fake_engine.requests)
+    body = '{"model": "fake-base", "messages": [{"role": "user", "content": "hi"}], "FIELD": TOKEN}'
+    body = body.replace("FIELD", field).replace("TOKEN", token)
+    r = client.post("/v1/chat/completions", headers={**tenant.headers, "content-type": "application/json"},
+                    content=body)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["type"] == "invalid_request_error"
+    assert error["message"].startswith("We could not parse the JSON body of your request: "), error
+    assert f"{token} is not valid JSON" in error["message"] and "less than" not in error["message"]
+    assert len(fake_engine.requests) == before
+    text = '{"model": "fake-base", "prompt": "one", "temperature": TOKEN}'.replace("TOKEN", token)
+    r = client.post("/v1/completions", headers={**tenant.headers, "content-type": "application/json"}, content=text)
+    assert r.status_code == 400 and token in r.json()["error"]["message"], r.text
+
+
+def test_nan_is_refused_in_admin_and_console_bodies_too(client, admin_key, make_tenant):
+    from console_helpers import Console
+
+    tenant = make_tenant()
+    r = client.patch(f"/admin/api/tenants/{tenant.tenant_id}",
+                     headers={"Authorization": f"Bearer {admin_key}", "content-type": "application/json"},
+                     content='{"tokens_per_minute": NaN}')
+    assert r.status_code == 400 and "NaN is not valid JSON" in r.json()["error"]["message"], r.text
+    console = Console(client=client, app=client.app, admin_key=admin_key)
+    console.sign_in()
+    r = client.post("/console/api/playground/chat", headers={"x-csrf-token": console.csrf,
+                                                             "content-type": "application/json"},
+                    content=json.dumps({"tenant_id": tenant.tenant_id, "model": "fake-base", "temperature": 1.5,
+                                        "messages": [{"role": "user", "content": "hi"}]}).replace("1.5", "Infinity"))
+    assert r.status_code == 400 and "Infinity is not valid JSON" in r.json()["error"]["message"], r.text
+
+
+def _api_routes(routes) -> list:
+    """The app's routes, through the routers it includes (FastAPI keeps an included router whole)."""
+    from fastapi.routing import APIRoute
+
+    out = []
+    for route in routes:
+        if isinstance(route, APIRoute):
+            out.append(route)
+        elif hasattr(route, "original_router"):
+            out += _api_routes(route.original_router.routes)
+        elif hasattr(route, "routes"):
+            out += _api_routes(route.routes)
+    return out
+
+
+def test_every_route_parses_json_strictly(app):
+    """A router added later without route_class=StrictJsonRoute would read NaN again: every route is checked."""
+    from loraplex.platform.strict_json import StrictJsonRoute
+
+    routes = _api_routes(app.routes)
+    assert len(routes) > 30
+    assert sorted(r.path for r in routes if not isinstance(r, StrictJsonRoute)) == []

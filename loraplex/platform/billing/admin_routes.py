@@ -43,9 +43,10 @@ from loraplex.platform.billing.statements import (
 from loraplex.platform.deps import AdminDep, IdPath, RowId, SessionDep
 from loraplex.platform.errors import bad_request, conflict, not_found
 from loraplex.platform.models import Tenant
+from loraplex.platform.strict_json import StrictJsonRoute
 from loraplex.platform.tenants import get_tenant
 
-router = APIRouter(prefix="/admin/api/billing", tags=["admin billing"])
+router = APIRouter(route_class=StrictJsonRoute, prefix="/admin/api/billing", tags=["admin billing"])
 Micros = Annotated[int, Field(ge=0, le=10**15, description="micro-units of the currency per million tokens")]
 
 

@@ -37,14 +37,20 @@ def dimensions(group_by: str, allowed: tuple[str, ...] = DIMENSIONS) -> tuple[st
     return dims
 
 
+def _attachment(filename: str) -> dict[str, str]:
+    return {"content-disposition": f'attachment; filename="{filename}"'}
+
+
 def report_response(
-    rows: list[ReportRow], dims: tuple[str, ...], start: date, end: date, fmt: Format, filename: str
+    rows: list[ReportRow], dims: tuple[str, ...], start: date, end: date, fmt: Format, filename: str,
+    *, download: bool = False,
 ) -> Response:
+    """The report as CSV (always a file to save) or JSON; `download` makes the JSON a file too, for a link a
+    person clicks (the console's "Export JSON") rather than a response a program reads."""
     data = [r.as_dict(dims) for r in rows]
     if fmt == "csv":
-        return Response(rows_to_csv(data, ReportRow.columns(dims)), media_type="text/csv; charset=utf-8", headers={
-            "content-disposition": f'attachment; filename="{filename}-{start}-{end}.csv"',
-        })
+        return Response(rows_to_csv(data, ReportRow.columns(dims)), media_type="text/csv; charset=utf-8",
+                        headers=_attachment(f"{filename}-{start}-{end}.csv"))
     amounts: dict[str, int] = {}
     for r in rows:
         for currency, amount in r.amounts.items():
@@ -63,12 +69,13 @@ def report_response(
     # rows carry only the dimensions they were grouped by
     body["data"] = [row.model_dump(mode="json", exclude_unset=True) for row in
                     (ReportRowPublic.model_validate(with_decimal_amounts(d)) for d in data)]
-    return JSONResponse(body)
+    return JSONResponse(body, headers=_attachment(f"{filename}-{start}-{end}.json") if download else None)
 
 
-def statement_response(view: StatementView, fmt: Format) -> Response:
+def statement_response(view: StatementView, fmt: Format, *, download: bool = False) -> Response:
+    """The statement as CSV (always a file to save) or JSON; `download` makes the JSON a file too."""
+    name = f"statement-{view.tenant}-{view.period}"
     if fmt == "csv":
-        return Response(statement_csv(view), media_type="text/csv; charset=utf-8", headers={
-            "content-disposition": f'attachment; filename="statement-{view.tenant}-{view.period}.csv"',
-        })
-    return JSONResponse(StatementPublic.model_validate(statement_dict(view)).model_dump(mode="json"))
+        return Response(statement_csv(view), media_type="text/csv; charset=utf-8", headers=_attachment(f"{name}.csv"))
+    return JSONResponse(StatementPublic.model_validate(statement_dict(view)).model_dump(mode="json"),
+                        headers=_attachment(f"{name}.json") if download else None)

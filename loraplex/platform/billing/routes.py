@@ -37,8 +37,9 @@ from loraplex.platform.billing.statements import (
 from loraplex.platform.deps import RowId, SessionDep, UsageKeyDep
 from loraplex.platform.errors import bad_request, not_found
 from loraplex.platform.models import Tenant
+from loraplex.platform.strict_json import StrictJsonRoute
 
-router = APIRouter(prefix="/v1", tags=["billing"])
+router = APIRouter(route_class=StrictJsonRoute, prefix="/v1", tags=["billing"])
 TENANT_DIMENSIONS = ("day", "key", "adapter")
 
 

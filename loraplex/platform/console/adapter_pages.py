@@ -26,10 +26,11 @@ from loraplex.platform.metrics import get_metrics
 from loraplex.platform.models import Adapter, AdapterVersion, Tenant, VersionStatus
 from loraplex.platform.routes.adapters import MULTIPART_OVERHEAD, drop_versions, register_with_retry
 from loraplex.platform.scoping import TenantScope
+from loraplex.platform.strict_json import StrictJsonRoute
 from loraplex.platform.tenants import TenantError, get_tenant
 from loraplex.platform.uploads import parse_upload, too_large
 
-router = APIRouter()
+router = APIRouter(route_class=StrictJsonRoute)
 
 
 def _residency(request: Request) -> tuple[set[str], set[str], set[str]]:

@@ -12,8 +12,9 @@ from loraplex.platform.console.templating import SECURITY_HEADERS, render
 from loraplex.platform.deps import ServicesDep
 from loraplex.platform.metrics import engine_summary, get_metrics
 from loraplex.platform.models import Adapter, AdapterVersion, Tenant, VersionStatus
+from loraplex.platform.strict_json import StrictJsonRoute
 
-router = APIRouter()
+router = APIRouter(route_class=StrictJsonRoute)
 
 
 @router.get("/dashboard", response_class=HTMLResponse)

@@ -28,13 +28,31 @@ def _page_after_sign_in(request: Request) -> str | None:
     return "/console/tenants"
 
 
+# Why a browser was sent to sign in, named in the sign-in page's `reason` (the page shows only these words)
+SIGN_IN_REASONS = {
+    "expired": "Your session has expired; sign in again to continue.",
+    "unsaved": "Your session has expired, so the change you submitted was not saved. "
+               "Sign in, then make it again.",
+}
+
+
+def _sign_in_reason(request: Request) -> str | None:
+    """A refused post lost the operator's change: say so. A page asked for with a session cookie that no longer
+    names a session: the session expired (or ended elsewhere). A first visit, with no cookie, needs no notice."""
+    if request.method != "GET":
+        return "unsaved"
+    return "expired" if request.cookies.get(SESSION_COOKIE) else None
+
+
 def get_console(request: Request, services: ServicesDep) -> ConsoleContext:
     with services.sessions() as session:
         context = load_session(session, services.settings, request.cookies.get(SESSION_COOKIE))
     if context is None:
         target = _page_after_sign_in(request)
         if target is not None:  # nothing a signed-out post asked for is done: it is sent to sign in
-            raise HTTPException(303, "sign in first", headers={"Location": f"/console/login?next={quote(target)}"})
+            reason = _sign_in_reason(request)
+            location = f"/console/login?next={quote(target)}" + (f"&reason={reason}" if reason else "")
+            raise HTTPException(303, "sign in first", headers={"Location": location})
         raise HTTPException(401, "Sign in to the console first.")
     return context
 

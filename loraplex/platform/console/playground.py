@@ -7,11 +7,14 @@ in usage and on the statement like any other request. No key is minted and none 
 
 from __future__ import annotations
 
+import json
+
 from fastapi import APIRouter, HTTPException, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 from pydantic import BaseModel, Field, ValidationError
 from sqlalchemy import select
 
+from loraplex.platform import strict_json
 from loraplex.platform.auth import TenantContext
 from loraplex.platform.billing.models import NO_KEY
 from loraplex.platform.console.deps import ConsoleDep, ConsolePostDep
@@ -21,11 +24,13 @@ from loraplex.platform.ids import parse_row_id
 from loraplex.platform.inference.service import chat_completion
 from loraplex.platform.models import ALL_SCOPES, Tenant, TenantStatus
 from loraplex.platform.registry import list_model_ids
+from loraplex.platform.schemas.messages import plain_errors
 from loraplex.platform.schemas.openai import ChatCompletionRequest
 from loraplex.platform.schemas.text import DbText
+from loraplex.platform.strict_json import StrictJsonRoute
 from loraplex.platform.tenants import TenantError, effective_limits, get_tenant
 
-router = APIRouter()
+router = APIRouter(route_class=StrictJsonRoute)
 CONSOLE_USER = "console"
 
 
@@ -70,11 +75,14 @@ def playground_models(_context: ConsoleDep, services: ServicesDep, tenant_id: Ro
 
 @router.post("/api/playground/chat", response_model=None)
 async def playground_chat(request: Request, _context: ConsolePostDep, services: ServicesDep) -> Response:
+    raw = await request.body()
     try:
-        body = PlaygroundChat.model_validate_json(await request.body())
+        strict_json.loads(raw)  # NaN and Infinity are not JSON; pydantic's parser would read them
+        body = PlaygroundChat.model_validate_json(raw)
+    except json.JSONDecodeError as exc:
+        raise HTTPException(400, f"We could not parse the JSON body of your request: {exc.msg}") from exc
     except ValidationError as exc:
-        first = exc.errors()[0]
-        raise HTTPException(400, f"{'.'.join(map(str, first['loc']))}: {first['msg']}") from exc
+        raise HTTPException(400, plain_errors(exc)) from exc
     with services.sessions() as session:
         try:
             tenant = get_tenant(session, body.tenant_id)

@@ -18,8 +18,9 @@ from loraplex.platform.console import (
 from loraplex.platform.console.session import SESSION_COOKIE, ConsoleContext, load_session
 from loraplex.platform.console.templating import WEB_DIR, render
 from loraplex.platform.errors import answer_errors_in_html
+from loraplex.platform.strict_json import StrictJsonRoute
 
-router = APIRouter(prefix="/console", include_in_schema=False)
+router = APIRouter(route_class=StrictJsonRoute, prefix="/console", include_in_schema=False)
 STATIC_DIR = (WEB_DIR / "static").resolve()
 
 
@@ -51,9 +52,12 @@ def _signed_in(request: Request) -> ConsoleContext | None:
 
 
 def _error_page(request: Request, status: int, message: str) -> HTMLResponse:
+    """The error as a page: with the console's menu for a signed-in operator, and without it (a link to sign
+    in instead) for anyone else, such as a sign-in form refused for its CSRF token."""
     titles = {400: "Not a valid request", 401: "Sign in needed", 403: "Not allowed", 404: "Not found",
               405: "Not allowed here", 413: "Too large"}
-    return render(request, "error.html", _signed_in(request), status_code=status,
+    context = _signed_in(request)
+    return render(request, "error.html", context, status_code=status, signed_in=context is not None,
                   title=titles.get(status, "Something went wrong" if status >= 500 else "Not a valid request"),
                   message=message)
 

@@ -19,6 +19,7 @@ from loraplex.platform.console.session import cookie_secure
 from loraplex.platform.console.templating import redirect, render
 from loraplex.platform.deps import IdPath, ServicesDep
 from loraplex.platform.models import ALL_SCOPES, ApiKey, Plan, Tenant
+from loraplex.platform.schemas.messages import plain_errors
 from loraplex.platform.schemas.tenants import (
     QUOTA_MAX,
     KeyCreate,
@@ -28,6 +29,7 @@ from loraplex.platform.schemas.tenants import (
     TenantCreate,
     TenantUpdate,
 )
+from loraplex.platform.strict_json import StrictJsonRoute
 from loraplex.platform.tenants import (
     TenantError,
     create_api_key,
@@ -43,7 +45,7 @@ from loraplex.platform.tenants import (
     update_tenant,
 )
 
-router = APIRouter()
+router = APIRouter(route_class=StrictJsonRoute)
 
 QUOTA_FIELDS = (
     ("requests_per_minute", "Requests per minute"),
@@ -56,11 +58,7 @@ PRICE_FIELDS = (("prompt", "Prompt tokens"), ("completion", "Completion tokens")
 
 
 def _problem(exc: Exception) -> str:
-    if isinstance(exc, ValidationError):
-        first = exc.errors()[0]
-        where = ".".join(str(p) for p in first.get("loc", ()))
-        return f"{where}: {first.get('msg')}" if where else str(first.get("msg"))
-    return str(exc)
+    return plain_errors(exc) if isinstance(exc, ValidationError) else str(exc)
 
 
 @router.get("/tenants", response_class=HTMLResponse)

@@ -38,19 +38,29 @@ from loraplex.platform.console.templating import redirect, render
 from loraplex.platform.deps import IdPath, ServicesDep
 from loraplex.platform.ids import parse_row_id
 from loraplex.platform.models import Tenant
+from loraplex.platform.strict_json import StrictJsonRoute
 from loraplex.platform.tenants import TenantError, get_tenant
 
-router = APIRouter()
+router = APIRouter(route_class=StrictJsonRoute)
 
 
-def _parse_date(value: str | None) -> date | None:
-    return date.fromisoformat(value) if value else None
+def _parse_date(q, name: str) -> date | None:
+    """A day from the query, or a message that shows what a day looks like (not Python's "Invalid isoformat")."""
+    value = q.get(name)
+    if not value:
+        return None
+    try:
+        return date.fromisoformat(value)
+    except ValueError:
+        shown = value if len(value) <= 40 else value[:40] + "..."
+        raise ValueError(f"{name} must be a date like 2026-12-01, got {shown!r}") from None
 
 
 def _filters(request: Request) -> tuple[date, date, int | None]:
     q = request.query_params
+    start, end = _parse_date(q, "start"), _parse_date(q, "end")
     try:
-        start, end = resolve_range(_parse_date(q.get("start")), _parse_date(q.get("end")))
+        start, end = resolve_range(start, end)
     except ValueError as exc:
         raise ValueError(f"Bad date range: {exc}") from exc
     tenant = q.get("tenant_id")
@@ -124,7 +134,7 @@ def usage_export(request: Request, _context: ConsoleDep, services: ServicesDep) 
         return Response(f"{exc}\n", status_code=400, media_type="text/plain; charset=utf-8")
     with services.sessions() as session:
         rows = usage_report(session, start, end, group_by=dims, tenant_ids=[tenant_id] if tenant_id else None)
-    return report_response(rows, dims, start, end, fmt, "usage")
+    return report_response(rows, dims, start, end, fmt, "usage", download=True)
 
 
 @router.get("/billing", response_class=HTMLResponse)
@@ -161,7 +171,8 @@ def billing_export(request: Request, _context: ConsoleDep, services: ServicesDep
     if fmt == "csv":
         return Response(statements_summary_csv(views), media_type="text/csv; charset=utf-8",
                         headers={"content-disposition": f'attachment; filename="statements-{period}.csv"'})
-    return JSONResponse({"object": "list", "period": period, "data": [statement_dict(v) for v in views]})
+    return JSONResponse({"object": "list", "period": period, "data": [statement_dict(v) for v in views]},
+                        headers={"content-disposition": f'attachment; filename="statements-{period}.json"'})
 
 
 def by_currency(rows) -> list[tuple[str, int]]:
@@ -230,5 +241,5 @@ def statement_page(request: Request, context: ConsoleDep, services: ServicesDep,
             return render(request, "not_found.html", context, status_code=404,
                           what=f"statement {period} of tenant {tenant_id}")
     if fmt in ("csv", "json"):
-        return statement_response(view, fmt)
+        return statement_response(view, fmt, download=True)
     return render(request, "statement.html", context, s=view)

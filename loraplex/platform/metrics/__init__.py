@@ -18,6 +18,7 @@ from loraplex.platform.metrics.engine import EngineCollector, engine_summary
 from loraplex.platform.metrics.labels import OTHER, TopN
 from loraplex.platform.metrics.registry import BASE_MODEL_LABEL, STATUSES, PlatformMetrics
 from loraplex.platform.metrics.window import FinishedRequest, RecentWindow, percentile
+from loraplex.platform.strict_json import StrictJsonRoute
 
 __all__ = [
     "BASE_MODEL_LABEL", "OTHER", "STATUSES", "EngineCollector", "FinishedRequest", "PlatformMetrics",
@@ -46,7 +47,7 @@ def _engine_stats_of(app) -> EngineStats | None:
     return engine.stats() if engine is not None else None
 
 
-router = APIRouter(include_in_schema=False)
+router = APIRouter(route_class=StrictJsonRoute, include_in_schema=False)
 
 
 def _check_scrape_token(request: Request) -> None:

@@ -33,10 +33,11 @@ from loraplex.platform.schemas.adapters import (
 )
 from loraplex.platform.scoping import TenantScope
 from loraplex.platform.services import Services
+from loraplex.platform.strict_json import StrictJsonRoute
 from loraplex.platform.uploads import parse_upload, too_large
 
 log = logging.getLogger(__name__)
-router = APIRouter(prefix="/v1/adapters", tags=["adapters"])
+router = APIRouter(route_class=StrictJsonRoute, prefix="/v1/adapters", tags=["adapters"])
 MULTIPART_OVERHEAD = 64 * 1024  # boundaries and part headers on top of the file bytes
 
 

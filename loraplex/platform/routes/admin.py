@@ -20,6 +20,7 @@ from loraplex.platform.schemas.tenants import (
     TenantPublic,
     TenantUpdate,
 )
+from loraplex.platform.strict_json import StrictJsonRoute
 from loraplex.platform.tenants import (
     create_api_key,
     create_plan,
@@ -35,7 +36,7 @@ from loraplex.platform.tenants import (
     update_tenant,
 )
 
-router = APIRouter(prefix="/admin/api", tags=["admin"])
+router = APIRouter(route_class=StrictJsonRoute, prefix="/admin/api", tags=["admin"])
 
 
 @router.get("/plans", response_model=list[PlanPublic])

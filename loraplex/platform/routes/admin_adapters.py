@@ -22,11 +22,12 @@ from loraplex.platform.schemas.adapters import (
     AdapterVersionDeleted,
     PrefetchRequest,
 )
+from loraplex.platform.strict_json import StrictJsonRoute
 from loraplex.platform.tenants import get_tenant
 
 log = logging.getLogger(__name__)
 
-router = APIRouter(prefix="/admin/api", tags=["admin"])
+router = APIRouter(route_class=StrictJsonRoute, prefix="/admin/api", tags=["admin"])
 
 
 class TenantAdapter(AdapterPublic):

@@ -10,8 +10,9 @@ from sqlalchemy import text
 
 from loraplex.platform.deps import ServicesDep
 from loraplex.platform.services import Services
+from loraplex.platform.strict_json import StrictJsonRoute
 
-router = APIRouter(tags=["health"])
+router = APIRouter(route_class=StrictJsonRoute, tags=["health"])
 
 
 @router.get("/healthz")

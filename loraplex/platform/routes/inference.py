@@ -8,8 +8,9 @@ from fastapi.responses import Response
 from loraplex.platform.deps import InferenceKeyDep, ServicesDep
 from loraplex.platform.inference.service import chat_completion, text_completion
 from loraplex.platform.schemas.openai import ChatCompletionRequest, CompletionRequest
+from loraplex.platform.strict_json import StrictJsonRoute
 
-router = APIRouter(prefix="/v1", tags=["openai"])
+router = APIRouter(route_class=StrictJsonRoute, prefix="/v1", tags=["openai"])
 
 
 @router.post("/chat/completions", response_model=None)

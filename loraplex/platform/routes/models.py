@@ -9,8 +9,9 @@ from loraplex.platform.errors import not_found
 from loraplex.platform.inference.params import check_text
 from loraplex.platform.registry import ModelNotFound, list_model_ids, resolve_model
 from loraplex.platform.schemas.openai import ModelCard, ModelList
+from loraplex.platform.strict_json import StrictJsonRoute
 
-router = APIRouter(prefix="/v1", tags=["openai"])
+router = APIRouter(route_class=StrictJsonRoute, prefix="/v1", tags=["openai"])
 
 
 @router.get("/models", response_model=ModelList)

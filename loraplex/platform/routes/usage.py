@@ -11,9 +11,10 @@ from fastapi.responses import Response
 from loraplex.platform.deps import RowId, SessionDep, UsageKeyDep
 from loraplex.platform.errors import bad_request
 from loraplex.platform.schemas.usage import UsageBucket, UsageReport
+from loraplex.platform.strict_json import StrictJsonRoute
 from loraplex.platform.usage.report import usage_by_day
 
-router = APIRouter(prefix="/v1", tags=["usage"])
+router = APIRouter(route_class=StrictJsonRoute, prefix="/v1", tags=["usage"])
 MAX_DAYS = 366
 
 
