@@ -83,7 +83,7 @@ def test_plans_are_listed_updated_and_deleted_from_the_command_line(cli_env):
     assert "nothing to change" in run("update-plan", "tiny", code=1)
     assert "already exists" in run("update-plan", "tiny", "--name", "spare", code=1)
     assert "unknown plan 'gold'" in run("update-plan", "gold", "--rpm", "2", code=1)
-    assert "less than or equal to 2147483647" in run("update-plan", "tiny", "--rpm", str(2**31), code=1)
+    assert "at most 2,147,483,647" in run("update-plan", "tiny", "--rpm", str(2**31), code=1)
     assert "has 2 tenant(s): acme, own" in run("delete-plan", "tiny", code=1)
     run("delete-plan", "spare")
     assert "spare" not in run("list-plans")
