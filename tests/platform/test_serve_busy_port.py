@@ -59,13 +59,15 @@ def test_port_setting_out_of_range_names_the_variable(data_dir, monkeypatch):
 def test_idle_connections_outlive_client_pools(data_dir, monkeypatch):
     """HTTP clients (httpx, the openai client) drop idle pooled connections after 5 s; a server that closes
     them at the same moment races with a client reusing one, which then reads ECONNRESET."""
-    import uvicorn
+    from types import SimpleNamespace
 
     import loraplex.platform.app as app_module
+    from loraplex.platform.stopping import StoppingServer
 
     seen = {}
-    monkeypatch.setattr(app_module, "create_app", lambda settings: object())
-    monkeypatch.setattr(uvicorn, "run", lambda app, **kwargs: seen.update(kwargs))
+    monkeypatch.setattr(app_module, "create_app", lambda settings: SimpleNamespace(state=SimpleNamespace(services=None)))
+    monkeypatch.setattr(StoppingServer, "run",
+                        lambda self: seen.update(timeout_keep_alive=self.config.timeout_keep_alive))
     r = CliRunner().invoke(serve, ["--port", "0"])
     assert r.exit_code == 0, r.output
     assert seen["timeout_keep_alive"] == 75.0
