@@ -295,3 +295,19 @@ def test_the_base_model_card_has_a_real_created_time(client, make_tenant):
     base = next(m for m in listed if m["id"] == "fake-base")
     one = client.get("/v1/models/fake-base", headers=tenant.headers).json()
     assert abs(base["created"] - time.time()) < 24 * 3600 and one["created"] == base["created"], (base, one)
+
+
+def test_completion_batches_are_capped(client, make_tenant, fake_engine):
+    """One request holds one concurrency slot: a batch of prompts (and prompts x n) has a ceiling, as OpenAI's
+    2048 prompts, refused before any prompt is encoded or run."""
+    tenant = make_tenant()
+    for body, words in (({"prompt": ["hi"] * 2049}, "at most 2048"),
+                        ({"prompt": ["hi"] * 64, "n": 64}, "4096 completions")):
+        r = client.post("/v1/completions", headers=tenant.headers,
+                        json={"model": "fake-base", "max_tokens": 1, **body})
+        assert r.status_code == 400 and words in r.json()["error"]["message"], r.text
+        assert r.json()["error"]["param"] == "prompt"
+    assert fake_engine.requests == []
+    r = client.post("/v1/completions", headers=tenant.headers,
+                    json={"model": "fake-base", "max_tokens": 1, "prompt": ["hi"] * 32, "n": 64})
+    assert r.status_code == 200 and len(r.json()["choices"]) == 2048, r.text[:200]

@@ -103,6 +103,12 @@ def encode_chat(engine: EngineClient, req: ChatCompletionRequest) -> list[int]:
         raise from_engine_error(exc) from exc
 
 
+# a completion batch (OpenAI's limit on prompts), and prompts x n: one request holds one concurrency slot
+# however many sequences it runs
+MAX_BATCH_PROMPTS = 2048
+MAX_BATCH_SEQUENCES = 2048
+
+
 def completion_prompts(engine: EngineClient, req: CompletionRequest) -> list[list[int]]:
     """A completion request may carry one prompt or a batch (strings or token ids)."""
     p = req.prompt
@@ -114,6 +120,13 @@ def completion_prompts(engine: EngineClient, req: CompletionRequest) -> list[lis
         prompts = list(p)
     if not prompts:
         raise bad_request("prompt must not be empty", param="prompt")
+    if len(prompts) > MAX_BATCH_PROMPTS:
+        raise bad_request(f"prompt holds {len(prompts)} prompts; a request may hold at most {MAX_BATCH_PROMPTS}",
+                          param="prompt")
+    n = req.n or 1
+    if len(prompts) * n > MAX_BATCH_SEQUENCES:
+        raise bad_request(f"{len(prompts)} prompts with n={n} make {len(prompts) * n} completions; a request may "
+                          f"ask for at most {MAX_BATCH_SEQUENCES} (split the batch)", param="prompt")
     out = []
     for item in prompts:
         try:
