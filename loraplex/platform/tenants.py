@@ -107,7 +107,8 @@ def update_plan(session: Session, plan: Plan, data: PlanUpdate) -> Plan:
     changes = data.model_dump(exclude_unset=True)
     nulls = [name for name, value in changes.items() if value is None]
     if nulls:
-        raise TenantError(f"{nulls[0]} cannot be null: a plan's tenants fall back on its quotas", param=nulls[0])
+        why = "a plan has a name" if nulls[0] == "name" else "a plan's tenants fall back on its quotas"
+        raise TenantError(f"{nulls[0]} cannot be null: {why}", param=nulls[0])
     name = changes.get("name")
     if name is not None and name != plan.name and \
             session.scalar(select(Plan.id).where(Plan.name == name)) is not None:

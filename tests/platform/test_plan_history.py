@@ -179,3 +179,48 @@ def test_admin_billing_views_name_an_unknown_tenant_id(client, admin_key, make_t
         assert r.status_code == 404 and "999" in r.json()["error"]["message"], (path, r.text)
         assert r.json()["error"]["param"] == "tenant_id"
         assert client.get(path, headers=h, params={**params, "tenant_id": tenant.tenant_id}).status_code == 200
+
+
+def test_a_currency_change_already_scheduled_is_no_way_around_the_override_check(app, client, admin_key):
+    """A plan that changes currency from a later month: an override set now, or a tenant with one moved onto
+    that plan now, would bill its amounts in the other currency from then on: refused (409) too."""
+    from loraplex.platform.billing.periods import next_period
+
+    h = _admin(admin_key)
+    tenant_id, _tenant, _last = _setup(app, client, h)  # "hist" on basic (USD); pro is in EUR
+    this = period_of(today_utc())
+    later = next_period(next_period(this))
+    plans = {p["name"]: p["id"] for p in client.get("/admin/api/plans", headers=h).json()}
+    override = f"/admin/api/billing/tenants/{tenant_id}/price-override"
+    price = {"prompt_price": 1_000_000, "completion_price": 2_000_000, "adapter_surcharge_price": 0}
+
+    # basic turns EUR from a later month, scheduled while no override exists: fine
+    r = client.put(f"/admin/api/billing/prices/plans/{plans['basic']}", headers=h,
+                   json={**price, "currency": "EUR", "effective_period": later})
+    assert r.status_code == 200, r.text
+    r = client.put(override, headers=h, json={"prompt_price": 5})
+    assert r.status_code == 409 and r.json()["error"]["param"] == "currency", r.text
+    message = r.json()["error"]["message"]
+    assert "tenant hist, set in USD, in EUR from " + later in message, message
+    # an override that ends before the switch is fine
+    assert client.put(override, headers=h, json={"prompt_price": 5}).status_code == 409
+    r = client.put(override, headers=h, json={"prompt_price": 5, "effective_period": later})
+    assert r.status_code == 200, r.text  # set in EUR, billed in EUR
+    assert client.put(override, headers=h, json={"effective_period": later}).status_code == 200
+
+    # a tenant with a USD override moved now onto a plan that is USD now and EUR later
+    r = client.put(f"/admin/api/billing/prices/plans/{plans['basic']}", headers=h,
+                   json={**price, "currency": "USD", "effective_period": later})
+    assert r.status_code == 200, r.text
+    for period in (this, later):  # (the row from later on ended the override of this month there)
+        r = client.put(override, headers=h, json={"prompt_price": 5, "effective_period": period})
+        assert r.status_code == 200, r.text
+    r = client.post("/admin/api/plans", headers=h, json={"name": "later-eur", **PLAN})
+    later_eur = r.json()["id"]
+    for period, currency in ((this, "USD"), (later, "EUR")):
+        r = client.put(f"/admin/api/billing/prices/plans/{later_eur}", headers=h,
+                       json={**price, "currency": currency, "effective_period": period})
+        assert r.status_code == 200, r.text
+    r = client.patch(f"/admin/api/tenants/{tenant_id}", headers=h, json={"plan": "later-eur"})
+    assert r.status_code == 409 and r.json()["error"]["param"] == "plan", r.text
+    assert client.get(f"/admin/api/tenants/{tenant_id}", headers=h).json()["plan"] == "basic"

@@ -145,6 +145,8 @@ def put_override(*, _admin: AdminDep, session: SessionDep, tenant_id: IdPath, bo
     try:
         set_tenant_override(session, tenant.id, PriceOverride(body.prompt_price, body.completion_price,
                                                               body.adapter_surcharge_price), body.effective_period)
+    except CurrencyConflict as exc:
+        raise conflict(str(exc), param="currency") from exc
     except ValueError as exc:  # a month already billed
         raise conflict(str(exc), param="effective_period") from exc
     return JSONResponse({"tenant_id": tenant.id, **body.model_dump()})

@@ -7,7 +7,7 @@ looks up the rows in force for its own period.
 
 from __future__ import annotations
 
-from sqlalchemy import func, or_, select
+from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from loraplex.platform.billing.models import ALWAYS, PlanPrice, Statement, TenantPlan, TenantPrice
@@ -50,43 +50,88 @@ def _base_currency(session: Session, tenant: Tenant, period: str) -> str:
     return (base or plan_price(session, None, period) or FREE).currency
 
 
-def _override_periods(session: Session, period: str, tenant_id: int | None = None) -> dict[int, list[str]]:
-    """Per tenant with an override in force in `period` or starting later: the periods from which each of
-    them applies (`period` itself for the one already in force)."""
-    stmt = select(TenantPrice).where(or_(TenantPrice.prompt_price.is_not(None),
-                                         TenantPrice.completion_price.is_not(None),
-                                         TenantPrice.adapter_surcharge_price.is_not(None)))
-    if tenant_id is not None:
-        stmt = stmt.where(TenantPrice.tenant_id == tenant_id)
-    out: dict[int, list[str]] = {}
+def _change_points(session: Session, tenant_id: int, after: str) -> set[str]:
+    """The months after `after` at which the currency a tenant is billed in could change: a price list (any
+    plan's: the tenant's plan may change too) or a plan change of its own takes effect."""
+    prices = session.scalars(select(PlanPrice.effective_period).where(PlanPrice.effective_period > after))
+    plans = session.scalars(select(TenantPlan.effective_period).where(TenantPlan.tenant_id == tenant_id,
+                                                                      TenantPlan.effective_period > after))
+    return set(prices) | set(plans)
+
+
+def _override_rows(session: Session, tenant_ids: list[int] | None) -> dict[int, list[tuple[TenantPrice, str, str | None]]]:
+    """Per tenant, its overrides in force now or scheduled, each with the month from which it applies (now
+    for one in force already) and, by the next row's start, the months it covers."""
+    now = _period(None)
+    stmt = select(TenantPrice).order_by(TenantPrice.tenant_id, TenantPrice.effective_period)
+    if tenant_ids is not None:
+        stmt = stmt.where(TenantPrice.tenant_id.in_(tenant_ids))
+    rows_by_tenant: dict[int, list[TenantPrice]] = {}
     for row in session.scalars(stmt):
-        if row.effective_period > period:
-            out.setdefault(row.tenant_id, []).append(row.effective_period)
-        elif tenant_override(session, row.tenant_id, period) is not None:
-            out.setdefault(row.tenant_id, []).append(period)
-    return {t: sorted(set(ps)) for t, ps in out.items()}
+        rows_by_tenant.setdefault(row.tenant_id, []).append(row)
+    out: dict[int, list[tuple[TenantPrice, str, str | None]]] = {}
+    for tenant_id, rows in rows_by_tenant.items():
+        for i, row in enumerate(rows):
+            end = rows[i + 1].effective_period if i + 1 < len(rows) else None
+            start = max(row.effective_period, now)
+            empty = row.prompt_price is None and row.completion_price is None and row.adapter_surcharge_price is None
+            if not empty and (end is None or end > start):
+                out.setdefault(tenant_id, []).append((row, start, end))
+    return out
 
 
-def _currencies(session: Session, periods: dict[int, list[str]]) -> dict[tuple[int, str], str]:
-    tenants = {t.id: t for t in session.scalars(select(Tenant).where(Tenant.id.in_(list(periods))))}
-    return {(tid, p): _base_currency(session, tenants[tid], p) for tid, ps in periods.items() for p in ps}
+def _override_currencies(session: Session, tenant_ids: list[int] | None = None) -> dict[tuple[int, str], str]:
+    """(tenant id, override month) -> the currency its amounts are in: the tenant's billing currency in the
+    month it applies from (now, for one in force already). Taken before a change, it is what the change must
+    not move."""
+    return {(tid, row.effective_period): _base_currency(session, session.get(Tenant, tid), start)
+            for tid, rows in _override_rows(session, tenant_ids).items() for row, start, _end in rows}
 
 
-def _refuse_currency_changes(session: Session, before: dict[tuple[int, str], str], what: str) -> None:
-    """After a change (flushed, not committed): refused when it moved an override to another currency."""
-    moved = {}
-    for (tid, period), currency in before.items():
-        now = _base_currency(session, session.get(Tenant, tid), period)
-        if now != currency:
-            moved.setdefault(tid, (period, currency, now))
-    if not moved:
-        return
-    names = sorted(session.get(Tenant, tid).name for tid in moved)
-    period, old, new = next(iter(moved.values()))
-    who = f"tenant {names[0]} has" if len(names) == 1 else f"tenants {', '.join(names[:10])}{' ...' if len(names) > 10 else ''} have"
-    raise CurrencyConflict(
-        f"{what} would bill {who} price overrides set in {old} in {new} (from {period}); change or clear "
-        f"those overrides first, or keep the currency")
+def _currency_breaks(session: Session, set_in: dict[tuple[int, str], str],
+                     tenant_ids: list[int] | None = None) -> dict[int, tuple[str, str, str]]:
+    """Tenants with an override (in force now or scheduled) that would bill in another currency than its
+    amounts are in (`set_in`, else its start month's) in some month it covers: tenant id -> (the currency
+    of its amounts, the other one, from which month)."""
+    now = _period(None)
+    out = {}
+    for tid, rows in _override_rows(session, tenant_ids).items():
+        tenant = session.get(Tenant, tid)
+        points = _change_points(session, tid, now)
+        for row, start, end in rows:
+            currency = set_in.get((tid, row.effective_period)) or _base_currency(session, tenant, start)
+            for p in [start, *sorted(x for x in points if x > start and (end is None or x < end))]:
+                other = _base_currency(session, tenant, p)
+                if other != currency:
+                    out[tid] = (currency, other, p)
+                    break
+            if tid in out:
+                break
+    return out
+
+
+class _CurrencyGuard:
+    """Taken before a price, plan or override change and checked after it (flushed, not committed): the
+    change is refused when it makes an override bill in another currency than its amounts are in. An
+    override that did so already (from before these checks) is left as it is: this change is not what did it."""
+
+    def __init__(self, session: Session, tenant_ids: list[int] | None = None):
+        self.session, self.tenant_ids = session, tenant_ids
+        self.set_in = _override_currencies(session, tenant_ids)
+        self.before = _currency_breaks(session, self.set_in, tenant_ids)
+
+    def check(self, what: str) -> None:
+        after = _currency_breaks(self.session, self.set_in, self.tenant_ids)
+        new = {t: b for t, b in after.items() if t not in self.before}
+        if not new:
+            return
+        names = sorted(self.session.get(Tenant, t).name for t in new)
+        set_in, other, period = next(iter(new.values()))
+        whose = f"tenant {names[0]}" if len(names) == 1 else \
+            f"tenants {', '.join(names[:10])}{' ...' if len(names) > 10 else ''}"
+        raise CurrencyConflict(
+            f"{what} would bill the price overrides of {whose}, set in {set_in}, in {other} from {period}; change "
+            "or clear those overrides first, or keep the currency")
 
 
 def plan_price(session: Session, plan_id: int | None, period: str | None = None) -> Price | None:
@@ -105,7 +150,7 @@ def set_plan_price(session: Session, plan_id: int | None, price: Price, effectiv
         raise LookupError(f"no plan with id {plan_id}")
     period = _period(effective_period)
     _refuse_billed_periods(session, period)
-    before = _currencies(session, _override_periods(session, period))
+    guard = _CurrencyGuard(session)
     row = session.scalars(
         select(PlanPrice).where(_plan_cond(plan_id), PlanPrice.effective_period == period)
     ).first()
@@ -117,8 +162,7 @@ def set_plan_price(session: Session, plan_id: int | None, price: Price, effectiv
     row.adapter_surcharge_price = price.adapter_surcharge
     row.currency = price.currency
     session.flush()
-    _refuse_currency_changes(session, before, f"pricing {'the no-plan list' if plan_id is None else 'this plan'} "
-                                              f"in {price.currency}")
+    guard.check(f"pricing {'the no-plan list' if plan_id is None else 'this plan'} in {price.currency} from {period}")
 
 
 def tenant_override(session: Session, tenant_id: int, period: str | None = None) -> PriceOverride | None:
@@ -142,6 +186,7 @@ def set_tenant_override(
             raise ValueError("override prices must be non-negative integers of micro-units")
     period = _period(effective_period)
     _refuse_billed_periods(session, period, tenant_id)
+    guard = _CurrencyGuard(session, [tenant_id])
     row = session.scalars(
         select(TenantPrice).where(TenantPrice.tenant_id == tenant_id, TenantPrice.effective_period == period)
     ).first()
@@ -152,6 +197,7 @@ def set_tenant_override(
     row.completion_price = override.completion
     row.adapter_surcharge_price = override.adapter_surcharge
     session.flush()
+    guard.check("this override")
 
 
 def plan_of(session: Session, tenant: Tenant, period: str | None = None) -> int | None:
@@ -167,7 +213,7 @@ def record_plan(session: Session, tenant: Tenant, plan_id: int | None) -> None:
     """Put `tenant` on plan `plan_id` (None: no plan) for the whole current month and on. Earlier months keep
     the plan they were on, so their statements and reports keep their prices and currency."""
     period = _period(None)
-    before = _currencies(session, _override_periods(session, period, tenant.id))
+    guard = _CurrencyGuard(session, [tenant.id])
     if not session.scalar(select(func.count()).select_from(TenantPlan).where(TenantPlan.tenant_id == tenant.id)):
         # the plan so far holds for every earlier month (tenant.plan_id is still the old one here)
         session.add(TenantPlan(tenant_id=tenant.id, effective_period=ALWAYS, plan_id=tenant.plan_id))
@@ -182,7 +228,7 @@ def record_plan(session: Session, tenant: Tenant, plan_id: int | None) -> None:
             row.plan_id = plan_id
     tenant.plan_id = plan_id
     session.flush()
-    _refuse_currency_changes(session, before, "this plan change")
+    guard.check("this plan change")
 
 
 def price_for_tenant(session: Session, tenant: Tenant, period: str | None = None) -> Price:
