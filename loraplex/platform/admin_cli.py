@@ -103,7 +103,11 @@ def list_plans_cmd():
 
     with _session() as (session, _):
         counts = dict(session.execute(select(Tenant.plan_id, func.count()).group_by(Tenant.plan_id)).all())
-        for plan in session.scalars(select(Plan).order_by(Plan.id)):
+        plans = session.scalars(select(Plan).order_by(Plan.id)).all()
+        if not plans:  # on stderr: stdout stays one line per plan for scripts
+            click.echo("no plans yet; `loraplex admin create-plan NAME --rpm ... --tpm ... --concurrent ... "
+                       "--monthly-tokens ...` makes one", err=True)
+        for plan in plans:
             click.echo(f"{plan.id}\t{plan.name}\trpm={plan.requests_per_minute}\ttpm={plan.tokens_per_minute}"
                        f"\tconcurrent={plan.max_concurrent}\tmonthly_tokens={plan.monthly_token_budget}"
                        f"\ttenants={counts.get(plan.id, 0)}")
@@ -176,7 +180,10 @@ def list_tenants_cmd():
     from loraplex.platform.tenants import quota_sources, tenant_public
 
     with _session() as (session, settings):
-        for tenant in session.scalars(select(Tenant).order_by(Tenant.id)):
+        tenants = session.scalars(select(Tenant).order_by(Tenant.id)).all()
+        if not tenants:  # on stderr: stdout stays one line per tenant for scripts
+            click.echo("no tenants yet; `loraplex admin create-tenant NAME` makes one", err=True)
+        for tenant in tenants:
             q = tenant_public(tenant, settings).quotas
             source = quota_sources(tenant)
             shown = "\t".join(f"{short.replace('-', '_')}={getattr(q, field)}({source[field]})"

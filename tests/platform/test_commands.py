@@ -27,6 +27,9 @@ def cli_env(tmp_path, monkeypatch):
 
 def test_admin_commands(cli_env):
     runner = CliRunner()
+    for command, words in (("list-plans", "no plans yet"), ("list-tenants", "no tenants yet")):
+        r = runner.invoke(admin, [command])
+        assert r.exit_code == 0 and words in r.stderr and r.stdout == "", (command, r.output)
     r = runner.invoke(admin, ["create-plan", "pro", "--rpm", "10", "--tpm", "1000", "--concurrent", "2",
                               "--monthly-tokens", "100000"])
     assert r.exit_code == 0, r.output
