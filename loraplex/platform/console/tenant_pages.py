@@ -93,7 +93,7 @@ async def plans_create(request: Request, _context: ConsolePostDep, services: Ser
     form = await request.form()
     try:
         data = PlanCreate(name=forms.text(form, "name", required=True),
-                          **{f: forms.positive_int(form, f, required=True, maximum=QUOTA_MAX[f]) for f, _ in QUOTA_FIELDS})
+                          **_plan_quotas(form))
         with services.sessions() as session:
             create_plan(session, data)
             session.commit()
@@ -102,14 +102,18 @@ async def plans_create(request: Request, _context: ConsolePostDep, services: Ser
     return redirect(request, "/console/tenants", flash=f"Plan {data.name} added.")
 
 
+def _plan_quotas(form) -> dict[str, int]:
+    """A plan form's quotas: every one is needed, within the API's range."""
+    return {f: forms.positive_int(form, f, required=True, maximum=QUOTA_MAX[f]) for f, _ in QUOTA_FIELDS}
+
+
 @router.post("/plans/{plan_id}")
 async def plan_update(request: Request, _context: ConsolePostDep, services: ServicesDep,
                       plan_id: IdPath) -> RedirectResponse:
     """Every quota field is sent; its tenants without overrides take the new values at once."""
     form = await request.form()
     try:
-        data = PlanUpdate(**{f: forms.positive_int(form, f, required=True, maximum=QUOTA_MAX[f])
-                             for f, _ in QUOTA_FIELDS})
+        data = PlanUpdate(**_plan_quotas(form))
         with services.sessions() as session:
             name = update_plan(session, get_plan(session, plan_id), data).name
             session.commit()
