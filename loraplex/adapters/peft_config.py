@@ -82,9 +82,7 @@ def parse_lora_config(config: object, spec: BaseModelSpec, limits: AdapterLimits
     alpha = _alpha(config.get("lora_alpha", 8), "lora_alpha")
     rank_pattern = _pattern(config.get("rank_pattern"), "rank_pattern", _rank)
     alpha_pattern = _pattern(config.get("alpha_pattern"), "alpha_pattern", _alpha)
-    use_rslora = config.get("use_rslora", False)
-    if not isinstance(use_rslora, bool):
-        raise _invalid(f"use_rslora must be true or false, got {use_rslora!r}")
+    use_rslora = _flag(config, "use_rslora")
     base = config.get("base_model_name_or_path")
     settings = LoraSettings(
         r=r, lora_alpha=alpha, use_rslora=use_rslora, rank_pattern=rank_pattern, alpha_pattern=alpha_pattern,
@@ -105,11 +103,11 @@ def _check_rank_limit(settings: LoraSettings, spec: BaseModelSpec, limits: Adapt
             where = f"rank_pattern[{key!r}]" if key is not None else "r"
             raise AdapterValidationError(
                 f"adapter_config.json: {where} is {rank} (layer {layer} {module}), over the rank limit of "
-                f"{limits.max_rank}", ErrorCode.RANK_TOO_LARGE)
+                f"{limits.max_rank} (the max_lora_rank setting)", ErrorCode.RANK_TOO_LARGE)
 
 
 def _refuse_unsupported(config: dict) -> None:
-    if config.get("use_dora"):
+    if _flag(config, "use_dora"):
         raise AdapterValidationError(
             "adapter_config.json: use_dora is true; DoRA adapters are not supported yet (retrain with "
             "use_dora=False)", ErrorCode.DORA_UNSUPPORTED)
@@ -126,7 +124,7 @@ def _refuse_unsupported(config: dict) -> None:
         raise AdapterValidationError(
             f"adapter_config.json: bias is {bias!r}; PEFT's values are 'none', 'all' and 'lora_only'",
             ErrorCode.CONFIG_INVALID)
-    if config.get("lora_bias"):
+    if _flag(config, "lora_bias"):
         raise AdapterValidationError("adapter_config.json: lora_bias is true; a bias on lora_B is not supported",
                                      ErrorCode.BIAS_UNSUPPORTED)
     init = config.get("init_lora_weights")
@@ -139,6 +137,17 @@ def _refuse_unsupported(config: dict) -> None:
         if config.get(key):
             raise AdapterValidationError(f"adapter_config.json: {key}={config[key]!r}; {what} is not supported",
                                          ErrorCode.OPTION_UNSUPPORTED)
+
+
+def _flag(config: dict, key: str) -> bool:
+    """A true/false option: left out or null is false (as PEFT reads it); anything but a JSON boolean is
+    refused rather than guessed at (PEFT would take the string "false" as true)."""
+    value = config.get(key)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise _invalid(f"{key} must be true or false, got {value!r}")
+    return value
 
 
 def _rank(value: object, where: str) -> int:
@@ -175,6 +184,7 @@ def _resolve_targets(config: dict, spec: BaseModelSpec) -> frozenset[tuple[int, 
     layers = _layers_to_transform(config, spec)
     exclude = config.get("exclude_modules")
     paths = {(i, m): spec.module_path(i, m) for i in range(spec.num_layers) for m in spec.peft_modules}
+    exact: set[tuple[int, str]] = set()
     if target == _ALL_LINEAR or target == [_ALL_LINEAR]:
         matched = set(paths)
     elif isinstance(target, str):
@@ -194,6 +204,9 @@ def _resolve_targets(config: dict, spec: BaseModelSpec) -> frozenset[tuple[int, 
             if name.rsplit(".", 1)[-1] in _EMBEDDING_NAMES:
                 raise _embedding(name)
             matched |= {k for k, p in paths.items() if p == name or p.endswith(f".{name}")}
+        # As in PEFT, a module named in full is targeted whatever layers_to_transform says; the layer filter
+        # narrows only the modules matched by a name's ending.
+        exact = {k for k, p in paths.items() if p in target}
         if not matched:
             # As PEFT does, names that match nothing are passed over (training scripts often list the names
             # of several architectures, e.g. q_proj and query_key_value) as long as one name matches.
@@ -208,7 +221,7 @@ def _resolve_targets(config: dict, spec: BaseModelSpec) -> frozenset[tuple[int, 
                 raise _invalid(f"exclude_modules pattern {exclude!r} is invalid: {exc}") from exc
         matched = {k for k in matched if not _excluded(exclude, paths[k])}
     if layers is not None:
-        matched = {k for k in matched if k[0] in layers}
+        matched = {k for k in matched if k[0] in layers or k in exact}
     if not matched:
         raise _invalid("the adapter targets no module of the base model (after exclude_modules and "
                        "layers_to_transform)")

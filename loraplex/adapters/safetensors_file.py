@@ -81,8 +81,12 @@ def _check_entry(name: str, key: str, info, data_len: int) -> None:
     if not (isinstance(shape, list) and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
                                             for d in shape)):
         raise _corrupt(name, f"tensor {key!r} has an invalid shape {shape!r}")
-    if not (isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) for o in offsets)
-            and 0 <= offsets[0] <= offsets[1] <= data_len):
+    if not (isinstance(offsets, list) and len(offsets) == 2
+            and all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)):
+        raise _corrupt(name, f"tensor {key!r} has data offsets {offsets!r}; expected [begin, end] byte offsets")
+    if offsets[0] > offsets[1]:
+        raise _corrupt(name, f"tensor {key!r} has data offsets {offsets!r} that end before they begin")
+    if not 0 <= offsets[0] <= offsets[1] <= data_len:
         raise _corrupt(name, f"tensor {key!r} has data offsets {offsets!r} outside the data ({data_len} bytes)")
     expected = math.prod(shape) * _KNOWN_DTYPE_SIZES[dtype]
     if offsets[1] - offsets[0] != expected:

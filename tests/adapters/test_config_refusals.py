@@ -27,6 +27,10 @@ def test_good_adapter_loads(adapter_copy, llama_spec):
     ({"lora_alpha": -16}, ErrorCode.INVALID_ALPHA, ["-16"]),
     ({"lora_alpha": "16"}, ErrorCode.INVALID_ALPHA, ["'16'"]),
     ({"use_rslora": "yes"}, ErrorCode.CONFIG_INVALID, ["use_rslora"]),
+    # a string is not read as a boolean: "false" is not taken for true (DoRA) nor for false
+    ({"use_dora": "false"}, ErrorCode.CONFIG_INVALID, ["use_dora must be true or false", "'false'"]),
+    ({"use_dora": 0}, ErrorCode.CONFIG_INVALID, ["use_dora must be true or false"]),
+    ({"lora_bias": "false"}, ErrorCode.CONFIG_INVALID, ["lora_bias must be true or false"]),
     ({"rank_pattern": {"q_proj": 128}}, ErrorCode.RANK_TOO_LARGE, ["rank_pattern['q_proj'] is 128", "64"]),
     ({"rank_pattern": {"q_proj": 0}}, ErrorCode.INVALID_RANK, ["rank_pattern['q_proj']"]),
     ({"rank_pattern": {"q_proj(": 4}}, ErrorCode.CONFIG_INVALID, ["rank_pattern", "q_proj("]),
@@ -53,6 +57,11 @@ def test_good_adapter_loads(adapter_copy, llama_spec):
 def test_config_refusals(adapter_copy, llama_spec, changes, code, words):
     adapter_copy.update_config(**changes)
     refused(adapter_copy.path, llama_spec, code, *words)
+
+
+def test_null_flags_are_off_as_in_peft(adapter_copy, llama_spec):
+    adapter_copy.update_config(use_dora=None, use_rslora=None, lora_bias=None)
+    assert load_adapter(adapter_copy.path, llama_spec).rank == 8
 
 
 @pytest.mark.parametrize("bias", ["all", "lora_only"])

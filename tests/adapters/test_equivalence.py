@@ -35,6 +35,9 @@ CASES = [
     pytest.param("tiny_llama_dir", dict(r=8, target_modules=("q_proj", "gate_proj"), layers_to_transform=[1],
                                         rank_pattern={"gate_proj": 4}, alpha_pattern={r"layers\.1\.self_attn\.q_proj": 3}),
                  id="llama-patterns-layer1"),
+    # a module named in full is wrapped whatever layers_to_transform says (PEFT's exact-name rule)
+    pytest.param("tiny_llama_dir", dict(r=4, target_modules=["model.layers.0.self_attn.q_proj", "v_proj"],
+                                        layers_to_transform=[1]), id="llama-full-name-outside-layers"),
 ]
 
 

@@ -144,6 +144,8 @@ def test_header_runs_past_end(adapter_copy, llama_spec):
     (None, b"", ["not valid JSON"]),
     ({"x": {"dtype": "F32", "shape": [2, 2], "data_offsets": [0, 16]}}, b"\0" * 8, ["outside the data"]),
     ({"x": {"dtype": "F32", "shape": [2, 2], "data_offsets": [0, 12]}}, b"\0" * 16, ["needs 16 bytes"]),
+    ({"x": {"dtype": "F32", "shape": [2, 2], "data_offsets": [16, 0]}}, b"\0" * 16, ["end before they begin"]),
+    ({"x": {"dtype": "F32", "shape": [2, 2], "data_offsets": [0]}}, b"\0" * 16, ["[begin, end]"]),
     ({"x": {"dtype": "F32", "shape": [-2, 2], "data_offsets": [0, 16]}}, b"\0" * 16, ["invalid shape"]),
     ({"x": {"dtype": "F32", "shape": [2]}}, b"", ["lacks dtype, shape or data_offsets"]),
     ({"x": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
