@@ -7,8 +7,9 @@ Levels:
   projection; on the CPU the slot refers to the host copy, already in the slot layout, and nothing is
   copied (the host copy lives on while the slot holds it, even after the LRU lets it go).
 
-Requests hold a reference on their adapter's slot while they run; an adapter with references, or pinned,
-is never evicted. The least recently used idle adapter gives up its slot when a new one needs it.
+Requests hold a reference on their adapter's slot while they run; an adapter with references is never
+evicted, nor is a pinned one while any slot holds an adapter that is not pinned. The least recently used
+idle adapter gives up its slot when a new one needs it.
 
 Scheduler interface (all on the step thread):
     ready(lora)        host-loaded or resident; otherwise starts a background load and says False.
@@ -566,13 +567,18 @@ class LoraManager:
         return None
 
     def _evict_one(self) -> int | None:
-        for key, slot in self._slot_of.items():
-            if not self._refs.get(key) and key not in self._pinned:
-                del self._slot_of[key]
-                self._clear(slot)
-                self.evictions_total += 1
-                return slot
-        return None
+        # The least recently used idle adapter that is not pinned. Pins never take every slot: where each
+        # slot holds a pinned adapter, the least recently used idle one gives its slot up (it stays pinned in
+        # host memory and comes back on its next request), or every other adapter would wait forever.
+        victim = next((k for k in self._slot_of if not self._refs.get(k) and k not in self._pinned), None)
+        if victim is None and all(k in self._pinned for k in self._slot_of):
+            victim = next((k for k in self._slot_of if not self._refs.get(k)), None)
+        if victim is None:
+            return None
+        slot = self._slot_of.pop(victim)
+        self._clear(slot)
+        self.evictions_total += 1
+        return slot
 
     def _activate(self, key: str, slot: int) -> None:
         host = self._host[key]

@@ -134,6 +134,25 @@ async def test_async_engine_prefetch_remove_and_stats(tiny_llama_dir, adapters):
         await engine.shutdown()
 
 
+def test_requests_for_other_adapters_run_when_pins_hold_every_slot(tiny_llama_dir, adapters):
+    engine = LLM(str(tiny_llama_dir), max_loras=2, num_kv_blocks=128).engine
+    slots = engine.adapter_slots
+    pinned = [slots.resolve(adapters[i]) for i in (0, 1)]
+    for lora in pinned:
+        slots.prefetch(lora, pin=True).result()
+    other = slots.resolve(adapters[2])
+    slots.prefetch(other).result()  # in host memory: no slot is free
+    assert slots.stats()["lora_slots_used"] == 2 and not slots.is_resident(other.key)
+    engine.add_request("other", [5, 6, 7], PARAMS, lora=other)
+    finals = []
+    for _ in range(4 * PARAMS.max_tokens):  # steps, not seconds: each step either admits it or decodes
+        finals += [out for out in engine.step() if out.finished]
+        if finals:
+            break
+    assert finals and finals[0].error is None and len(finals[0].outputs[0].token_ids) == PARAMS.max_tokens
+    assert set(slots.stats()["lora_pinned"]) == {p.key for p in pinned}  # still pinned; one in host memory now
+
+
 async def test_an_engine_without_adapter_support_has_no_pins(tiny_llama_dir):
     from loraplex.engine.async_engine import AsyncEngine
 

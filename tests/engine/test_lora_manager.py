@@ -134,6 +134,33 @@ def test_lru_eviction_spares_adapters_in_use_and_pinned():
         m.release("c")
 
 
+def test_pins_never_take_every_slot():
+    """With every slot held by a pinned adapter, an idle pinned one gives its slot up rather than leave other
+    adapters waiting forever; while any slot holds an unpinned adapter, pins stay resident."""
+    store = FakeStore()
+    m = _manager(store, max_loras=2)
+    a, b, c, d = (store.add(n, 4) for n in "abcd")
+    for lora in (a, b, c, d):
+        _ready(m, lora)
+    m.pin("a")
+    m.pin("b")
+    m.try_acquire(a)
+    m.try_acquire(b)
+    assert m.try_acquire(c) is None  # both pinned adapters are running
+    m.release("a")
+    slot = m.try_acquire(c)  # a is idle: its slot goes, its pin stays
+    assert slot is not None and m.is_resident("c") and not m.is_resident("a")
+    assert "a" in m.stats()["lora_pinned"] and "a" in m.stats()["lora_host_cached"]
+    m.release("c")
+    m.release("b")
+    assert m.try_acquire(d) is not None  # c is the idle unpinned one: b (pinned) stays
+    assert m.is_resident("b") and not m.is_resident("c")
+    m.release("d")
+    _ready(m, a)
+    assert m.try_acquire(a) is not None  # a pinned adapter back on its next request, taking d's slot
+    assert m.is_resident("a") and m.is_resident("b") and not m.is_resident("d")
+
+
 def test_least_recently_used_goes_first():
     store = FakeStore()
     m = _manager(store, max_loras=2)
