@@ -27,6 +27,13 @@ class VirtualTokenCounter:
             self.counters.get(tenant, 0.0) + self.prompt_weight * prompt_tokens + self.output_weight * output_tokens
         )
 
-    def order(self, tenants) -> list[str]:
-        """Tenants from least to most service received."""
-        return sorted(tenants, key=lambda t: self.counters.get(t, 0.0))
+    def counter(self, tenant: str) -> float:
+        """The service `tenant` received so far (0 for one never seen)."""
+        return self.counters.get(tenant, 0.0)
+
+    def order(self, tenants, tiebreak=None) -> list[str]:
+        """Tenants from least to most service received; `tiebreak(tenant)` orders equal ones (a tenant just
+        arrived is level with the least-served backlogged one)."""
+        if tiebreak is None:
+            return sorted(tenants, key=lambda t: self.counters.get(t, 0.0))
+        return sorted(tenants, key=lambda t: (self.counters.get(t, 0.0), tiebreak(t)))

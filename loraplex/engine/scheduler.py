@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections import OrderedDict, deque
+from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass, field
 
 from loraplex.engine.adapter_slots import AdapterSlots
@@ -160,9 +160,26 @@ class Scheduler:
         scheduled: dict[int, int] = {}  # seq_id -> tokens this step, in scheduling order
         seq_by_id: dict[int, Sequence] = {}
 
+        # A running prefill of a tenant that has received more service than some waiting tenant takes what
+        # budget is left after admissions, not before: otherwise one tenant's burst of long prompts, once
+        # admitted, fills every step's budget with its chunks and a newly arrived tenant waits for all of
+        # them (a 60-request burst of 700-token prompts held another tenant's first token for 11 s).
+        # A tenant that just arrived stands level with the least-served backlogged one (see fairness.py), so
+        # equal service counts as less here.
+        deferred: list[Sequence] = []
+        waiting_service = sorted((self.fairness.counter(t), t) for t, q in self.waiting.items() if q)
+
+        def behind_a_waiting_tenant(seq: Sequence) -> bool:
+            least = next((c for c, t in waiting_service if t != seq.tenant), None)
+            return least is not None and least <= self.fairness.counter(seq.tenant)
+
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if seq.num_uncomputed_tokens > 1 and behind_a_waiting_tenant(seq):
+                deferred.append(seq)
+                i += 1
+                continue
             n = min(seq.num_uncomputed_tokens, budget)
             while not self.bm.append_slots(seq, n):
                 victim = self.running[-1]
@@ -180,6 +197,15 @@ class Scheduler:
 
         if not batch.preempted:
             budget = self._admit(budget, scheduled, seq_by_id, batch)
+        for seq in deferred:  # what the admissions left; no preemption for these chunks
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # preempted above for another's blocks
+            n = min(seq.num_uncomputed_tokens, budget)
+            if n <= 0 or not self.bm.append_slots(seq, n):
+                break
+            scheduled[seq.seq_id] = n
+            seq_by_id[seq.seq_id] = seq
+            budget -= n
 
         for seq_id, n in scheduled.items():
             seq = seq_by_id[seq_id]
@@ -229,7 +255,9 @@ class Scheduler:
 
     def _next_candidate(self, blocked: set[int], batch: ScheduledBatch) -> Sequence | None:
         """The first admissible waiting sequence of the least-served tenant that has one."""
-        for tenant in self.fairness.order(t for t, q in self.waiting.items() if q):
+        running = Counter(q.tenant for q in self.running)
+        # least service first; at equal service, the tenant with fewer sequences running
+        for tenant in self.fairness.order((t for t, q in self.waiting.items() if q), tiebreak=running.__getitem__):
             for seq in list(self.waiting[tenant]):
                 if seq.seq_id in blocked:
                     continue

@@ -137,6 +137,31 @@ def test_least_served_tenant_goes_first():
     assert sum(1 for q in s.waiting.get("big", ())) >= 10
 
 
+def test_a_burst_of_long_prompts_already_running_does_not_hold_a_new_tenant_back():
+    """Long prompts of one tenant admitted in chunks fill each step's budget; a tenant arriving then is
+    prefilled in the next step, beside them, not after all of them."""
+    s = _scheduler(num_blocks=512, max_num_seqs=16, max_num_batched_tokens=64)
+    for i in range(12):
+        s.add(_seq(100, tenant="burst", request_id=f"burst{i}"))
+    _step(s)  # the burst's first prompt admitted, its first chunk run
+    assert [q.tenant for q in s.running] == ["burst"]
+    late = _seq(20, tenant="late", request_id="late")
+    s.add(late)
+    batch = _step(s)
+    assert late in batch.seqs and late.num_computed_tokens == 20  # its whole prompt in this step
+    assert batch.num_tokens == 64  # the burst's chunk took the rest of the budget
+    assert late.num_output_tokens == 1
+
+
+def test_deferred_chunks_still_progress_when_the_waiting_tenant_cannot_be_admitted():
+    s = _scheduler(num_blocks=512, max_num_seqs=1, max_num_batched_tokens=64)
+    s.add(_seq(100, tenant="burst", request_id="burst0"))
+    _step(s)
+    s.add(_seq(20, tenant="late", request_id="late"))  # no room: one sequence at a time
+    batch = _step(s)
+    assert [q.tenant for q in batch.seqs] == ["burst"] and batch.num_tokens == 36
+
+
 class FakeSlots:
     """One device slot; adapters become ready one step after their load is requested."""
 
