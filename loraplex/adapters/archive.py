@@ -12,6 +12,7 @@ import os
 import stat
 import tarfile
 import zipfile
+from collections.abc import Callable
 from pathlib import Path, PurePosixPath
 
 from .errors import AdapterValidationError, ErrorCode
@@ -64,6 +65,40 @@ def safe_extract(archive: str | Path, dest: str | Path, limits: AdapterLimits = 
     else:
         raise AdapterValidationError(f"{archive.name} is not a zip or tar archive", ErrorCode.UNSUPPORTED_FORMAT)
     return dest
+
+
+def read_zip_member(archive: str | Path, wanted: Callable[[tuple[str, ...]], bool], max_bytes: int,
+                    max_members: int) -> bytes | None:
+    """The content of the one regular file in the zip `archive` whose path parts `wanted` accepts, if it holds
+    at most `max_bytes`; None when there is no such file, more than one, or the zip cannot be read. Only that
+    member is inflated, and never past `max_bytes`: a small file can be read from an archive refused for a
+    large one without paying for the large one. Nothing is written to disk."""
+    try:
+        directory = _zip_directory(Path(archive))
+        if directory is None or directory[0] > max_members or directory[1] > max_members * _MAX_ZIP_ENTRY_BYTES:
+            return None
+        with zipfile.ZipFile(archive) as zf:
+            named = ((info, _plain_parts(info.filename)) for info in zf.infolist() if not info.is_dir())
+            found = [info for info, parts in named if parts is not None and wanted(parts)]
+            if len(found) != 1 or found[0].file_size > max_bytes:
+                return None
+            mode = found[0].external_attr >> 16
+            if stat.S_IFMT(mode) and not stat.S_ISREG(mode):
+                return None
+            with zf.open(found[0]) as src:
+                data = src.read(max_bytes + 1)  # a member that lies about its size stops here
+    except (zipfile.BadZipFile, EOFError, OSError, NotImplementedError, RuntimeError, ValueError):
+        return None
+    return data if len(data) <= max_bytes else None
+
+
+def _plain_parts(name: str) -> tuple[str, ...] | None:
+    """A member name's path parts, or None for a name safe_extract would refuse (absolute, '..', empty)."""
+    posix = name.replace("\\", "/")
+    parts = tuple(p for p in PurePosixPath(posix).parts if p not in ("", "."))
+    if not parts or "\x00" in name or posix.startswith("/") or ":" in parts[0] or ".." in parts:
+        return None
+    return parts
 
 
 class _Budget:

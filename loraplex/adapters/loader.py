@@ -9,9 +9,10 @@ import logging
 import os
 import re
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
-from .archive import archive_kind, safe_extract
+from .archive import archive_kind, read_zip_member, safe_extract
 from .canonical import FORMAT, CanonicalAdapter
 from .convert import to_canonical
 from .errors import AdapterValidationError, ErrorCode
@@ -87,7 +88,13 @@ def _load(path: Path, spec: BaseModelSpec, limits: AdapterLimits) -> CanonicalAd
     if path.name == CONFIG_NAME:
         return _load_pair(path, path.with_name(WEIGHTS_NAME), spec, limits)
     if path.suffix == ".safetensors":
-        entry = _load_canonical_entry(path, spec, limits)
+        try:
+            entry = _load_canonical_entry(path, spec, limits)
+        except AdapterValidationError as exc:
+            refusal = _config_refusal(lambda: _small_config([path.with_name(CONFIG_NAME)], limits), spec, limits, exc)
+            if refusal is None:
+                raise
+            raise refusal from exc
         if entry is not None:
             return entry
         return _load_pair(path.with_name(CONFIG_NAME), path, spec, limits)
@@ -100,8 +107,62 @@ def _load(path: Path, spec: BaseModelSpec, limits: AdapterLimits) -> CanonicalAd
             f"{path.name} is not an adapter folder, a .zip or .tar.gz archive, or a safetensors file",
             ErrorCode.UNSUPPORTED_FORMAT)
     with tempfile.TemporaryDirectory(prefix="loraplex-adapter-", ignore_cleanup_errors=True) as tmp:
-        safe_extract(path, tmp, limits)
+        try:
+            safe_extract(path, tmp, limits)
+        except AdapterValidationError as exc:
+            refusal = _config_refusal(lambda: _archived_config(path, Path(tmp), limits), spec, limits, exc)
+            if refusal is None:
+                raise
+            raise refusal from exc
         return _load_dir(Path(tmp), spec, limits)
+
+
+# An adapter refused for its size may declare in its adapter_config.json (always small) something refused
+# whatever the size: modules_to_save or LoRA on lm_head make the weights file large, and that is the reason
+# to give, for a smaller file would be refused too.
+_SIZE_CODES = (ErrorCode.ARCHIVE_MEMBER_TOO_LARGE, ErrorCode.ARCHIVE_TOO_LARGE)
+
+
+def _config_refusal(read_config: Callable[[], bytes | None], spec: BaseModelSpec, limits: AdapterLimits,
+                    error: AdapterValidationError) -> AdapterValidationError | None:
+    """For a refusal for size: the config's own refusal, naming the size refusal too. None when `error` is
+    no size refusal, or there is no config to be had, or the config is accepted."""
+    if error.code not in _SIZE_CODES:
+        return None
+    raw = read_config()
+    if raw is None:
+        return None
+    try:
+        config = json.loads(raw.decode("utf-8"))
+        parse_lora_config(config, spec, limits)
+    except AdapterValidationError as refusal:
+        return AdapterValidationError(f"{refusal.message}. The adapter is also over a size limit: "
+                                      f"{error.message}", refusal.code)
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        pass  # a config too broken to parse (or cut short by the limit) says nothing surer than the size
+    return None
+
+
+def _archived_config(archive: Path, extracted: Path, limits: AdapterLimits) -> bytes | None:
+    """adapter_config.json of an archive refused for its size, where it can be had without inflating the
+    refused member: from a zip's directory, or among what a tar gave before that member (a tar is read in
+    order, and a compressed one cannot be skipped through)."""
+    if archive_kind(archive) == "zip":
+        return read_zip_member(archive, _is_config_path, limits.max_config_bytes, limits.max_members)
+    return _small_config([extracted / CONFIG_NAME, *(d / CONFIG_NAME for d in extracted.iterdir() if d.is_dir())],
+                         limits)
+
+
+def _is_config_path(parts: tuple[str, ...]) -> bool:
+    return parts[-1] == CONFIG_NAME and len(parts) <= 2  # where _load_dir looks for it
+
+
+def _small_config(candidates: list[Path], limits: AdapterLimits) -> bytes | None:
+    """The content of the one existing file among `candidates`, if within the config size limit."""
+    found = [c for c in candidates if c.is_file()]
+    if len(found) != 1 or found[0].stat().st_size > limits.max_config_bytes:
+        return None
+    return found[0].read_bytes()
 
 
 def _refuse_pickle(path: Path) -> None:

@@ -204,6 +204,23 @@ def test_failed_version_keeps_reason_when_not_waiting(app, client, make_tenant, 
     assert not any(uploads.iterdir())
 
 
+def test_oversized_adapter_is_refused_for_what_its_config_declares(app, client, make_tenant, peft_adapter_dir):
+    """modules_to_save=["lm_head"] makes a weights file larger than any LoRA of the model: the refusal says
+    modules_to_save, the reason a smaller file would meet too, rather than only the size."""
+    tenant = make_tenant()
+    config = json.loads((peft_adapter_dir / "adapter_config.json").read_bytes())
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w", zipfile.ZIP_DEFLATED) as zf:
+        zf.writestr("adapter_model.safetensors", b"\0" * (64 * 1024 * 1024))  # a few KB compressed
+        zf.writestr("adapter_config.json", json.dumps({**config, "modules_to_save": ["lm_head"]}))
+    r = upload(client, tenant, "full-head", [("a.zip", buf.getvalue())])
+    assert r.status_code == 422, r.text
+    err = r.json()["error"]
+    assert err["code"] == "modules_to_save_unsupported", err
+    assert "modules_to_save=['lm_head']" in err["message"] and "per-file limit" in err["message"], err
+    _nothing_stored(app, client, tenant)
+
+
 @pytest.mark.parametrize("form,param", [
     ({"data": {}, "files": [("file", ("a.zip", b"x"))]}, "name"),
     ({"data": {"name": "bad@name"}, "files": [("file", ("a.zip", b"x"))]}, "name"),
