@@ -65,6 +65,11 @@ class Settings(BaseSettings):
     usage_flush_interval: float = 1.0  # seconds between batched usage inserts
     usage_batch_size: int = 500
     upload_wait_seconds: float = 30.0  # upper bound on `wait=true` uploads waiting for validation
+    # seconds the store keeps the weights of a deleted adapter version before a sweep removes them (after
+    # checking no version refers to them again): requests that resolved to it and still wait in another
+    # process's engine queue load them meanwhile. A single process with in-process tasks (the embedded
+    # default) knows its own requests and removes them as soon as none uses them.
+    adapter_store_grace_seconds: float = Field(default=600.0, ge=0)
     warm_adapters_interval: float = 300.0  # seconds between "keep the busiest adapters warm" runs
     # seconds between the runs, in each process that holds an engine, that make the engine's pins match the
     # database's (the first right at start: an engine that restarts gets its pins back at once)

@@ -21,6 +21,11 @@ class AdapterLoadError(EngineError):
     """An adapter could not be loaded into the engine (missing, corrupt, incompatible)."""
 
 
+class AdapterMissingError(AdapterLoadError):
+    """The adapter's weights are gone from where the request said they were: its version was deleted (and
+    its store entry removed) after the request was accepted, before the request got to load it."""
+
+
 class EngineOverloadedError(EngineError):
     """The engine cannot accept more work right now (queue full or shutting down)."""
 

@@ -20,7 +20,7 @@ from loraplex.engine.adapter_slots import AdapterSlots
 from loraplex.engine.block_manager import BlockManager
 from loraplex.engine.config import EngineConfig, EngineLimits
 from loraplex.engine.cpu_tuning import keep_freed_memory
-from loraplex.engine.errors import AdapterLoadError, InvalidRequestError, ModelLoadError
+from loraplex.engine.errors import AdapterLoadError, AdapterMissingError, InvalidRequestError, ModelLoadError
 from loraplex.engine.lora_request import LoRARequest
 from loraplex.engine.model_loader import iter_weights, load_model_config, resolve_model_dir
 from loraplex.engine.model_runner import ModelRunner, kv_block_bytes
@@ -298,7 +298,7 @@ class LLMEngine:
         for seq, exc in batch.failed:
             state = self.requests.get(seq.request_id)
             if state is not None:
-                self._fail_request(state, str(exc), "adapter_load" if isinstance(exc, AdapterLoadError) else "engine")
+                self._fail_request(state, str(exc), _failure_kind(exc))
                 touched[seq.request_id] = state
         if not batch.empty:
             with self._cpu_threads_beside_loads(batch):
@@ -335,3 +335,11 @@ class LLMEngine:
             if state.finished:
                 self.requests.pop(request_id, None)
         return outputs
+
+
+def _failure_kind(exc: BaseException) -> str:
+    """What a request's failure was, for the caller: its adapter's weights gone (deleted after the request was
+    accepted), its adapter unloadable, or anything else."""
+    if isinstance(exc, AdapterMissingError):
+        return "adapter_missing"
+    return "adapter_load" if isinstance(exc, AdapterLoadError) else "engine"

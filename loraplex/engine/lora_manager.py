@@ -35,7 +35,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from loraplex.engine.errors import AdapterLoadError
+from loraplex.adapters import AdapterValidationError, ErrorCode
+from loraplex.engine.errors import AdapterLoadError, AdapterMissingError
 from loraplex.engine.lora_layers import LoraProjection, LoraStep, model_projections
 from loraplex.engine.lora_request import LoRARequest
 from loraplex.kernels.lora import LoraBatch, LoraSlotWeights, fuse_slices
@@ -367,7 +368,10 @@ class LoraManager:
                 alloc=self._recycler.take if self._recycler else None,
             )
         except Exception as exc:
-            error = AdapterLoadError(f"adapter {lora.name!r} could not be loaded: {exc}")
+            missing = isinstance(exc, FileNotFoundError) or (
+                isinstance(exc, AdapterValidationError) and exc.code == ErrorCode.NOT_FOUND)
+            error = (AdapterMissingError if missing else AdapterLoadError)(
+                f"adapter {lora.name!r} could not be loaded: {exc}")
             error.__cause__ = exc
             with self._lock:
                 self._errors[lora.key] = error

@@ -65,7 +65,9 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics | None = None
     error: str | None = None
-    error_kind: str | None = None  # with error: "adapter_load" (its adapter failed to load) | "engine"
+    # with error: "adapter_load" (its adapter failed to load) | "adapter_missing" (its weights were deleted
+    # before it could load them) | "engine"
+    error_kind: str | None = None
     # prompt tokens the engine has run through so far (all of them once a token is generated; part of them
     # in a chunked prefill; 0 while the request waits in the queue)
     num_prompt_tokens_processed: int = 0

@@ -88,6 +88,11 @@ def register_upload(session: Session, scope: TenantScope, settings: Settings, up
         raise bad_request(f"'{name}' is the base model's name; requests naming it reach the base model. "
                           "Choose another name for the adapter.", param="name")
     adapter = scope.one_or_none(Adapter, Adapter.name == name)
+    # Registrations of one adapter run one at a time: an upload of the same files at the same time as
+    # another then finds the version the other made (read below, after the lock) and returns it, as an
+    # upload after it does. A delete that took the adapter meanwhile leaves the name free.
+    if adapter is not None and not _claim(session, Adapter, [adapter.id]):
+        adapter = None
     if adapter is None:
         adapter = scope.add(Adapter(name=name, description=description))
         session.flush()

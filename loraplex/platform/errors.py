@@ -13,7 +13,12 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from loraplex.engine.errors import AdapterLoadError, EngineOverloadedError, InvalidRequestError
+from loraplex.engine.errors import (
+    AdapterLoadError,
+    AdapterMissingError,
+    EngineOverloadedError,
+    InvalidRequestError,
+)
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +88,11 @@ def from_engine_error(exc: Exception) -> APIError:
         # the cause (which engine, at which internal address) is for the server log, not for tenants
         return unavailable("No engine can take the request right now (busy, restarting or unreachable); "
                            "retry shortly.", retry_after=1)
+    if isinstance(exc, AdapterMissingError):
+        # the tenant's own delete (or another process's sweep) took the weights first: nothing the server
+        # did wrong, and the same request again gets model_not_found
+        return not_found(f"The adapter {exc} was deleted before the request could start.", param="model",
+                         code="adapter_deleted")
     if isinstance(exc, AdapterLoadError):
         return APIError(500, f"the adapter could not be loaded: {exc}", type="server_error",
                         code="adapter_load_failed")

@@ -135,6 +135,7 @@ async def start_services(services: Services, app: FastAPI) -> None:
     from loraplex.platform.recovery import remove_stale_staging, resume_validations
 
     await asyncio.to_thread(remove_stale_staging, services)
+    await services.sweep_retired()  # deletes whose weights a stopped process kept for its requests
     await asyncio.to_thread(resume_validations, services)
     # A journal left by an earlier (crashed) process is replayed before new traffic arrives.
     await services.usage.flush()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -15,7 +16,9 @@ from sqlalchemy.orm import Session, sessionmaker
 from loraplex.config import Settings
 from loraplex.engine.client import EngineClient
 from loraplex.platform.quotas import QuotaLimiter
+from loraplex.platform.store_sweep import ContentLeases
 
+log = logging.getLogger(__name__)
 
 @dataclass
 class Services:
@@ -34,6 +37,7 @@ class Services:
     owns_engine: bool = False  # started and shut down with the app
     on_request_finished: Any = None  # metrics hook: callable(endpoint, status, tenant, adapter, ...)
     running: dict[str, Any] = field(default_factory=dict)  # request id -> InferenceJob admitted, not settled
+    leases: ContentLeases = field(default_factory=ContentLeases)  # adapter content those requests use
     # Unix time this process began serving: the base model's `created` in /v1/models (when it was loaded)
     started_at: int = field(default_factory=lambda: int(time.time()))
 
@@ -58,6 +62,30 @@ class Services:
     def store_dir(self) -> Path:
         """Absolute: engine processes may run elsewhere than this process's working directory."""
         return self.settings.resolved_adapter_store_dir.resolve()
+
+    @property
+    def store_grace_seconds(self) -> float:
+        """How long a deleted version's weights stay in the store: with in-process tasks this process is the
+        only one that loads them (its leases say when none does); otherwise engine processes elsewhere may
+        hold requests for them, which a grace period covers."""
+        return 0.0 if self.tasks is not None and self.tasks.eager else self.settings.adapter_store_grace_seconds
+
+    async def sweep_retired(self, content_hashes: list[str] | None = None) -> list[str]:
+        """Remove the retired store entries (of these hashes, or all) that are due; never raises."""
+        from loraplex.platform.store_sweep import is_retired, sweep
+
+        if content_hashes is not None:
+            content_hashes = [h for h in content_hashes if is_retired(self.store_dir, h)]
+            if not content_hashes:
+                return []
+        try:
+            return await asyncio.to_thread(sweep, self.sessions, self.store_dir,
+                                           grace_seconds=self.store_grace_seconds, leases=self.leases,
+                                           only=content_hashes)
+        except Exception:
+            log.warning("sweeping deleted adapter versions from the store failed; the next sweep retries",
+                        exc_info=True)
+            return []
 
     @property
     def base_model_name(self) -> str:

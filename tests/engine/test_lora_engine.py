@@ -87,21 +87,28 @@ def test_bad_adapter_is_refused_and_others_go_on(tiny_llama_dir, adapters, tmp_p
     assert len(llm.generate(["hi", "there"], PARAMS, adapter=[adapters[0], None], use_tqdm=False)) == 2
 
 
-def test_an_adapter_whose_file_is_gone_ends_its_request_with_an_adapter_load_error(tiny_llama_dir, tmp_path):
+def test_an_adapter_whose_file_is_gone_ends_its_request_as_missing_and_a_damaged_one_as_a_load_error(
+        tiny_llama_dir, tmp_path):
+    """Gone (its version deleted after the request was accepted): the caller answers the client, not a server
+    error; damaged: the server's fault."""
     from loraplex.engine.lora_request import LoRARequest
 
     llm = LLM(str(tiny_llama_dir), max_loras=2, num_kv_blocks=128)
     engine = llm.engine
     gone = LoRARequest(name="bot", content_hash="ab" * 32, path=str(tmp_path / "store" / "gone.safetensors"))
+    (tmp_path / "damaged.safetensors").write_bytes(b"not safetensors")
+    damaged = LoRARequest(name="bad", content_hash="cd" * 32, path=str(tmp_path / "damaged.safetensors"))
     engine.add_request("lost", [5, 6, 7], PARAMS, lora=gone)
+    engine.add_request("broken", [5, 6, 7], PARAMS, lora=damaged)
     engine.add_request("base", [5, 6, 7], PARAMS)
     finals = {}
     while engine.has_unfinished_requests():
         for out in engine.step():
             if out.finished:
                 finals[out.request_id] = out
-    assert finals["lost"].error_kind == "adapter_load" and finals["lost"].outputs[0].finish_reason == "error"
+    assert finals["lost"].error_kind == "adapter_missing" and finals["lost"].outputs[0].finish_reason == "error"
     assert "bot" in finals["lost"].error
+    assert finals["broken"].error_kind == "adapter_load" and "bad" in finals["broken"].error
     assert finals["base"].error is None and finals["base"].error_kind is None
     assert len(finals["base"].outputs[0].token_ids) == PARAMS.max_tokens
 

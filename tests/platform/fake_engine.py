@@ -11,6 +11,7 @@ import asyncio
 import hashlib
 import time
 from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
 from typing import Any
 
 from loraplex.engine.client import EngineStats
@@ -39,6 +40,10 @@ class FakeEngine:
         self.eos_rate = eos_rate  # 1 in eos_rate steps emits EOS; 0: never
         self.fail_at_step: int | None = None  # raise at this step, as a failing device would
         self.adapter_error: str | None = None  # when set, requests naming an adapter fail to load it
+        # when set, requests naming an adapter wait for it before loading it, as ones queued for a device
+        # slot do; and they load it as the engine does, from its store file, when it is set
+        self.slot_free: asyncio.Event | None = None
+        self.waiting_for_slot: list[str] = []
         self.started = False
         self.running: set[str] = set()
         self.aborted: list[str] = []
@@ -110,6 +115,16 @@ class FakeEngine:
                                 finished=True, metrics=metrics, error=self.adapter_error,
                                 error_kind="adapter_load")
             return
+        if adapter is not None and self.slot_free is not None:
+            self.waiting_for_slot.append(request_id)
+            await self.slot_free.wait()
+            if not Path(adapter.path).exists():
+                outs[0].finish_reason = "error"
+                yield RequestOutput(request_id=request_id, prompt=None, prompt_token_ids=prompt_ids,
+                                    outputs=outs, finished=True, metrics=metrics,
+                                    error=f"adapter {adapter.name!r} could not be loaded: {adapter.path} does "
+                                          "not exist", error_kind="adapter_missing")
+                return
         self.running.add(request_id)
         self.running_by_tenant[tenant] = self.running_by_tenant.get(tenant, 0) + 1
         self.max_running_by_tenant[tenant] = max(self.max_running_by_tenant.get(tenant, 0),

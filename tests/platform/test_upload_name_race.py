@@ -3,6 +3,9 @@ The console's upload shares that registration with the API (it used to have its 
 
 from __future__ import annotations
 
+import threading
+import uuid
+
 import pytest
 from console_helpers import Console
 from platform_helpers import upload
@@ -48,3 +51,101 @@ def test_console_upload_survives_the_race(console, make_tenant, peft_adapter_zip
                             headers={"X-CSRF-Token": console.csrf})
     assert r.status_code == 202, r.text
     assert r.json()["name"] == "raced" and len(lose_one_race) == 2
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.integration)])
+def sessions(request, tmp_path):
+    from platform_helpers import postgres_schema
+
+    from loraplex.platform.db import make_engine, make_session_factory
+    from loraplex.platform.migrate import upgrade_to_head
+
+    if request.param == "sqlite":
+        url = f"sqlite:///{tmp_path / 'uploads.db'}"
+        upgrade_to_head(url)
+        engine = make_engine(url)
+        yield make_session_factory(engine)
+        engine.dispose()
+        return
+    with postgres_schema("lpx_uploads") as url:
+        upgrade_to_head(url)
+        engine = make_engine(url)
+        yield make_session_factory(engine)
+        engine.dispose()
+
+
+def _parsed(tmp_path, name: str, sha: str):
+    from loraplex.platform.uploads import ParsedUpload, UploadedFile
+
+    folder = tmp_path / f"incoming-{uuid.uuid4().hex}"
+    folder.mkdir()
+    (folder / "a.zip").write_bytes(b"zip")
+    return ParsedUpload(folder, {"name": name}, [UploadedFile("file", "a.zip", folder / "a.zip", 3, sha)])
+
+
+def test_the_same_files_uploaded_at_the_same_time_make_one_version(sessions, tmp_path):
+    """Upload B reads the adapter's newest version while upload A of the same files has made its version but
+    not committed it: B must wait for A and answer with A's version, as an upload after A does."""
+    from platform_helpers import make_settings
+    from sqlalchemy import event, select
+
+    from loraplex.platform.adapter_registry import register_upload
+    from loraplex.platform.models import Adapter, AdapterVersion, Tenant
+    from loraplex.platform.scoping import TenantScope
+
+    settings = make_settings(tmp_path)
+    with sessions() as s:
+        tenant = Tenant(name=f"t{uuid.uuid4().hex[:8]}")
+        s.add(tenant)
+        s.commit()
+        tenant_id = tenant.id
+    # the adapter exists already (with another version): both uploads find it
+    with sessions() as s:
+        register_upload(s, TenantScope(s, tenant_id), settings, _parsed(tmp_path, "race", "1" * 64))
+        s.commit()
+    engine = sessions.kw["bind"]
+    b_thread: list[int] = []
+    b_at_the_race = threading.Event()
+
+    def lock_or_read(when):
+        def hook(_conn, _cursor, statement, *_args):
+            if threading.get_ident() not in b_thread:
+                return
+            text = " ".join(statement.split()).upper()
+            if when == "before" and text.startswith("UPDATE ADAPTERS"):
+                b_at_the_race.set()  # about to wait for A's lock
+            if when == "after" and "FROM ADAPTER_VERSIONS" in text and "ORDER BY" in text:
+                b_at_the_race.set()  # read the newest version without waiting for A
+        return hook
+
+    before, after = lock_or_read("before"), lock_or_read("after")
+    event.listen(engine, "before_cursor_execute", before)
+    event.listen(engine, "after_cursor_execute", after)
+    answers = {}
+
+    def upload_b():
+        b_thread.append(threading.get_ident())
+        with sessions() as s:
+            version, created = register_upload(s, TenantScope(s, tenant_id), settings,
+                                               _parsed(tmp_path, "race", "2" * 64))
+            s.commit()
+            answers["b"] = (version.id, created)
+
+    try:
+        with sessions() as a:
+            version_a, created_a = register_upload(a, TenantScope(a, tenant_id), settings,
+                                                   _parsed(tmp_path, "race", "2" * 64))
+            b = threading.Thread(target=upload_b)
+            b.start()
+            b_at_the_race.wait()
+            a.commit()
+            answers["a"] = (version_a.id, created_a)
+        b.join()
+    finally:
+        event.remove(engine, "before_cursor_execute", before)
+        event.remove(engine, "after_cursor_execute", after)
+    assert answers["a"][1] is True and answers["b"] == (answers["a"][0], False)
+    with sessions() as s:
+        shas = s.scalars(select(AdapterVersion.upload_sha256).join(Adapter).where(
+            Adapter.tenant_id == tenant_id, Adapter.name == "race").order_by(AdapterVersion.id)).all()
+    assert shas == ["1" * 64, "2" * 64]

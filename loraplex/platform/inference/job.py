@@ -15,7 +15,13 @@ from dataclasses import dataclass, field
 
 import anyio
 
-from loraplex.engine.errors import AdapterLoadError, EngineError, EngineOverloadedError, InvalidRequestError
+from loraplex.engine.errors import (
+    AdapterLoadError,
+    AdapterMissingError,
+    EngineError,
+    EngineOverloadedError,
+    InvalidRequestError,
+)
 from loraplex.engine.outputs import RequestOutput
 from loraplex.engine.sampling_params import SamplingParams
 from loraplex.platform.auth import TenantContext
@@ -50,6 +56,7 @@ class InferenceJob:
     refused: bool = False  # the engine refused it as a client error (InvalidRequestError): not usage
     stopped: bool = False  # ended by the server's shutdown (Services.stop_requests)
     _closed: bool = False
+    _leased: str | None = None  # the adapter content this request holds in the store until it settles
     _consumer: asyncio.Task | None = None  # the task iterating run() now
 
     @property
@@ -90,16 +97,25 @@ class InferenceJob:
         return self.request_id if len(self.prompts) == 1 else f"{self.request_id}-{index}"
 
     async def admit(self) -> None:
+        if self.target.adapter is not None:
+            # from here to its settlement a delete leaves the version's weights in the store for it
+            self._leased = self.target.adapter.content_hash
+            self.services.leases.acquire(self._leased)
         try:
             self.reservation = await self.services.limiter.acquire(
                 self.tenant.tenant_id, self.tenant.limits, self.request_id, self.reserve_tokens)
             self.services.running[self.request_id] = self
         except QuotaExceeded as exc:
+            await self._release_lease()
             self._record_metrics("rejected", 0, None)
             over_budget = exc.kind == "monthly_budget"
             raise APIError(429, exc.message, type="insufficient_quota" if over_budget else exc.kind,
                            code="insufficient_quota" if over_budget else "rate_limit_exceeded",
                            headers=exc.headers) from exc
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await self._release_lease()
+            raise
 
     async def run(self) -> AsyncIterator[tuple[int, RequestOutput]]:
         engine = self.services.require_engine()
@@ -126,9 +142,10 @@ class InferenceJob:
             self.failed = True
             raise unavailable(f"The server is shutting down and stopped request {self.request_id} after "
                               f"{self.completion_tokens} tokens; it is not billed. Retry it.", retry_after=1) from None
-        except InvalidRequestError as exc:
+        except (InvalidRequestError, AdapterMissingError) as exc:
             # the engine refused the request as it stands (n above what it runs at once, say): the client's
-            # error, answered 400 like any other, neither a failed request nor usage
+            # error, answered 400 like any other, neither a failed request nor usage; or its adapter was
+            # deleted (and its weights swept) before it could load it: the tenant's doing, answered 404
             self.refused = True
             raise from_engine_error(exc) from exc
         except EngineError as exc:
@@ -158,8 +175,11 @@ class InferenceJob:
             # the engine ended the request with an error rather than an answer; an empty completion with
             # finish_reason "stop" would pass for one. The cause can name the server's files: it goes to the
             # log, the client gets what failed and the request id to quote.
-            log.error("request %s (tenant %s, model %r) failed in the engine: %s", self.request_id,
-                      self.tenant.tenant_id, self.target.model, out.error)
+            log.log(logging.WARNING if out.error_kind == "adapter_missing" else logging.ERROR,
+                    "request %s (tenant %s, model %r) failed in the engine: %s", self.request_id,
+                    self.tenant.tenant_id, self.target.model, out.error)
+            if out.error_kind == "adapter_missing":
+                raise AdapterMissingError(repr(self.target.model))
             if out.error_kind == "adapter_load":
                 raise AdapterLoadError(f"{self.target.model!r} (the server log has the cause under request id "
                                        f"{self.request_id})")
@@ -207,6 +227,12 @@ class InferenceJob:
             await self._finish("error" if self.stopped and status == "cancelled" else status)
         finally:
             self.services.running.pop(self.request_id, None)
+            await self._release_lease()
+
+    async def _release_lease(self) -> None:
+        content_hash, self._leased = self._leased, None
+        if content_hash is not None and self.services.leases.release(content_hash):
+            await self.services.sweep_retired([content_hash])
 
     async def _finish(self, status: str) -> None:
         if self.reservation is None or self.reservation.settled:

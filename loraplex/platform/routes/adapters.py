@@ -194,19 +194,22 @@ async def handle_delete(services: Services, tenant_id: int, name: str) -> Adapte
 
 
 async def drop_versions(services: Services, content_hashes: list[str]) -> None:
-    """Out of the engine at once (this process's), then out of the store; other engine processes get a task.
-    Content another tenant still uses, whose last pin went with the deleted adapter, is unpinned."""
-    from loraplex.adapters import LocalAdapterStore
+    """Out of the engine at once (this process's; other engine processes get a task), and retired in the
+    store: requests accepted before the delete may still wait to load the weights, so the entry goes once
+    none does (store_sweep). Content another tenant still uses, whose last pin went with the deleted
+    adapter, is unpinned."""
+    from loraplex.platform.store_sweep import retire
 
     for version_id in getattr(content_hashes, "unpin", ()):
         await unpin_version_content(services, version_id)
-    store = LocalAdapterStore(services.settings.resolved_adapter_store_dir)
+    if content_hashes:
+        await asyncio.to_thread(retire, services.store_dir, list(content_hashes))
     for content_hash in content_hashes:
         if services.engine is not None:
             await services.engine.remove_adapter(content_hash)
         if not services.tasks.eager:
             await services.tasks.send_async("loraplex.remove_adapter", content_hash)
-        await asyncio.to_thread(store.delete, content_hash)
+    await services.sweep_retired(list(content_hashes))
 
 
 async def unpin_version_content(services: Services, version_id: int) -> None:

@@ -44,6 +44,7 @@ def configure(settings: Settings) -> Celery:
             "rollup-usage": {"task": "loraplex.rollup_usage", "schedule": 3600.0},
             "finalize-statements": {"task": "loraplex.finalize_statements", "schedule": 6 * 3600.0},
             "resume-stuck-validations": {"task": "loraplex.resume_stuck_validations", "schedule": 60.0},
+            "sweep-adapter-store": {"task": "loraplex.sweep_adapter_store", "schedule": 300.0},
         },
     )
     if previous != (app.conf.broker_url, app.conf.task_default_queue, dict(app.conf.task_routes or {}),
@@ -117,6 +118,16 @@ def resume_stuck_validations() -> int:
     for version_id in ids:
         validate_adapter.apply_async(args=[version_id])
     return len(ids)
+
+
+@app.task(name="loraplex.sweep_adapter_store", **_COMMON)
+def sweep_adapter_store() -> int:
+    """Weights of deleted versions out of the store once their grace period has passed (store_sweep)."""
+    from loraplex.platform.store_sweep import sweep
+
+    ctx = get_context()
+    store_dir = ctx.settings.resolved_adapter_store_dir.resolve()
+    return len(sweep(ctx.sessions, store_dir, grace_seconds=ctx.settings.adapter_store_grace_seconds))
 
 
 @app.task(name="loraplex.finalize_statements", **_COMMON)
