@@ -222,6 +222,10 @@ class LoraManager:
         self._finished = 0  # loads finished (or failed), under _gate: wait_for_load() watches it
         self._host: OrderedDict[str, HostAdapter] = OrderedDict()  # LRU, oldest first
         self._loading: dict[str, Future] = {}  # loads submitted to the pool and not finished
+        # loads not started yet, in order of request; those a waiting request needs (`_urgent`) go before
+        # prefetches, whatever their order (warming adapters at start must not hold up a request's load)
+        self._queued: OrderedDict[str, LoRARequest] = OrderedDict()
+        self._urgent: dict[str, None] = {}  # in the order requests came to wait for them
         self._errors: dict[str, BaseException] = {}
         self._slot_of: OrderedDict[str, int] = OrderedDict()  # resident adapters, least recently used first
         self._slot_key: list[str | None] = [None] * max_loras
@@ -304,20 +308,47 @@ class LoraManager:
 
     # ---- loading (background) -------------------------------------------------------------------------
 
-    def request_load(self, lora: LoRARequest) -> Future:
-        """Start loading into host memory unless it is there or on its way. Never blocks on the load."""
+    def request_load(self, lora: LoRARequest, *, urgent: bool = True) -> Future:
+        """Start loading into host memory unless it is there or on its way. Never blocks on the load.
+        `urgent`: a request waits for it, so it goes before queued prefetches (False: a prefetch)."""
         with self._lock:
             fut = self._loading.get(lora.key)
             if fut is not None:
+                if urgent and lora.key in self._queued:
+                    self._urgent.setdefault(lora.key)
                 return fut
             fut = Future()
             if lora.key in self._host or lora.key in self._slot_of:
                 fut.set_result(None)
                 return fut
             self._errors.pop(lora.key, None)
-            fut = self._pool.submit(self._load, lora)
             self._loading[lora.key] = fut
+            self._queued[lora.key] = lora
+            if urgent:
+                self._urgent.setdefault(lora.key)
+            self._pool.submit(self._run_next)
             return fut
+
+    def _run_next(self) -> None:
+        """One queued load (the pool runs one per load queued): the first a request came to wait for, else
+        the oldest prefetch."""
+        with self._lock:
+            key = next(iter(self._urgent), None) or next(iter(self._queued), None)
+            if key is None:
+                return
+            lora = self._queued.pop(key)
+            self._urgent.pop(key, None)
+            fut = self._loading[key]
+        if not fut.set_running_or_notify_cancel():
+            with self._lock:
+                self._loading.pop(key, None)
+            return
+        try:
+            self._load(lora)
+        except BaseException as exc:  # noqa: BLE001 - handed to whoever waits on the load
+            fut.set_exception(exc)
+        else:
+            fut.set_result(None)
 
     def _load(self, lora: LoRARequest) -> None:
         with self._gate:
@@ -415,7 +446,7 @@ class LoraManager:
                 self._pinned.add(lora.key)
             elif pin is False:
                 self._pinned.discard(lora.key)
-        fut = self.request_load(lora)
+        fut = self.request_load(lora, urgent=False)
         result: Future = Future()
 
         def _activate(done: Future) -> None:
@@ -617,3 +648,8 @@ class LoraManager:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+        with self._lock:  # loads that never started: whoever waits on them is told
+            for key in list(self._queued):
+                self._loading.pop(key).cancel()
+            self._queued.clear()
+            self._urgent.clear()

@@ -161,6 +161,35 @@ def test_pins_never_take_every_slot():
     assert m.is_resident("a") and m.is_resident("b") and not m.is_resident("d")
 
 
+def test_a_waiting_request_s_load_goes_before_queued_prefetches():
+    store = FakeStore()
+    m = _manager(store, max_loras=2, max_cpu_loras=8)
+    a, b, c, d = (store.add(n, 4) for n in "abcd")
+    store.gate.clear()  # the loader blocks on a's read
+    prefetches = [m.prefetch(lora) for lora in (a, b, c)]
+    while "a" not in m._loading or "a" in m._queued:  # a has left the queue: it is the load under way
+        pass
+    assert not m.ready(d)  # a request waits for d: its load is queued before b's and c's
+    m.request_load(b)  # a request now waits for b too: it goes ahead of c, behind d
+    store.gate.set()
+    for fut in prefetches:
+        fut.result(5)
+    m.request_load(d).result(5)
+    assert store.calls == ["a", "d", "b", "c"]
+
+
+def test_loads_queued_at_close_are_cancelled():
+    store = FakeStore()
+    m = _manager(store)
+    a, b = store.add("a", 4), store.add("b", 4)
+    store.gate.clear()
+    m.request_load(a)
+    queued = m.request_load(b)
+    m.close()
+    assert queued.cancelled()
+    store.gate.set()
+
+
 def test_least_recently_used_goes_first():
     store = FakeStore()
     m = _manager(store, max_loras=2)
