@@ -35,6 +35,27 @@ def postgres_schema(prefix: str) -> Iterator[str]:
         conn.close()
 
 
+@contextmanager
+def migrated_sessions(kind: str, tmp_path: Path, prefix: str):
+    """A session factory on a database migrated to head: a SQLite file under tmp_path ("sqlite") or a fresh
+    schema on the machine's PostgreSQL ("postgresql")."""
+    from loraplex.platform.db import make_engine, make_session_factory
+    from loraplex.platform.migrate import upgrade_to_head
+
+    with (postgres_schema(prefix) if kind == "postgresql" else _sqlite_url(tmp_path / f"{prefix}.db")) as url:
+        upgrade_to_head(url)
+        engine = make_engine(url)
+        try:
+            yield make_session_factory(engine)
+        finally:
+            engine.dispose()
+
+
+@contextmanager
+def _sqlite_url(path: Path) -> Iterator[str]:
+    yield f"sqlite:///{path}"
+
+
 def make_settings(data_dir: Path, **overrides) -> Settings:
     values = dict(environment="test", secret_key=TEST_SECRET, data_dir=data_dir, warm_adapters_interval=0,
                   database_url=f"sqlite:///{data_dir / 'loraplex.db'}", auto_migrate=False,

@@ -10,7 +10,7 @@ from __future__ import annotations
 import uuid
 
 import pytest
-from platform_helpers import make_settings, postgres_schema
+from platform_helpers import make_settings, migrated_sessions
 from sqlalchemy import select
 
 from loraplex.platform.adapter_registry import delete_adapter, delete_version
@@ -20,21 +20,8 @@ from loraplex.platform.models import Adapter, AdapterVersion, Tenant
 
 @pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.integration)])
 def sessions(request, tmp_path):
-    from loraplex.platform.db import make_engine, make_session_factory
-    from loraplex.platform.migrate import upgrade_to_head
-
-    if request.param == "sqlite":
-        url = f"sqlite:///{tmp_path / 'races.db'}"
-        upgrade_to_head(url)
-        engine = make_engine(url)
-        yield make_session_factory(engine)
-        engine.dispose()
-        return
-    with postgres_schema("lpx_races") as url:
-        upgrade_to_head(url)
-        engine = make_engine(url)
-        yield make_session_factory(engine)
-        engine.dispose()
+    with migrated_sessions(request.param, tmp_path, "lpx_races") as factory:
+        yield factory
 
 
 def _adapter_with_versions(sessions, n: int) -> tuple[int, list[int]]:

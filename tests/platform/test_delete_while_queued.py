@@ -47,12 +47,18 @@ def _stored(app, content_hash: str) -> bool:
     return (app.state.services.settings.resolved_adapter_store_dir / f"{content_hash}.safetensors").exists()
 
 
-def test_a_queued_request_loads_the_adapter_deleted_after_it_was_accepted(
-        app, client, make_tenant, peft_adapter_zip, fake_engine, queued):
+def _queued_then_deleted(client, make_tenant, peft_adapter_zip, fake_engine, queued):
+    """A tenant's adapter "tmpv2", a request for it held in the engine's queue, then the adapter deleted."""
     tenant = make_tenant()
     content_hash = upload(client, tenant, "tmpv2", [("a.zip", peft_adapter_zip.read_bytes())]).json()["content_hash"]
     pending = _send_queued(client, fake_engine, queued, tenant, "tmpv2")
     assert client.delete("/v1/adapters/tmpv2", headers=tenant.headers).status_code == 200
+    return tenant, content_hash, pending
+
+
+def test_a_queued_request_loads_the_adapter_deleted_after_it_was_accepted(
+        app, client, make_tenant, peft_adapter_zip, fake_engine, queued):
+    tenant, content_hash, pending = _queued_then_deleted(client, make_tenant, peft_adapter_zip, fake_engine, queued)
     assert _stored(app, content_hash)  # a request accepted before the delete still needs it
     client.portal.call(fake_engine.slot_free.set)
     r = pending.result()
@@ -86,10 +92,7 @@ def test_a_queued_request_loads_the_version_deleted_after_it_was_accepted(
 
 def test_a_request_whose_adapter_weights_are_gone_gets_a_404_not_a_server_error(
         app, client, make_tenant, peft_adapter_zip, fake_engine, queued):
-    tenant = make_tenant()
-    content_hash = upload(client, tenant, "tmpv2", [("a.zip", peft_adapter_zip.read_bytes())]).json()["content_hash"]
-    pending = _send_queued(client, fake_engine, queued, tenant, "tmpv2")
-    assert client.delete("/v1/adapters/tmpv2", headers=tenant.headers).status_code == 200
+    tenant, content_hash, pending = _queued_then_deleted(client, make_tenant, peft_adapter_zip, fake_engine, queued)
     # another process (its sweep, an operator) removes the entry behind this one's back
     (app.state.services.settings.resolved_adapter_store_dir / f"{content_hash}.safetensors").unlink()
     client.portal.call(fake_engine.slot_free.set)

@@ -55,23 +55,10 @@ def test_console_upload_survives_the_race(console, make_tenant, peft_adapter_zip
 
 @pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.integration)])
 def sessions(request, tmp_path):
-    from platform_helpers import postgres_schema
+    from platform_helpers import migrated_sessions
 
-    from loraplex.platform.db import make_engine, make_session_factory
-    from loraplex.platform.migrate import upgrade_to_head
-
-    if request.param == "sqlite":
-        url = f"sqlite:///{tmp_path / 'uploads.db'}"
-        upgrade_to_head(url)
-        engine = make_engine(url)
-        yield make_session_factory(engine)
-        engine.dispose()
-        return
-    with postgres_schema("lpx_uploads") as url:
-        upgrade_to_head(url)
-        engine = make_engine(url)
-        yield make_session_factory(engine)
-        engine.dispose()
+    with migrated_sessions(request.param, tmp_path, "lpx_uploads") as factory:
+        yield factory
 
 
 def _parsed(tmp_path, name: str, sha: str):
