@@ -165,3 +165,31 @@ def test_with_a_broker_a_delete_leaves_the_weights_to_the_sweep(tmp_path):
     assert services.store_grace_seconds == 600
     Tasks.eager = True
     assert services.store_grace_seconds == 0
+
+
+def test_the_periodic_task_and_the_start_sweep_remove_retired_content_that_is_due(app, client):
+    """The worker's beat task (engine processes elsewhere) and a starting server (a stopped process kept the
+    weights for its requests) both sweep the store."""
+    import asyncio
+    import os
+    import time
+
+    from loraplex.adapters import LocalAdapterStore
+    from loraplex.platform.tasks.celery_app import app as celery_app
+    from loraplex.platform.tasks.celery_app import sweep_adapter_store
+
+    services = app.state.services
+    store_dir = services.store_dir
+    store = LocalAdapterStore(store_dir)
+    due, recent = "d" * 64, "e" * 64
+    for h in (due, recent):
+        (store_dir / f"{h}.safetensors").write_bytes(b"x")
+    retire(store_dir, [due, recent])
+    long_ago = time.time() - services.settings.adapter_store_grace_seconds - 60
+    os.utime(store_dir / ".retired" / due, (long_ago, long_ago))
+    assert "sweep-adapter-store" in celery_app.conf.beat_schedule
+    assert sweep_adapter_store() == 1  # the grace period of engine processes elsewhere
+    assert due not in store.list() and recent in store.list()
+
+    # a server starting with in-process tasks (grace 0, no request of its own yet) takes the rest
+    assert asyncio.run(services.sweep_retired()) == [recent] and recent not in store.list()
