@@ -231,6 +231,7 @@ class LoraManager:
         self._slot_key: list[str | None] = [None] * max_loras
         self._refs: dict[str, int] = {}
         self._pinned: set[str] = set()
+        self._remove_when_idle: set[str] = set()  # removed while requests used it
         # loaded (or loading) for a waiting request that has not run yet -> when it last asked; lapses
         # PENDING_TTL_S after the last ask, so an aborted request cannot hold a place for ever
         self._pending: dict[str, float] = {}
@@ -533,6 +534,9 @@ class LoraManager:
                 raise RuntimeError(f"release of adapter {key[:12]} without a matching acquire")
             if n == 1:
                 del self._refs[key]
+                if key in self._remove_when_idle:  # removed while running: it goes now
+                    self._remove_when_idle.discard(key)
+                    self._drop(key)
             else:
                 self._refs[key] = n - 1
 
@@ -548,19 +552,25 @@ class LoraManager:
             self._pinned.discard(key)
 
     def remove(self, key: str) -> bool:
-        """Drop the adapter from every level if no request uses it. Returns False while it is in use."""
+        """Drop the adapter from every level if no request uses it. Returns False while it is in use: it is
+        then dropped when the last request using it stops (requests still waiting load it again)."""
         with self._lock:
             if self._refs.get(key):
+                self._pinned.discard(key)
+                self._remove_when_idle.add(key)
                 return False
-            self._pinned.discard(key)
-            self._pending.pop(key, None)
-            dropped = self._host.pop(key, None)
-            if dropped is not None and self._recycler is not None:
-                self._recycler.give(dropped)
-            slot = self._slot_of.pop(key, None)
-            if slot is not None:
-                self._clear(slot)
+            self._drop(key)
             return True
+
+    def _drop(self, key: str) -> None:
+        self._pinned.discard(key)
+        self._pending.pop(key, None)
+        dropped = self._host.pop(key, None)
+        if dropped is not None and self._recycler is not None:
+            self._recycler.give(dropped)
+        slot = self._slot_of.pop(key, None)
+        if slot is not None:
+            self._clear(slot)
 
     def build_step(self, token_slots: Sequence[int] | torch.Tensor) -> LoraStep | None:
         """The forward context's LoRA state for a step; None when no token uses an adapter.

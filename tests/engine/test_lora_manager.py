@@ -243,8 +243,16 @@ def test_remove_refuses_while_in_use_and_validates_shapes():
     a = store.add("a", 4)
     _ready(m, a)
     m.try_acquire(a)
+    m.try_acquire(a)
     assert m.remove("a") is False
     m.release("a")
+    assert m.is_resident("a")  # one request still runs on it
+    m.release("a")  # the last one stops: removed now, from the slot and from host memory
+    assert not m.is_resident("a") and "a" not in m.stats()["lora_host_cached"]
+    _ready(m, a)  # a request accepted before the removal loads it again, and it stays cached after
+    m.try_acquire(a)
+    m.release("a")
+    assert m.is_resident("a")
     assert m.remove("a") is True and not m.is_resident("a") and not m.ready(a)
     bad = LoRARequest(name="bad", content_hash="bad", path="bad")
     store.adapters["bad"] = {(0, "q_proj"): (torch.zeros(4, 12), torch.zeros(16, 4))}
