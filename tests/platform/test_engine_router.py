@@ -162,6 +162,31 @@ def test_tenants_see_an_engine_outage_as_503_without_internal_addresses(client, 
     assert any("10.1.2.3" in rec.getMessage() for rec in caplog.records)  # the cause is in the server log
 
 
+def test_a_stream_cut_by_a_lost_engine_ends_with_an_error_event_naming_the_request(client, make_tenant,
+                                                                                   fake_engine, monkeypatch):
+    import json
+
+    from loraplex.engine.errors import EngineOverloadedError
+
+    original = fake_engine.generate
+
+    async def dies_after_one_output(*args, **kwargs):
+        async for out in original(*args, **kwargs):
+            yield out
+            raise EngineOverloadedError("engine http://10.1.2.3:8120 went away mid-request")
+
+    monkeypatch.setattr(fake_engine, "generate", dies_after_one_output)
+    tenant = make_tenant()
+    r = client.post("/v1/chat/completions", headers=tenant.headers,
+                    json={"model": "fake-base", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5,
+                          "stream": True})
+    assert r.status_code == 200  # the stream had begun
+    events = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]" and "10.1.2.3" not in r.text
+    error = json.loads(events[-2])["error"]
+    assert error["code"] == "service_unavailable" and r.headers["x-request-id"] in error["message"]
+
+
 def test_the_api_sees_every_engines_whole_snapshot():
     """Pins, KV blocks and slots reach the API's /metrics and console from the engines' registrations (they
     used to carry only running, waiting and the adapter lists)."""

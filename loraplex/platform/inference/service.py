@@ -289,4 +289,8 @@ def _stream_error(exc: Exception, request_id: str) -> bytes:
     error = exc if isinstance(exc, APIError) else APIError(
         500, f"The server had an error processing request {request_id}; the stream ended early.",
         type="server_error")
-    return fmt.sse(error.body()) + fmt.SSE_DONE
+    body = error.body()
+    if error.status >= 500 and request_id not in body["error"]["message"]:
+        # a stream has no x-request-id to read once it has begun: its error event names the request
+        body["error"]["message"] = f"{body['error']['message'].rstrip()} (request {request_id}; the stream ended early)"
+    return fmt.sse(body) + fmt.SSE_DONE
