@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from sqlalchemy import func, select
+from sqlalchemy import func, select, text
+from sqlalchemy.orm import Session
 
 from loraplex.config import Settings
+from loraplex.platform.billing.locks import FIRST_START
 from loraplex.platform.db import make_engine, make_session_factory, session_scope
 from loraplex.platform.migrate import upgrade_to_head
 from loraplex.platform.models import AdminKey
@@ -20,12 +22,13 @@ def prepare_database(settings: Settings) -> None:
 def ensure_admin_key(settings: Settings) -> str | None:
     """The new admin key's secret when one was created now (print it once), else None.
 
-    Concurrent first starts (several API processes) may race; the count check is a courtesy, not a lock, and
-    a second admin key is harmless since each process prints the one it made.
+    API replicas starting together on a new database each run this: the check and the insert happen under one
+    lock, so exactly one of them makes (and prints) the key and the others find it.
     """
     engine = make_engine(settings.resolved_database_url, pooled=False)
     try:
         with session_scope(make_session_factory(engine)) as session:
+            _lock_first_start(session)
             active = session.scalar(select(func.count()).select_from(AdminKey).where(AdminKey.revoked_at.is_(None)))
             if active:
                 return None
@@ -33,3 +36,13 @@ def ensure_admin_key(settings: Settings) -> str | None:
             return secret
     finally:
         engine.dispose()
+
+
+def _lock_first_start(session: Session) -> None:
+    """Hold the first-start lock until the session's transaction ends, so another process's check waits for
+    this one's insert to commit."""
+    if session.get_bind().dialect.name == "postgresql":
+        session.execute(text("SELECT pg_advisory_xact_lock(:c, 0)"), {"c": FIRST_START})
+    else:
+        # pysqlite begins a transaction only at the first write: take SQLite's write lock before the check
+        session.execute(text("BEGIN IMMEDIATE"))

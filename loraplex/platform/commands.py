@@ -122,24 +122,29 @@ def serve(model, host, port, data_dir, no_engine):
     StoppingServer(config, app.state.services, settings.shutdown_timeout).run()
 
 
-def _refuse_unreachable_database(settings) -> None:
+def _refuse_unreachable_database(settings, *, tables: tuple[str, ...] = (), why: str = "") -> None:
     """Every task reads or writes the database: a worker that cannot reach it would take tasks off the queue
-    only to fail them."""
-    from sqlalchemy import text
+    only to fail them. `tables` are ones the process reads from its first moment (a database the API has
+    migrated); `why` ends the error, saying what the process needs the database for."""
+    from sqlalchemy import inspect, text
 
     from loraplex.platform.db import make_engine
 
     url = settings.resolved_database_url
+    where = f"the database {masked_url(url)} (LORAPLEX_DATABASE_URL)"
     try:
         engine = make_engine(url, pooled=False)
         try:
             with engine.connect() as connection:
                 connection.execute(text("SELECT 1"))
+                missing = [table for table in tables if not inspect(connection).has_table(table)]
         finally:
             engine.dispose()
     except Exception as exc:
-        raise click.ClickException(f"cannot reach the database {masked_url(url)} (LORAPLEX_DATABASE_URL): "
-                                   f"{str(exc).splitlines()[0]}") from exc
+        raise click.ClickException(f"cannot reach {where}: {str(exc).splitlines()[0]}{why}") from exc
+    if missing:
+        raise click.ClickException(f"{where} has no platform tables (no {missing[0]}): not the platform's "
+                                   f"database, or one `loraplex serve` has not migrated yet{why}")
 
 
 def _refuse_bad_model(model: str) -> None:
@@ -201,6 +206,11 @@ def engine(model, host, port, advertise):
     if not settings.redis_url:
         raise click.ClickException("`loraplex engine` needs LORAPLEX_REDIS_URL to register itself with the API")
     _refuse_unreachable_redis(settings.redis_url)
+    # its pin sync reads the platform's tables: on a database without them (the SQLite file an unset
+    # LORAPLEX_DATABASE_URL falls back to) the engine would serve without ever getting its pins
+    _refuse_unreachable_database(settings, tables=("adapter_versions",),
+                                 why="; engine processes read adapter pins from the platform's database: set "
+                                     "LORAPLEX_DATABASE_URL to the one the API processes use")
     # uvicorn starts the app (the engine, its registration, its task queue) before it binds: an engine on a
     # busy port would register another engine's address and take tasks, then hang in its shutdown
     _refuse_busy_port(host, port)

@@ -189,6 +189,7 @@ def test_serve_and_engine_name_a_model_they_cannot_serve_in_one_line(cli_env, tm
         assert "should match pattern" not in r.output and "Value error" not in r.output and "^[" not in r.output
     monkeypatch.setenv("LORAPLEX_REDIS_URL", "redis://127.0.0.1:6379/0")
     monkeypatch.setattr("loraplex.platform.commands._refuse_unreachable_redis", lambda url: None)
+    monkeypatch.setattr("loraplex.platform.commands._refuse_unreachable_database", lambda settings, **_: None)
     r = CliRunner().invoke(engine, ["--model", str(empty), "--port", str(free_port())])
     assert r.exit_code == 1 and "Error: cannot serve the model" in r.output and "config.json" in r.output, r.output
 
@@ -206,6 +207,43 @@ def test_a_worker_that_cannot_reach_its_database_says_so_before_taking_tasks(cli
     assert r.exit_code == 1, r.output
     assert "cannot reach the database" in r.output and "loraplex_no_such_db" in r.output
     assert "Traceback" not in r.output and not started
+
+
+def test_an_engine_without_the_platform_database_says_so_before_serving(cli_env, monkeypatch):
+    """An engine with LORAPLEX_DATABASE_URL unset fell back to a SQLite file without the platform's tables:
+    it registered and served, but its pin sync failed forever ("no such table: adapter_versions")."""
+    from loraplex.config import Settings
+    from loraplex.platform.bootstrap import prepare_database
+    from loraplex.platform.commands import engine
+
+    monkeypatch.setenv("LORAPLEX_REDIS_URL", "redis://127.0.0.1:6379/0")
+    monkeypatch.setattr("loraplex.platform.commands._refuse_unreachable_redis", lambda url: None)
+    monkeypatch.setattr("loraplex.platform.commands._refuse_bad_model", lambda model: None)
+    started = []
+    monkeypatch.setattr("loraplex.platform.remote.server.run_engine_server",
+                        lambda settings, **kwargs: started.append(settings))
+
+    def run():
+        return CliRunner().invoke(engine, ["--port", str(free_port())])
+
+    for database in ("no data dir", "empty SQLite file", "unreachable PostgreSQL"):
+        if database == "empty SQLite file":
+            cli_env.mkdir()
+        if database == "unreachable PostgreSQL":
+            monkeypatch.setenv("LORAPLEX_DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/loraplex_no_such_db")
+        r = run()
+        assert r.exit_code == 1, (database, r.output)
+        assert "LORAPLEX_DATABASE_URL" in r.output and "engine processes read adapter pins" in r.output, r.output
+        assert ("loraplex_no_such_db" if "PostgreSQL" in database else "loraplex.db") in r.output, r.output
+        assert "Traceback" not in r.output and len(r.output.strip().splitlines()) == 1, r.output
+        if database == "empty SQLite file":
+            assert "no platform tables" in r.output, r.output
+    assert not started
+
+    monkeypatch.delenv("LORAPLEX_DATABASE_URL")
+    prepare_database(Settings())  # the platform's database: the engine starts
+    r = run()
+    assert r.exit_code == 0 and len(started) == 1, r.output
 
 
 @pytest.mark.slow

@@ -110,6 +110,7 @@ def test_engine_refuses_a_busy_port_before_registering(data_dir, tmp_path, monke
 
     monkeypatch.setenv("LORAPLEX_REDIS_URL", "redis://127.0.0.1:6379/0")
     monkeypatch.setattr("loraplex.platform.commands._refuse_unreachable_redis", lambda url: None)
+    monkeypatch.setattr("loraplex.platform.commands._refuse_unreachable_database", lambda settings, **_: None)
     with socket.socket() as holder:
         holder.bind(("127.0.0.1", 0))
         holder.listen()

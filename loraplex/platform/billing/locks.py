@@ -12,6 +12,7 @@ from sqlalchemy.orm import Session
 
 ROLLUP_DAY = 0x6C700001  # lock class ids: arbitrary, distinct from anything else taking advisory locks
 STATEMENT_TENANT = 0x6C700002
+FIRST_START = 0x6C700003  # the first-start admin key (bootstrap.py); kept here so the ids stay distinct
 
 
 def serialize(session: Session, lock_class: int, key: int) -> None:
