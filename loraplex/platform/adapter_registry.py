@@ -21,6 +21,10 @@ ADAPTER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 ARCHIVE_SUFFIXES = (".zip", ".tar.gz", ".tgz", ".tar")
 PEFT_FILES = {"adapter_config.json", "adapter_model.safetensors"}
 TERMINAL = {VersionStatus.ready.value, VersionStatus.failed.value}
+# a failed version whose staged files the validation could not read: the server's fault, not the adapter's
+UPLOAD_UNAVAILABLE = "upload_unavailable"
+UPLOAD_UNAVAILABLE_MESSAGE = ("the uploaded files could not be read by the validation worker (a server problem, "
+                              "not a problem with the adapter); upload it again later")
 
 
 def uploads_root(settings: Settings) -> Path:

@@ -5,10 +5,11 @@ from __future__ import annotations
 import logging
 import shutil
 import time
+from pathlib import Path
 
 from sqlalchemy import select
 
-from loraplex.platform.adapter_registry import uploads_root
+from loraplex.platform.adapter_registry import TERMINAL, uploads_root
 from loraplex.platform.models import AdapterVersion, VersionStatus
 from loraplex.platform.services import Services
 
@@ -17,6 +18,9 @@ STALE_STAGING_SECONDS = 3600  # another process may be receiving an upload right
 
 
 def remove_stale_staging(services: Services, *, older_than: float = STALE_STAGING_SECONDS) -> int:
+    """Interrupted uploads (incoming-*), and the staged files of versions no validation will read again:
+    gone, ready or failed (a worker that validated from another data directory cleared its own copy, not
+    this one). A pending or validating version's files are its worker's to read."""
     root = uploads_root(services.settings)
     if not root.exists():
         return 0
@@ -25,7 +29,29 @@ def remove_stale_staging(services: Services, *, older_than: float = STALE_STAGIN
         if time.time() - folder.stat().st_mtime > older_than:
             shutil.rmtree(folder, ignore_errors=True)
             removed += 1
+    for folder in _finished_version_folders(services, root, older_than):
+        shutil.rmtree(folder, ignore_errors=True)
+        removed += 1
     return removed
+
+
+def _finished_version_folders(services: Services, root: Path, older_than: float) -> list[Path]:
+    folders = {int(f.name): f for f in root.iterdir() if f.name.isdigit() and f.is_dir()}
+    ids, status = list(folders), {}
+    with services.sessions() as session:
+        for start in range(0, len(ids), 500):  # (SQLite caps the parameters of one statement)
+            status.update(session.execute(select(AdapterVersion.id, AdapterVersion.status)
+                                          .where(AdapterVersion.id.in_(ids[start:start + 500]))).all())
+    finished = []
+    for version_id, folder in folders.items():
+        if version_id not in status:
+            # no row: deleted, or another process is registering it right now (the folder is moved in
+            # before the row commits), so only an old one
+            if time.time() - folder.stat().st_mtime > older_than:
+                finished.append(folder)
+        elif status[version_id] in TERMINAL:
+            finished.append(folder)
+    return finished
 
 
 # pending or validating this long: its task was lost, or its worker died (a validation takes seconds; one

@@ -11,6 +11,7 @@ from sqlalchemy import Engine, bindparam, select
 from sqlalchemy.orm import Session
 
 from loraplex.engine.lora_request import LoRARequest
+from loraplex.platform.adapter_registry import UPLOAD_UNAVAILABLE
 from loraplex.platform.errors import shown
 from loraplex.platform.hot_query import HotQuery
 from loraplex.platform.models import Adapter, AdapterVersion, VersionStatus
@@ -78,6 +79,9 @@ def _not_ready(model: str, adapter: Adapter, version: str) -> str:
     if newest is not None and newest.status in (VersionStatus.pending.value, VersionStatus.validating.value):
         return (f"The model '{shown(model)}' is not ready yet: adapter '{adapter.name}' is still being validated; "
                 "retry in a few seconds.")
+    if newest is not None and newest.error_code == UPLOAD_UNAVAILABLE:
+        return (f"The model '{shown(model)}' cannot be served: adapter '{adapter.name}' could not be validated "
+                f"({UPLOAD_UNAVAILABLE}: {newest.error}).")
     if newest is not None and newest.status == VersionStatus.failed.value:
         return (f"The model '{shown(model)}' cannot be served: adapter '{adapter.name}' was refused at validation "
                 f"({newest.error_code or 'invalid_adapter'}: {shown(newest.error, 300)}); upload a corrected version.")

@@ -550,3 +550,19 @@ def test_the_admin_api_deletes_a_tenants_version(app, client, admin_key, make_te
                       headers={"Authorization": f"Bearer {admin_key}"})
     assert r.status_code == 200 and r.json()["adapter_deleted"] is True, r.text
     assert client.get("/v1/adapters/bot", headers=tenant.headers).status_code == 404
+
+
+def test_an_upload_the_worker_cannot_read_is_a_server_error_without_a_path(app, client, make_tenant,
+                                                                           peft_adapter_zip, tmp_path, monkeypatch):
+    from loraplex.platform import adapter_registry
+
+    def on_a_worker_with_another_data_dir(settings, version):
+        return tmp_path / "worker-data" / "uploads" / str(version.id) / version.upload_filename
+
+    monkeypatch.setattr(adapter_registry, "upload_source", on_a_worker_with_another_data_dir)
+    tenant = make_tenant()
+    r = upload(client, tenant, "bot", [("a.zip", peft_adapter_zip.read_bytes())])
+    assert r.status_code == 500, r.text
+    err = r.json()["error"]
+    assert err["type"] == "server_error" and err["code"] == "upload_unavailable", err
+    assert "a server problem" in err["message"] and str(tmp_path) not in r.text and "uploads" not in r.text

@@ -232,3 +232,63 @@ def test_a_queued_pin_applies_the_databases_pin_not_the_one_it_carried(app, clie
     assert fake_engine.prefetched[-1] == (version["content_hash"], False)
     assert jobs.prefetch_adapter(ctx, version["id"])  # a plain warm-up leaves the pin alone
     assert fake_engine.prefetched[-1] == (version["content_hash"], None)
+
+
+def test_a_validation_that_cannot_find_the_staged_upload_is_a_server_problem(app, client, make_tenant,
+                                                                             peft_adapter_zip, monkeypatch,
+                                                                             caplog):
+    import logging
+    import shutil
+
+    from loraplex.platform.adapter_registry import version_upload_dir
+
+    tenant = make_tenant()
+
+    async def lost(*args, **kwargs):  # queued for a worker that has not run yet
+        return None
+
+    monkeypatch.setattr(app.state.services.tasks, "send_async", lost)
+    version_id = upload(client, tenant, "bot", [("a.zip", peft_adapter_zip.read_bytes())], wait=False).json()["id"]
+    staged = version_upload_dir(app.state.services.settings, version_id)
+    shutil.rmtree(staged)  # what a worker with another LORAPLEX_DATA_DIR sees
+    with caplog.at_level(logging.ERROR, logger="loraplex.platform.tasks.jobs"):
+        assert jobs.validate_adapter(get_context(), version_id) == "failed"
+    assert str(staged) in caplog.text and "LORAPLEX_DATA_DIR" in caplog.text
+    failed = client.get("/v1/adapters/bot", headers=tenant.headers).json()["versions"][0]
+    assert failed["status"] == "failed" and failed["error_code"] == "upload_unavailable"
+    assert "a server problem" in failed["error"] and "/" not in failed["error"]
+    r = client.post("/v1/completions", headers=tenant.headers, json={"model": "bot", "prompt": "hi"})
+    assert "upload_unavailable" in r.json()["error"]["message"] and "corrected" not in r.json()["error"]["message"]
+
+
+def test_startup_removes_the_staged_uploads_of_finished_or_deleted_versions(app, client, make_tenant):
+    import os
+    import time
+
+    from loraplex.platform.adapter_registry import version_upload_dir
+    from loraplex.platform.db import session_scope
+    from loraplex.platform.models import Adapter, AdapterVersion
+    from loraplex.platform.recovery import remove_stale_staging
+
+    services = app.state.services
+    tenant = make_tenant()
+    ids = {}
+    with session_scope(services.sessions) as session:
+        adapter = Adapter(tenant_id=tenant.tenant_id, name="left")
+        session.add(adapter)
+        session.flush()
+        for status in ("pending", "validating", "ready", "failed"):
+            version = AdapterVersion(adapter_id=adapter.id, tenant_id=tenant.tenant_id, status=status,
+                                     upload_sha256=status[0] * 64, upload_filename="a.zip", upload_bytes=1)
+            session.add(version)
+            session.flush()
+            ids[status] = version.id
+    ids["deleted"], ids["registering"] = 10_000, 10_001  # no row: deleted long ago, or not committed yet
+    for version_id in ids.values():
+        version_upload_dir(services.settings, version_id).mkdir(parents=True)
+    old = time.time() - 7200
+    os.utime(version_upload_dir(services.settings, ids["deleted"]), (old, old))
+
+    assert remove_stale_staging(services) == 3
+    left = {status for status, version_id in ids.items() if version_upload_dir(services.settings, version_id).exists()}
+    assert left == {"pending", "validating", "registering"}

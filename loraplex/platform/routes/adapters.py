@@ -13,6 +13,8 @@ from sqlalchemy.exc import IntegrityError
 
 from loraplex.platform.adapter_registry import (
     TERMINAL,
+    UPLOAD_UNAVAILABLE,
+    UPLOAD_UNAVAILABLE_MESSAGE,
     adapter_public,
     delete_adapter,
     delete_version,
@@ -49,7 +51,8 @@ async def upload_adapter(*, tenant: AdaptersKeyDep, services: ServicesDep, reque
 
 
 async def handle_upload(services: Services, tenant_id: int, request: Request, wait: bool) -> JSONResponse:
-    """Upload for one tenant: 201 ready, 202 still validating, 422 refused (with wait), 413 too large."""
+    """Upload for one tenant: 201 ready, 202 still validating, 422 refused (with wait), 413 too large, 500 when
+    the validation could not read the staged files (with wait)."""
     limit = services.settings.max_upload_bytes
     declared = request.headers.get("content-length")
     if declared and declared.isascii() and declared.isdigit() and int(declared) > limit + MULTIPART_OVERHEAD:
@@ -72,6 +75,9 @@ async def handle_upload(services: Services, tenant_id: int, request: Request, wa
     if version.status == VersionStatus.failed.value:
         if wait:
             await asyncio.to_thread(_forget_failed, services, version_id)
+        if version.error_code == UPLOAD_UNAVAILABLE:  # the server lost the files: not the adapter's fault
+            raise APIError(500, f"The adapter could not be validated: {UPLOAD_UNAVAILABLE_MESSAGE}.",
+                           type="server_error", code=UPLOAD_UNAVAILABLE)
         raise APIError(422, f"The adapter was refused: {version.error}", param="file",
                        code=version.error_code or "invalid_adapter")
     status = 201 if version.status == VersionStatus.ready.value else 202

@@ -19,7 +19,12 @@ log = logging.getLogger(__name__)
 def validate_adapter(ctx: TaskContext, version_id: int) -> str:
     """pending -> validating -> ready | failed(reason). Returns the final status."""
     from loraplex.adapters import AdapterLimits, AdapterValidationError, load_adapter
-    from loraplex.platform.adapter_registry import upload_source, version_upload_dir
+    from loraplex.platform.adapter_registry import (
+        UPLOAD_UNAVAILABLE,
+        UPLOAD_UNAVAILABLE_MESSAGE,
+        upload_source,
+        version_upload_dir,
+    )
 
     with ctx.sessions() as session:
         version = session.get(AdapterVersion, version_id)
@@ -31,15 +36,23 @@ def validate_adapter(ctx: TaskContext, version_id: int) -> str:
         session.commit()
         source = upload_source(ctx.settings, version)
     try:
+        if not source.exists():
+            raise FileNotFoundError(source)
         adapter = load_adapter(source, ctx.base_spec, AdapterLimits.from_settings(ctx.settings))
         ctx.store.put(adapter)
     except AdapterValidationError as exc:
         _finish(ctx, version_id, status=VersionStatus.failed, error=str(exc), error_code=exc.code.value)
         return VersionStatus.failed.value
     except FileNotFoundError:
-        _finish(ctx, version_id, status=VersionStatus.failed, error="the uploaded files are gone",
-                error_code="not_found")
-        return VersionStatus.failed.value
+        # The staged upload itself is gone: a server problem, not the tenant's adapter, and the path is the
+        # server's business (the log's, not the tenant's)
+        status = _finish(ctx, version_id, status=VersionStatus.failed, error=UPLOAD_UNAVAILABLE_MESSAGE,
+                         error_code=UPLOAD_UNAVAILABLE)
+        if status != "missing":  # (a delete during the validation takes the files too: nothing wrong then)
+            log.error("adapter version %s: its staged upload %s is missing on this worker; API processes and "
+                      "workers must share LORAPLEX_DATA_DIR (here %s), or the upload was removed",
+                      version_id, source, ctx.settings.data_dir)
+        return status
     status = _finish(ctx, version_id, status=VersionStatus.ready, content_hash=adapter.content_hash,
                      rank=adapter.rank, target_modules=",".join(adapter.target_modules))
     if status == "missing":  # deleted while we validated: the store entry is ours to drop unless in use
