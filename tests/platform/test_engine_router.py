@@ -284,6 +284,35 @@ def test_a_pin_and_an_unpin_reach_every_engine():
         asyncio.run(router.prefetch_adapter(ADAPTER, pin=True))
 
 
+def test_a_hung_engine_does_not_hold_a_pin_back(monkeypatch):
+    """The operator's pin returns once the engines that answer have it; the hung one's change goes on behind
+    it (and its pin sync covers it)."""
+    import asyncio
+
+    import loraplex.platform.remote.router as router_module
+
+    monkeypatch.setattr(router_module, "PIN_FANOUT_WAIT_S", 0.05)
+
+    class Hung(_PinStub):
+        async def prefetch_adapter(self, adapter, *, pin=None):
+            await asyncio.sleep(60)  # hung, as far as the call can tell (cancelled below)
+
+    router = _router({"a": {"resident": [ADAPTER.content_hash]}, "b": {}})
+    stubs = {"a": _PinStub("http://a"), "b": Hung("http://b")}
+    router.engines.update(stubs)
+
+    async def pin_then_stop():
+        await router.prefetch_adapter(ADAPTER, pin=True)
+        left = list(router._fanout)
+        for task in left:
+            task.cancel()
+        await asyncio.gather(*left, return_exceptions=True)
+        return left
+
+    left = asyncio.run(pin_then_stop())
+    assert stubs["a"].calls == [True] and len(left) == 1  # b's pin was still on its way
+
+
 def test_the_engine_server_unpins_without_loading(tmp_path, monkeypatch):
     import asyncio
 

@@ -30,6 +30,7 @@ log = logging.getLogger(__name__)
 REFRESH_SECONDS = 1.0
 ENDED_KEPT = 4096  # ended requests whose engine `abort` can still ask (their callers ask at once)
 OVERLOAD_FACTOR = 2.0  # queued work above this multiple of max_num_seqs counts as overloaded
+PIN_FANOUT_WAIT_S = 2.0  # how long a pin or unpin waits for every engine before the rest go on behind it
 
 
 class EngineRouter:
@@ -48,6 +49,7 @@ class EngineRouter:
         # their registrations live on in Redis for up to REGISTRATION_TTL after they die
         self._down: dict[str, float] = {}
         self._down_at: dict[str, float] = {}  # when it was found unreachable (wall clock, as heartbeats are)
+        self._fanout: set[asyncio.Task] = set()  # pin changes still on their way to slow engines
 
     @property
     def available(self) -> bool:
@@ -64,6 +66,9 @@ class EngineRouter:
         if self._refresher:
             self._refresher.cancel()
             await asyncio.gather(self._refresher, return_exceptions=True)
+        for task in list(self._fanout):  # the engines take these from the database at their next pin sync
+            task.cancel()
+        await asyncio.gather(*self._fanout, return_exceptions=True)
         for engine in self.engines.values():
             await engine.shutdown()
 
@@ -180,16 +185,25 @@ class EngineRouter:
             return
         chosen = self._choose_id(adapter)
         others = [e for e in self.records if e != chosen and e in self.engines]
-        results = await asyncio.gather(
-            self.engines[chosen].prefetch_adapter(adapter, pin=pin),
-            *(self.engines[e].unpin_adapter(adapter.content_hash) if pin is False
-              else self.engines[e].prefetch_adapter(adapter, pin=pin) for e in others),
-            return_exceptions=True)
-        failures = [r for r in results if isinstance(r, BaseException)]
-        for exc in failures:
-            log.warning("%s adapter %s on an engine failed: %s", "pinning" if pin else "unpinning",
-                        adapter.content_hash[:12], exc)
-        if failures and len(failures) == len(results):
+        what = "pinning" if pin else "unpinning"
+
+        def report(task: asyncio.Task) -> None:
+            self._fanout.discard(task)
+            if not task.cancelled() and task.exception() is not None:
+                log.warning("%s adapter %s on an engine failed: %s", what, adapter.content_hash[:12],
+                            task.exception())
+
+        tasks = [asyncio.ensure_future(self.engines[chosen].prefetch_adapter(adapter, pin=pin))]
+        tasks += [asyncio.ensure_future(self.engines[e].unpin_adapter(adapter.content_hash) if pin is False
+                                        else self.engines[e].prefetch_adapter(adapter, pin=pin)) for e in others]
+        for task in tasks:
+            self._fanout.add(task)
+            task.add_done_callback(report)
+        # An engine that does not answer (hung, or slow to load) does not hold the operator's call: after
+        # PIN_FANOUT_WAIT_S its change goes on in the background, and the pin sync covers it if it fails.
+        done, pending = await asyncio.wait(tasks, timeout=PIN_FANOUT_WAIT_S)
+        failures = [t.exception() for t in done if t.exception() is not None]
+        if failures and not pending and len(failures) == len(tasks):
             raise failures[0]
 
     async def remove_adapter(self, content_hash: str) -> None:
