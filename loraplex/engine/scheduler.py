@@ -223,8 +223,9 @@ class Scheduler:
         self, budget: int, scheduled: dict[int, int], seq_by_id: dict[int, Sequence], batch: ScheduledBatch
     ) -> int:
         blocked: set[int] = set()  # seq_ids skipped this step (adapter not ready or no free slot)
+        running = Counter(q.tenant for q in self.running)  # sequences running per tenant, kept as we admit
         while budget > 0:
-            seq = self._next_candidate(blocked, batch)
+            seq = self._next_candidate(blocked, batch, running)
             if seq is None:
                 break
             if len(self.running) + 1 + len(seq.pending_forks) > self.max_num_seqs:
@@ -248,14 +249,14 @@ class Scheduler:
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = time.time()
             self.running.append(seq)
+            running[seq.tenant] += 1
             scheduled[seq.seq_id] = n
             seq_by_id[seq.seq_id] = seq
             budget -= n
         return budget
 
-    def _next_candidate(self, blocked: set[int], batch: ScheduledBatch) -> Sequence | None:
+    def _next_candidate(self, blocked: set[int], batch: ScheduledBatch, running: Counter) -> Sequence | None:
         """The first admissible waiting sequence of the least-served tenant that has one."""
-        running = Counter(q.tenant for q in self.running)
         # least service first; at equal service, the tenant with fewer sequences running
         for tenant in self.fairness.order((t for t, q in self.waiting.items() if q), tiebreak=running.__getitem__):
             for seq in list(self.waiting[tenant]):
