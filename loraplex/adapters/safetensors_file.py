@@ -10,12 +10,14 @@ import struct
 from pathlib import Path
 from typing import BinaryIO
 
+import numpy as np
 import torch
 
 from .errors import AdapterValidationError, ErrorCode
 from .limits import AdapterLimits
 
 ALLOWED_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+_NUMPY_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.int16}  # bf16: numpy has none; viewed after
 _KNOWN_DTYPE_SIZES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1,
                       "U64": 8, "U32": 4, "U16": 2, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
 
@@ -109,21 +111,32 @@ def tensors_from_bytes(data: bytes, name: str, limits: AdapterLimits) -> tuple[d
 
 
 def _read_tensors(f: BinaryIO, file_size: int, name: str, limits: AdapterLimits):
-    """Each tensor is read straight into its own allocation, in file order. Tensors are at most a few MB,
-    so the allocator serves them from memory it already holds: one buffer for the whole file (an adapter
-    is tens of MB) would be fresh pages on every load, and faulting them in took 5x as long as the read
-    itself (78 MB: 32 ms against 6 ms into reused memory)."""
+    """The data section is read with one read into one buffer, and each tensor is a view of its bytes
+    (copied out only where its offset does not suit its dtype's alignment). One read per tensor instead cost
+    a seek, a read and an allocation for each of an adapter's hundreds of tensors: a rank-16 adapter of
+    SmolLM2 (420 tensors, 19.6 MB) took 18-40 ms that way against 5-8 ms for the single read, fresh pages
+    included (2 vCPU Zen 3)."""
     header, data_start, metadata = _read_header(f, file_size, name, limits)
-    tensors = {}
-    for key, info in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
-        start, stop = info["data_offsets"]
-        tensor = torch.empty(info["shape"], dtype=ALLOWED_DTYPES[info["dtype"]])
-        if stop > start:
-            f.seek(data_start + start)
-            # (safetensors is little-endian, as is every machine we serve on)
-            if f.readinto(tensor.view(-1).view(torch.uint8).numpy()) != stop - start:
+    entries = sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0])
+    end = max((info["data_offsets"][1] for _, info in entries), default=0)
+    data = torch.empty(end, dtype=torch.uint8)
+    if end:
+        f.seek(data_start)
+        view, got = memoryview(data.numpy()), 0
+        while got < end:  # (safetensors is little-endian, as is every machine we serve on)
+            n = f.readinto(view[got:])
+            if not n:
                 raise _corrupt(name, "file shrank while being read")
-        tensors[key] = tensor
+            got += n
+    tensors = {}
+    buffer = data.numpy()  # views made through numpy: a third of the cost of torch's slice and two views
+    for key, info in entries:
+        start, stop = info["data_offsets"]
+        raw = buffer[start:stop]
+        if start % ALLOWED_DTYPES[info["dtype"]].itemsize:
+            raw = raw.copy()  # aligned
+        tensor = torch.from_numpy(raw.view(_NUMPY_DTYPES[info["dtype"]]).reshape(info["shape"]))
+        tensors[key] = tensor.view(torch.bfloat16) if info["dtype"] == "BF16" else tensor
     return tensors, metadata
 
 

@@ -185,3 +185,20 @@ def test_unaligned_tensor_data_is_read_correctly(adapter_copy, llama_spec, q_key
     _write_raw(adapter_copy.weights_path, header, b"\0\0" + blob[2:])  # offsets still start at 2
     adapter = load_adapter(adapter_copy.path, llama_spec)
     torch.testing.assert_close(adapter.weights[(0, "q_proj")].a, tensors[q_keys[0]])
+
+
+def test_reader_round_trips_every_allowed_dtype_and_shape():
+    from safetensors.torch import save
+
+    from loraplex.adapters.safetensors_file import tensors_from_bytes
+
+    original = {"f32": torch.randn(3, 5), "bf16": torch.randn(7).to(torch.bfloat16), "f16": torch.randn(2, 2).half(),
+                "scalar": torch.tensor(1.5), "empty": torch.zeros(0, 4), "big": torch.randn(64, 576)}
+    read, _ = tensors_from_bytes(save(original), "x.safetensors", AdapterLimits())
+    assert read.keys() == original.keys()
+    for name, tensor in original.items():
+        assert read[name].dtype == tensor.dtype and read[name].shape == tensor.shape, name
+        assert torch.equal(read[name], tensor), name
+    read["f32"].zero_()  # tensors share one buffer; writing one leaves its neighbours alone
+    for name in original.keys() - {"f32"}:
+        assert torch.equal(read[name], original[name]), name
