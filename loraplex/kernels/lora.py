@@ -151,6 +151,12 @@ class LoraSlotWeights:
         self.out_sizes_t = torch.tensor(self.out_slices, dtype=torch.int32, device=device)
         self.out_offsets_t = torch.tensor(self.out_offsets, dtype=torch.int32, device=device)
         self.out_meta = torch.tensor(list(zip(self.out_offsets, self.out_slices, strict=True)), dtype=torch.int64)
+        # numpy views of the CPU tables, made once: a slot load or eviction writes all of a model's projections
+        # (120 for SmolLM2) between two steps, and a fresh view per write was most of that time
+        self._np = None
+        if self.device.type == "cpu":
+            self._np = (self.ranks_t.numpy(), self.rank_offsets_t.numpy(), self.rank_totals_t.numpy(),
+                        self.a_ptrs.numpy(), self.b_ptrs.numpy())
 
     @property
     def num_slices(self) -> int:
@@ -218,8 +224,9 @@ class LoraSlotWeights:
         # No step reads a slot while it changes: the engine places adapters between steps, or (prefetch)
         # into a free slot that no running request uses.
         self._a_views[slot], self._b_views[slot] = a, b
-        self.a_ptrs.numpy()[slot] = a.data_ptr() if total else 0
-        self.b_ptrs.numpy()[slot] = b.data_ptr() if rmax else 0
+        _, _, _, a_ptrs, b_ptrs = self._np
+        a_ptrs[slot] = a.data_ptr() if total else 0
+        b_ptrs[slot] = b.data_ptr() if rmax else 0
         self._write_meta(slot, list(ranks), offsets)
 
     def slot_a(self, slot: int) -> torch.Tensor:
@@ -233,11 +240,12 @@ class LoraSlotWeights:
     def _write_meta(self, slot: int, ranks: list[int], offsets: list[int]) -> None:
         self.ranks[slot] = ranks
         self.rank_offsets[slot] = offsets
-        if self.ranks_t.device.type == "cpu":
+        if self._np is not None:
             # through numpy views: a slot load touches every projection, and torch dispatch adds up
-            self.ranks_t.numpy()[slot] = ranks
-            self.rank_offsets_t.numpy()[slot] = offsets
-            self.rank_totals_t.numpy()[slot] = sum(ranks)
+            ranks_n, offsets_n, totals_n, _, _ = self._np
+            ranks_n[slot] = ranks
+            offsets_n[slot] = offsets
+            totals_n[slot] = sum(ranks)
         else:
             self.ranks_t[slot] = torch.tensor(ranks, dtype=torch.int32)
             self.rank_offsets_t[slot] = torch.tensor(offsets, dtype=torch.int32)
@@ -247,7 +255,7 @@ class LoraSlotWeights:
         # Stale A/B values are harmless once the ranks say zero: nothing reads past a slice's rank.
         self._write_meta(slot, [0] * self.num_slices, [0] * self.num_slices)
         if self.views:
-            self.a_ptrs.numpy()[slot] = self.b_ptrs.numpy()[slot] = 0
+            self._np[3][slot] = self._np[4][slot] = 0
             self._a_views[slot] = self._b_views[slot] = None
 
     def rank_total(self, slot: int) -> int:
