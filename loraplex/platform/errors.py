@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import email.message
 import json
 import logging
 import re
@@ -42,6 +43,10 @@ class APIError(Exception):
 
 
 REQUEST_TOO_LARGE = "request_too_large"
+
+# where a route's request keeps the error of a body it could not read (loraplex.platform.strict_json), for the
+# validation handler to answer once the route's dependencies have passed
+BODY_ERROR_SCOPE_KEY = "loraplex.body_error"
 
 
 def shown(value: object, limit: int = 80) -> str:
@@ -154,7 +159,19 @@ def _plain_msg(error: dict[str, Any]) -> str:
 
 
 async def _validation_handler(request: Request, exc: RequestValidationError) -> Response:
+    body_error = request.scope.get(BODY_ERROR_SCOPE_KEY)
+    if isinstance(body_error, APIError):
+        return _as_page(request, body_error.response())
     return _as_page(request, _validation_response(exc, request.headers.get("content-type", "")))
+
+
+def is_json_content_type(content_type: str) -> bool:
+    """Whether FastAPI reads a body of this type as JSON: application/json or application/*+json, parameters
+    (a charset) allowed."""
+    message = email.message.Message()
+    message["content-type"] = content_type
+    subtype = message.get_content_subtype()
+    return message.get_content_maintype() == "application" and (subtype == "json" or subtype.endswith("+json"))
 
 
 def _validation_response(exc: RequestValidationError, content_type: str = "application/json") -> JSONResponse:
@@ -176,7 +193,7 @@ def _validation_response(exc: RequestValidationError, content_type: str = "appli
         if first.get("type") == "missing":
             return bad_request("The request has no body: send a JSON object "
                                "(Content-Type: application/json).").response()
-        if "json" not in content_type.lower():  # a JSON object sent as text/plain, say: not read as JSON
+        if not is_json_content_type(content_type):  # sent as text/plain or text/json, say: not read as JSON
             return bad_request("The request body must be a JSON object sent with Content-Type: application/json "
                                f"(this one came as {shown(content_type or 'no content type')!r}).").response()
         return bad_request(f"The request body must be a JSON object: {msg}").response()

@@ -4,6 +4,7 @@ boolean is asked for is a 400 naming the field, not read as something else ("str
 
 from __future__ import annotations
 
+import gzip
 import json
 
 import pytest
@@ -170,3 +171,92 @@ def test_every_route_parses_json_strictly(app):
     routes = _api_routes(app.routes)
     assert len(routes) > 30
     assert sorted(r.path for r in routes if not isinstance(r, StrictJsonRoute)) == []
+
+
+JSON = {"content-type": "application/json"}
+NOT_UTF8 = b'{"model": "fake-base", "prompt": "caf\xe9", "max_tokens": 3}'
+
+
+@pytest.mark.parametrize(("body", "words"), [
+    (NOT_UTF8, "not UTF-8 text: byte 0xe9 at byte offset 37"),
+    (gzip.compress(json.dumps(COMPLETION).encode()), "byte 0x8b at byte offset 1"),
+    (b'{"model": "fake-base", "prompt": "hi", "seed": ' + b"7" * 5000 + b"}", "more than 4300 digits"),
+    (b'{"model": "fake-base", "prompt": "hi", "temperature": 1e999}', "1e999 is not valid JSON (the number is too"),
+    (b"[" * 100_000, "nested too deeply"),
+    (b'{"model": "fake-base", "prompt": "hi",}', "Expecting property name enclosed in double quotes (line 1 column"),
+])
+def test_each_way_a_body_is_not_json_has_its_own_message(client, make_tenant, fake_engine, body, words):
+    r = client.post("/v1/completions", headers={**make_tenant().headers, **JSON}, content=body)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["param"] is None
+    assert error["message"].startswith("We could not parse the JSON body of your request: "), error
+    assert words in error["message"] and "NaN" not in error["message"], error
+    assert not fake_engine.requests
+
+
+@pytest.mark.parametrize("encoding", ["gzip", "br", "deflate, gzip"])
+def test_a_compressed_body_is_415(client, make_tenant, fake_engine, encoding):
+    tenant = make_tenant()
+    r = client.post("/v1/completions", headers={**tenant.headers, **JSON, "content-encoding": encoding},
+                    content=gzip.compress(json.dumps(COMPLETION).encode()))
+    assert r.status_code == 415, r.text
+    assert r.json() == {"error": {"message": f"Compressed request bodies are not accepted (Content-Encoding: "
+                                             f"'{encoding}'); send the body uncompressed.",
+                                  "type": "invalid_request_error", "param": None, "code": "unsupported_media_type"}}
+    assert not fake_engine.requests
+    r = client.post("/v1/completions", headers={**tenant.headers, **JSON, "content-encoding": "identity"},
+                    json=COMPLETION)
+    assert r.status_code == 200, r.text
+
+
+def test_a_compressed_upload_is_415(client, make_tenant):
+    tenant = make_tenant()
+    r = client.post("/v1/adapters", headers={**tenant.headers, "content-encoding": "gzip"},
+                    data={"name": "bot"}, files={"file": ("a.zip", gzip.compress(b"zip"))})
+    assert r.status_code == 415 and "Compressed" in r.json()["error"]["message"], r.text
+
+
+@pytest.mark.parametrize("content_type", ["text/json", "application/jsonx", "application/x-json", "text/plain",
+                                          "application/json-patch"])
+def test_a_json_object_not_sent_as_application_json_is_told_its_content_type(client, make_tenant, content_type):
+    r = client.post("/v1/completions", headers={**make_tenant().headers, "content-type": content_type},
+                    content=json.dumps(COMPLETION))
+    assert r.status_code == 400, r.text
+    message = r.json()["error"]["message"]
+    assert "sent with Content-Type: application/json" in message and repr(content_type) in message, message
+    assert "valid dictionary" not in message
+
+
+@pytest.mark.parametrize("content_type", ["application/json", "application/json; charset=utf-8",
+                                          "Application/JSON", "application/vnd.api+json"])
+def test_json_content_types_are_read(client, make_tenant, content_type):
+    r = client.post("/v1/completions", headers={**make_tenant().headers, "content-type": content_type},
+                    content=json.dumps(COMPLETION))
+    assert r.status_code == 200, r.text
+
+
+UNREADABLE = [({**JSON}, b"{bad"), ({**JSON}, b'{"temperature": NaN}'), ({**JSON}, NOT_UTF8),
+              ({**JSON, "content-encoding": "gzip"}, gzip.compress(b"{}")),
+              ({"content-type": "text/plain"}, b"{bad"), ({"content-type": "application/x-www-form-urlencoded"},
+                                                          b"{bad")]
+
+
+@pytest.mark.parametrize(("headers", "body"), UNREADABLE)
+def test_a_caller_without_a_valid_key_hears_of_that_before_its_body(client, make_tenant, fake_engine, admin_key,
+                                                                     headers, body):
+    """Authentication comes first: a body that cannot be read is answered only to a caller allowed to send it."""
+    for auth, status in (({}, 401), ({"Authorization": "Bearer lpx_nope"}, 401),
+                         (make_tenant(scopes=["usage"]).headers, 403)):
+        r = client.post("/v1/chat/completions", headers={**headers, **auth}, content=body)
+        assert r.status_code == status, r.text
+        assert r.json()["error"]["type"] in ("authentication_error", "permission_error")
+    r = client.patch("/admin/api/tenants/1", headers=headers, content=body)
+    assert r.status_code == 401, r.text
+    r = client.post("/v1/chat/completions", headers={**headers, **make_tenant().headers}, content=body)
+    assert r.status_code in (400, 415) and r.json()["error"]["type"] == "invalid_request_error", r.text
+    tenant = make_tenant()
+    r = client.patch(f"/admin/api/tenants/{tenant.tenant_id}",
+                     headers={**headers, "Authorization": f"Bearer {admin_key}"}, content=body)
+    assert r.status_code in (400, 415) and r.json()["error"]["type"] == "invalid_request_error", r.text
+    assert not fake_engine.requests

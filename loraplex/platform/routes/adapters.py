@@ -35,7 +35,7 @@ from loraplex.platform.schemas.adapters import (
 )
 from loraplex.platform.scoping import TenantScope
 from loraplex.platform.services import Services
-from loraplex.platform.strict_json import StrictJsonRoute
+from loraplex.platform.strict_json import StrictJsonRoute, refuse_encoded_body
 from loraplex.platform.uploads import parse_upload, too_large
 
 log = logging.getLogger(__name__)
@@ -53,6 +53,7 @@ async def upload_adapter(*, tenant: AdaptersKeyDep, services: ServicesDep, reque
 async def handle_upload(services: Services, tenant_id: int, request: Request, wait: bool) -> JSONResponse:
     """Upload for one tenant: 201 ready, 202 still validating, 422 refused (with wait), 413 too large, 500 when
     the validation could not read the staged files (with wait)."""
+    refuse_encoded_body(request.headers)
     limit = services.settings.max_upload_bytes
     declared = request.headers.get("content-length")
     if declared and declared.isascii() and declared.isdigit() and int(declared) > limit + MULTIPART_OVERHEAD:
