@@ -10,6 +10,7 @@ and waits without holding up the others.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass, field
@@ -20,6 +21,8 @@ from loraplex.engine.errors import InvalidRequestError
 from loraplex.engine.fairness import VirtualTokenCounter
 from loraplex.engine.sampling_params import SamplingParams
 from loraplex.engine.sequence import Sequence, SequenceStatus
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -104,10 +107,13 @@ class Scheduler:
             room = min(per_seq * self.bm.block_size, self.max_model_len) - prompt_len
             if room >= 1:
                 return room if max_tokens is None else min(room, max_tokens)
+        # the fix for the operator (a larger cache) is no business of the caller's: it goes to the log only
+        log.info("refused a request needing %d KV cache blocks of %d (%d prompt tokens, n=%d); a larger KV cache "
+                 "(kv_cache_memory or num_kv_blocks) would hold it", needed, self.bm.num_blocks, prompt_len, n)
         raise InvalidRequestError(
             f"request needs {needed} KV cache blocks ({prompt_len} prompt tokens, up to {total} in all"
-            f"{f', n={n}' if n > 1 else ''}) but the cache has only {self.bm.num_blocks}; "
-            f"lower max_tokens or raise the KV cache size",
+            f"{f', n={n}' if n > 1 else ''}) but the cache has only {self.bm.num_blocks}, so it can never run "
+            f"here; lower max_tokens{' or n' if n > 1 else ''}, or shorten the prompt",
             param="max_tokens",
         )
 

@@ -45,6 +45,8 @@ def resolve_model(session: Session, tenant_id: int, model: str, base_model: str,
     name, at, version = model.partition("@")
     # "name@" with nothing after it names no version: refused like any too-short one, not read as the latest
     if at and len(version) < MIN_VERSION_CHARS:
+        if name == base_model:
+            raise ModelNotFound(_base_takes_no_version(model, base_model))
         raise ModelNotFound(f"The model '{shown(model)}' does not exist: give at least {MIN_VERSION_CHARS} "
                             "characters of the version.")
     scope = TenantScope(session, tenant_id)
@@ -58,6 +60,8 @@ def resolve_model(session: Session, tenant_id: int, model: str, base_model: str,
     found = session.execute(stmt).all()
     if not found:
         adapter = scope.one_or_none(Adapter, Adapter.name == name)
+        if adapter is None and name == base_model:
+            raise ModelNotFound(_base_takes_no_version(model, base_model))
         if adapter is None:
             raise ModelNotFound(f"The model '{shown(model)}' does not exist or you do not have access to it.")
         raise ModelNotFound(_not_ready(model, adapter, version))
@@ -67,6 +71,12 @@ def resolve_model(session: Session, tenant_id: int, model: str, base_model: str,
     path = store_path(store_dir, content_hash) if store_dir is not None else ""
     return ModelTarget(model=model, adapter=LoRARequest(name=name, content_hash=content_hash, path=path),
                        adapter_name=name, created=int(created_at.timestamp()))
+
+
+def _base_takes_no_version(model: str, base_model: str) -> str:
+    # (`base@version` reaches an adapter only where one is named like the base model)
+    return (f"The model '{shown(model)}' does not exist: the base model '{base_model}' has no versions; send "
+            f"'{base_model}' alone.")
 
 
 def _not_ready(model: str, adapter: Adapter, version: str) -> str:

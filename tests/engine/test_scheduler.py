@@ -64,10 +64,15 @@ def test_preempts_the_newest_when_blocks_run_out_and_recomputes_it():
     assert s.bm.num_free_blocks == 4
 
 
-def test_request_that_can_never_fit_is_refused():
+def test_request_that_can_never_fit_is_refused(caplog):
     s = _scheduler(num_blocks=4, block_size=4)
-    with pytest.raises(InvalidRequestError, match="KV cache blocks"):
+    with caplog.at_level("INFO", logger="loraplex.engine.scheduler"), \
+            pytest.raises(InvalidRequestError, match="KV cache blocks") as refused:
         s.check_fits(10, 20)
+    # the caller is told what it can change; the cache's size is the operator's, and goes to the log
+    assert "lower max_tokens, or shorten the prompt" in str(refused.value)
+    assert "raise" not in str(refused.value) and "kv_cache_memory" not in str(refused.value)
+    assert "kv_cache_memory" in caplog.text
     with pytest.raises(InvalidRequestError, match="context"):
         s.check_fits(256, 1)
     s.check_fits(10, 6)
