@@ -100,8 +100,9 @@ class SamplingParams:
         # NaN fails every comparison, so the check is written to let only finite, non-negative values through.
         if not (0 <= self.temperature < math.inf):
             raise bad(f"temperature must be a finite non-negative number, got {self.temperature}", "temperature")
-        if not (0.0 < self.top_p <= 1.0):
-            raise bad(f"top_p must be in (0, 1], got {self.top_p}", "top_p")
+        # 0 keeps only the most likely token, as OpenAI's API reads it
+        if not (0.0 <= self.top_p <= 1.0):
+            raise bad(f"top_p must be in [0, 1], got {self.top_p}", "top_p")
         if self.top_k is None:
             self.top_k = -1
         if self.top_k < -1:

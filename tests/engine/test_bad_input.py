@@ -34,7 +34,8 @@ def test_token_ids_outside_vocabulary(llm):
         llm.generate({"prompt_token_ids": [1, 10**6]}, GREEDY, use_tqdm=False)
 
 
-@pytest.mark.parametrize("kwargs", [{"max_tokens": 0}, {"max_tokens": -3}, {"top_p": 0.0}, {"top_p": 1.5}])
+@pytest.mark.parametrize("kwargs", [{"max_tokens": 0}, {"max_tokens": -3}, {"top_p": -0.1}, {"top_p": 1.5},
+                                    {"min_p": 1.5}, {"repetition_penalty": 0.0}])
 def test_bad_sampling_params(kwargs):
     with pytest.raises(InvalidRequestError, match=next(iter(kwargs))):
         SamplingParams(**kwargs)

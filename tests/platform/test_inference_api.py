@@ -76,7 +76,8 @@ def test_completion_batch_of_prompts(client, make_tenant):
 
 @pytest.mark.parametrize("body,param", [
     ({"temperature": -1}, "temperature"),
-    ({"top_p": 0}, "top_p"),
+    ({"top_p": -0.5}, "top_p"),
+    ({"top_p": 1.5}, "top_p"),
     ({"n": 0}, "n"),
     ({"max_tokens": 0}, "max_tokens"),
     ({"top_logprobs": 3}, "top_logprobs"),
@@ -92,6 +93,63 @@ def test_invalid_parameters_are_400_with_param(client, make_tenant, body, param)
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["type"] == "invalid_request_error" and err["param"] == param
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+def test_min_p_and_repetition_penalty_reach_the_engine(client, make_tenant, fake_engine, path):
+    tenant = make_tenant()
+    base = ({"messages": [{"role": "user", "content": "hi"}]} if path == "/v1/chat/completions"
+            else {"prompt": "hi"})
+    body = {"model": "fake-base", "max_tokens": 2, **base}
+    r = client.post(path, headers=tenant.headers, json={**body, "min_p": 0.1, "repetition_penalty": 1.3})
+    assert r.status_code == 200, r.text
+    params = fake_engine.requests[-1]["params"]
+    assert (params.min_p, params.repetition_penalty) == (0.1, 1.3)
+    r = client.post(path, headers=tenant.headers, json={**body, "min_p": None, "repetition_penalty": None})
+    assert r.status_code == 200, r.text
+    params = fake_engine.requests[-1]["params"]
+    assert (params.min_p, params.repetition_penalty) == (0.0, 1.0)
+    before = len(fake_engine.requests)
+    for field, value in (("min_p", "str"), ("min_p", -0.1), ("min_p", 1.5), ("repetition_penalty", 0),
+                         ("repetition_penalty", -1), ("repetition_penalty", 2.5), ("repetition_penalty", "1.1")):
+        r = client.post(path, headers=tenant.headers, json={**body, field: value})
+        assert r.status_code == 400, (field, value, r.text)
+        assert r.json()["error"]["param"] == field
+    assert len(fake_engine.requests) == before
+
+
+def test_top_p_zero_keeps_only_the_most_likely_token(client, make_tenant, fake_engine):
+    """OpenAI's API takes top_p from 0 to 1; 0 is the smallest nucleus there is, the most likely token."""
+    r = _chat(client, make_tenant(), top_p=0)
+    assert r.status_code == 200, r.text
+    assert fake_engine.requests[-1]["params"].top_p == 0.0
+
+
+def test_an_empty_prompt_starts_from_the_tokenizers_first_token(client, make_tenant, fake_engine, monkeypatch):
+    """An empty text prompt is what the tokenizer makes of it: a beginning-of-text token where it adds one
+    (generation starts there), and a 400 saying so where it gives no token at all."""
+    tenant = make_tenant()
+    body = {"model": "fake-base", "prompt": "", "max_tokens": 2}
+    r = client.post("/v1/completions", headers=tenant.headers, json=body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+    assert "gives no tokens for empty text" in r.json()["error"]["message"]
+    r = client.post("/v1/completions", headers=tenant.headers, json={**body, "prompt": [[]]})
+    assert r.status_code == 400 and "empty list of token ids" in r.json()["error"]["message"], r.text
+    assert not fake_engine.requests
+    bos = 1
+    encode = fake_engine.encode
+    monkeypatch.setattr(fake_engine, "encode", lambda text: [bos, *encode(text)])
+    r = client.post("/v1/completions", headers=tenant.headers, json=body)
+    assert r.status_code == 200, r.text
+    assert fake_engine.requests[-1]["prompt_ids"] == [bos]
+    assert r.json()["usage"]["prompt_tokens"] == 1
+
+
+def test_a_user_too_long_is_counted_in_characters(client, make_tenant):
+    r = _chat(client, make_tenant(), user="u" * 257)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "user", r.text
+    assert "at most 256 characters" in r.json()["error"]["message"], r.text
+    assert _chat(client, make_tenant(), user="u" * 256).status_code == 200
 
 
 def test_malformed_json_is_400(client, make_tenant):

@@ -193,6 +193,22 @@ def test_invalid_request_is_400_with_param(live):
     assert info.value.param == "max_tokens"
 
 
+def test_sampling_fields_reach_the_real_engine(live):
+    """top_p 0 keeps the most likely token at each step (the greedy text); min_p and repetition_penalty run;
+    an empty prompt, which this tokenizer makes no token of (it adds no BOS), is a 400 saying so."""
+    _, _, key = live.tenant()
+    client = live.client(key)
+    ask = {"model": live.model, "prompt": "the quick brown fox", "max_tokens": 8}
+    greedy = client.completions.create(**ask, temperature=0).choices[0].text
+    assert client.completions.create(**ask, temperature=1, top_p=0).choices[0].text == greedy
+    penalized = client.completions.create(**ask, temperature=0, extra_body={"repetition_penalty": 2.0})
+    assert penalized.usage.completion_tokens >= 1
+    assert client.completions.create(**ask, seed=1, extra_body={"min_p": 0.3}).usage.completion_tokens >= 1
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(**{**ask, "prompt": ""})
+    assert info.value.param == "prompt" and "no tokens for empty text" in info.value.message
+
+
 def test_usage_report_matches_responses(live):
     _, _, key = live.tenant()
     client = live.client(key)

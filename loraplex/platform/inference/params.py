@@ -8,45 +8,84 @@ from typing import Any
 from loraplex.engine.client import EngineClient
 from loraplex.engine.errors import InvalidRequestError
 from loraplex.engine.sampling_params import SamplingParams
-from loraplex.platform.errors import bad_request, from_engine_error
+from loraplex.platform.errors import bad_request, from_engine_error, shown
 from loraplex.platform.schemas.openai import ChatCompletionRequest, CompletionRequest
 from loraplex.platform.schemas.text import refuse_unstorable
+
+# Fields the server cannot honour, with why, refused by name when sent with any value but null (or the one
+# value that asks for nothing). Fields a request model does not declare are skipped.
+_NOT_SERVED: dict[str, tuple[str, tuple[Any, ...]]] = {
+    "web_search_options": ("this server does not search the web", ()),
+    "prediction": ("this server does not use predicted outputs", ()),
+    "reasoning_effort": ("this server's models do not reason", ()),
+    "verbosity": ("this server's models have no verbosity setting", ()),
+    "service_tier": ("this server has no service tiers (send 'auto' or leave it out)", ("auto", "default")),
+    "store": ("this server does not keep completions", (False,)),
+    "guided_json": ("this server does not do guided decoding", ()),
+    "guided_regex": ("this server does not do guided decoding", ()),
+    "guided_choice": ("this server does not do guided decoding", ()),
+    "guided_grammar": ("this server does not do guided decoding", ()),
+    "structured_outputs": ("this server does not do guided decoding", ()),
+    "use_beam_search": ("this server does not do beam search", (False,)),
+    "length_penalty": ("it applies to beam search, which this server does not do", (1.0,)),
+}
+
+
+def _refuse_not_served(req) -> None:
+    for name, (why, harmless) in _NOT_SERVED.items():
+        value = getattr(req, name, None)
+        if value is not None and value not in harmless:
+            raise bad_request(f"{name} is not supported: {why}", param=name)
 
 
 def _sampling(req, *, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
     if req.logit_bias:
         raise bad_request("logit_bias is not supported", param="logit_bias")
+    _refuse_not_served(req)
     try:
         return SamplingParams(
             n=req.n, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k if req.top_k else -1,
-            seed=req.seed, max_tokens=max_tokens, min_tokens=req.min_tokens, stop=req.stop,
+            min_p=req.min_p, seed=req.seed, max_tokens=max_tokens, min_tokens=req.min_tokens, stop=req.stop,
             ignore_eos=req.ignore_eos, presence_penalty=req.presence_penalty,
-            frequency_penalty=req.frequency_penalty, logprobs=logprobs,
+            frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty, logprobs=logprobs,
         )
     except InvalidRequestError as exc:
         raise from_engine_error(exc) from exc
 
 
+RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema")
+
+
 def chat_sampling(req: ChatCompletionRequest) -> SamplingParams:
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs requires logprobs to be true", param="top_logprobs")
-    if req.response_format is not None and req.response_format.get("type", "text") != "text":
-        raise bad_request(f"response_format {req.response_format.get('type')!r} is not supported; only 'text' is",
-                          param="response_format")
+    _refuse_response_format(req)
     _refuse_tools_and_audio(req)
     _refuse_stream_options_without_stream(req)
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     return _sampling(req, max_tokens=req.max_completion_tokens or req.max_tokens, logprobs=logprobs)
 
 
+def _refuse_response_format(req: ChatCompletionRequest) -> None:
+    kind = req.response_format.type if req.response_format is not None else "text"
+    if kind not in RESPONSE_FORMAT_TYPES:
+        raise bad_request(f"Invalid value for 'response_format.type': {shown(kind)!r}; supported values are "
+                          "'text', 'json_object' and 'json_schema'", param="response_format.type")
+    if kind != "text":
+        raise bad_request(f"response_format {kind!r} is not supported; only 'text' is", param="response_format")
+
+
 def _refuse_tools_and_audio(req: ChatCompletionRequest) -> None:
     """Tool calling and audio output are not served: a request that asks for them is refused. Tools sent
-    with tool_choice 'none' (the model answers in text either way) and empty lists are accepted."""
+    with tool_choice 'none' (the model answers in text either way) and empty lists are accepted; a tool
+    choice without tools is refused, as OpenAI's API refuses it."""
     for tools, choice, name, choice_name in ((req.tools, req.tool_choice, "tools", "tool_choice"),
                                              (req.functions, req.function_call, "functions", "function_call")):
+        if choice is not None and not tools:
+            raise bad_request(f"{choice_name} is only allowed when {name} are specified", param=choice_name)
         if choice is not None and choice not in ("none", "auto"):
-            shown = choice if isinstance(choice, str) else "a named function"
-            raise bad_request(f"{choice_name} {shown!r} is not supported: this server does not make tool calls",
+            what = choice if isinstance(choice, str) else "a named function"
+            raise bad_request(f"{choice_name} {what!r} is not supported: this server does not make tool calls",
                               param=choice_name)
         if tools and choice != "none":
             raise bad_request(f"{name} are not supported: this server does not make tool calls; leave {name} out "
@@ -76,24 +115,41 @@ def completion_sampling(req: CompletionRequest) -> SamplingParams:
 
 
 def chat_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
-    """Messages as the chat template wants them: content as plain text (text parts joined)."""
+    """Messages as the chat template wants them: content as plain text (text parts joined; an assistant's
+    refusal, as a part or in its `refusal` field, is what it said)."""
     out = []
     for i, m in enumerate(req.messages):
         content = m.content
+        if content is None and m.role == "assistant" and m.refusal is not None:
+            content = m.refusal
         # Only an assistant turn may omit its content (OpenAI allows it next to tool calls).
         if content is None and m.role != "assistant":
             raise bad_request(f"messages[{i}].content is required for role {m.role!r}",
                               param=f"messages[{i}].content")
         if isinstance(content, list):
-            texts = []
-            for j, part in enumerate(content):
-                if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise bad_request(f"only text content parts are supported, got {part.get('type')!r}",
-                                      param=f"messages[{i}].content[{j}]")
-                texts.append(part["text"])
-            content = "".join(texts)
+            content = "".join(_part_text(m.role, part, f"messages[{i}].content[{j}]")
+                              for j, part in enumerate(content))
         out.append({"role": m.role, "content": content or ""})
     return out
+
+
+def _part_text(role: str, part: dict[str, Any], param: str) -> str:
+    kind = part.get("type")
+    if kind == "refusal" and role != "assistant":
+        raise bad_request(f"refusal content parts are only allowed in assistant messages, not in a {shown(role)!r} "
+                          "one", param=param)
+    if kind not in ("text", "refusal"):
+        what = f"got {shown(kind)!r}" if kind is not None else "this part has no 'type'"
+        raise bad_request("only text content parts are supported (and refusal parts in assistant messages); "
+                          f"{what}", param=param)
+    # the part's text is under its type's name: {"type": "text", "text": ...}, {"type": "refusal", "refusal": ...}
+    if kind not in part:
+        raise bad_request(f"this {kind!r} content part has no '{kind}' field: send its text as '{kind}'",
+                          param=f"{param}.{kind}")
+    if not isinstance(part[kind], str):
+        raise bad_request(f"the '{kind}' of a {kind!r} content part must be a string, got "
+                          f"{type(part[kind]).__name__}", param=f"{param}.{kind}")
+    return part[kind]
 
 
 def encode_chat(engine: EngineClient, req: ChatCompletionRequest) -> list[int]:
@@ -134,7 +190,12 @@ def completion_prompts(engine: EngineClient, req: CompletionRequest) -> list[lis
         except InvalidRequestError as exc:
             raise from_engine_error(exc) from exc
         if not ids:
-            raise bad_request("prompt must not be empty", param="prompt")
+            # an empty text is a prompt where the tokenizer adds a beginning-of-text token (the generation starts
+            # from it); where it adds none, nothing is there to start from
+            raise bad_request("The prompt is empty and this model's tokenizer gives no tokens for empty text (it "
+                              "adds no beginning-of-text token): send at least one token of prompt"
+                              if isinstance(item, str) else "prompt must not hold an empty list of token ids",
+                              param="prompt")
         out.append(ids)
     return out
 

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
-from loraplex.platform.schemas.text import DbText
+from loraplex.platform.schemas.text import DbText, refuse_unstorable
 
 
 class ModelCard(BaseModel):
@@ -49,13 +49,16 @@ class StreamOptions(_NullMeansDefault):
 
 
 class _Sampling(_NullMeansDefault):
-    # Unknown fields are ignored, as OpenAI-compatible servers do for newer client options.
+    # Fields unknown to OpenAI's API (and to the vLLM extras below) are ignored, as OpenAI-compatible servers
+    # do for newer client options. Known fields the server cannot honour are declared so that they are refused
+    # by name (loraplex.platform.inference.params) instead of ignored.
     model_config = ConfigDict(extra="ignore", strict=True)
 
     model: DbText
     n: int = Field(default=1, ge=1, le=128)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    # 0 keeps only the most likely token
+    top_p: float = Field(default=1.0, ge=0.0, le=1.0)
     max_tokens: int | None = Field(default=None, ge=1)
     stop: str | list[str] | None = None
     seed: int | None = None
@@ -63,13 +66,24 @@ class _Sampling(_NullMeansDefault):
     stream_options: StreamOptions | None = None
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
-    user: DbText | None = Field(default=None, max_length=256)
+    # the length bound inside the optional type, where pydantic words it in characters
+    user: Annotated[str, Field(max_length=256), AfterValidator(refuse_unstorable)] | None = None
     # Declared only so that a request relying on it is refused instead of silently ignored.
     logit_bias: dict[str, float] | None = None
     # vLLM-style extras that are handy for tests and tools
     top_k: int | None = None
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
+    repetition_penalty: float = Field(default=1.0, gt=0.0, le=2.0)
     min_tokens: int = Field(default=0, ge=0)
     ignore_eos: bool = False
+    # vLLM extras this server does not serve (guided decoding, beam search): refused unless null
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    structured_outputs: Any = None
+    use_beam_search: bool = False
+    length_penalty: float | None = None
 
 
 class ChatMessage(BaseModel):
@@ -77,6 +91,13 @@ class ChatMessage(BaseModel):
     role: str
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    # an assistant turn in which the model refused (OpenAI's SDKs send it back in the conversation)
+    refusal: str | None = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+    type: str
 
 
 class ChatCompletionRequest(_Sampling):
@@ -84,15 +105,26 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
-    response_format: dict[str, Any] | None = None
-    # Declared so that a request that needs them is refused (tool calls, audio) instead of answered as if
-    # they had not been sent.
+    response_format: ResponseFormat | None = None
+    # Declared so that a request that needs them is refused (tool calls, audio, web search, stored
+    # completions) instead of answered as if they had not been sent.
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     functions: list[dict[str, Any]] | None = None
     function_call: str | dict[str, Any] | None = None
     modalities: list[str] | None = None
     audio: dict[str, Any] | None = None
+    web_search_options: Any = None
+    prediction: Any = None
+    reasoning_effort: Any = None
+    verbosity: Any = None
+    service_tier: str | None = None
+    store: bool = False
+    # accepted: they change nothing in the answer
+    parallel_tool_calls: bool | None = None
+    metadata: dict[str, str] | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
 
 
 class CompletionRequest(_Sampling):
