@@ -110,7 +110,9 @@ MAX_BATCH_SEQUENCES = 2048
 
 
 def completion_prompts(engine: EngineClient, req: CompletionRequest) -> list[list[int]]:
-    """A completion request may carry one prompt or a batch (strings or token ids)."""
+    """A completion request may carry one prompt or a batch (strings or token ids). A string prompt is the
+    caller's whole prompt, written for the model: its special-token text is read as special tokens (as OpenAI's
+    legacy completions and vLLM read it), unlike a chat message's."""
     p = req.prompt
     if isinstance(p, str):
         prompts: list[Any] = [p]
