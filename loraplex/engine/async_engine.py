@@ -136,10 +136,11 @@ class AsyncEngine:
         return await asyncio.wrap_future(done)
 
     def encode(self, text: str) -> list[int]:
-        return self.engine.tokenizer.encode(text)
+        return self.engine.tokenizer.encode(text, max_model_len=self.max_model_len)
 
     def encode_chat(self, messages: Sequence[dict[str, Any]], *, add_generation_prompt: bool = True) -> list[int]:
-        return self.engine.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+        return self.engine.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                         max_model_len=self.max_model_len)
 
     async def prefetch_adapter(self, adapter: LoRARequest, *, pin: bool | None = None) -> None:
         slots = self.engine.adapter_slots

@@ -69,10 +69,15 @@ class EngineClient(Protocol):
         ...
 
     def encode_chat(self, messages: Sequence[dict[str, Any]], *, add_generation_prompt: bool = True) -> list[int]:
-        """Apply the model's chat template and tokenize. Raises InvalidRequestError on bad messages."""
+        """Apply the model's chat template and tokenize; the messages' text is plain text (special-token text
+        in it is not read as special tokens). Raises InvalidRequestError on bad messages, PromptTooLongError
+        for a conversation whose size alone shows that it cannot fit in max_model_len (before tokenizing it)."""
         ...
 
-    def encode(self, text: str) -> list[int]: ...
+    def encode(self, text: str) -> list[int]:
+        """Tokenize a raw prompt, special-token text read as special tokens. Raises PromptTooLongError for a
+        text whose size alone shows that it cannot fit in max_model_len (before tokenizing it)."""
+        ...
 
     async def prefetch_adapter(self, adapter: LoRARequest, *, pin: bool = False) -> None:
         """Load the adapter into a device slot ahead of traffic (host cache if all slots are busy)."""

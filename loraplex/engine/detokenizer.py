@@ -53,6 +53,15 @@ class IncrementalDetokenizer:
         self._pieces.append(delta)
         return delta
 
+    def held_text(self) -> str:
+        """The text of the tokens stepped but not yet emitted (an incomplete character reads U+FFFD), left
+        held."""
+        if self._read_offset == len(self.token_ids):
+            return ""
+        window = self.token_ids[self._prefix_offset :]
+        prefix_text = self._decode(window[: self._read_offset - self._prefix_offset])
+        return self._decode(window)[len(prefix_text) :]
+
     def flush(self) -> str:
         """At the end of a sequence: emit whatever was held back, even an incomplete character."""
         if self._read_offset == len(self.token_ids):

@@ -13,6 +13,16 @@ class InvalidRequestError(EngineError, ValueError):
         self.param = param
 
 
+class PromptTooLongError(InvalidRequestError):
+    """A prompt refused before it was tokenized: its size alone shows that it holds at least `min_tokens`
+    tokens, which leaves no room in the context (`max_model_len`) for a generated one."""
+
+    def __init__(self, message: str, param: str | None = None, *, min_tokens: int, max_model_len: int):
+        super().__init__(message, param)
+        self.min_tokens = min_tokens
+        self.max_model_len = max_model_len
+
+
 class ModelLoadError(EngineError):
     """A model directory, GGUF file or Hub id could not be loaded."""
 

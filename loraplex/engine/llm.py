@@ -107,9 +107,9 @@ class LLM:
     ) -> list[RequestOutput]:
         """One conversation (a list of messages) or several; the model's chat template is applied."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = [
-            {"prompt_token_ids": self.engine.tokenizer.apply_chat_template(conv)} for conv in conversations
-        ]
+        tokenizer, max_model_len = self.engine.tokenizer, self.engine.limits.max_model_len
+        prompts = [{"prompt_token_ids": tokenizer.apply_chat_template(conv, max_model_len=max_model_len)}
+                   for conv in conversations]
         return self.generate(prompts, sampling_params, adapter=adapter, use_tqdm=use_tqdm)
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:

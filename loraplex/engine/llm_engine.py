@@ -235,7 +235,7 @@ class LLMEngine:
             else:
                 raise InvalidRequestError("a prompt dict needs 'prompt' or 'prompt_token_ids'", param="prompt")
         if isinstance(prompt, str):
-            text, ids = prompt, self.tokenizer.encode(prompt)
+            text, ids = prompt, self.tokenizer.encode(prompt, max_model_len=self.limits.max_model_len)
         elif isinstance(prompt, (list, tuple)):
             text, ids = None, list(prompt)
             vocab = self.arch.vocab_size

@@ -111,8 +111,10 @@ class SamplingParams:
             raise bad(f"min_p must be in [0, 1], got {self.min_p}", "min_p")
         if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
             raise bad(f"max_tokens must be at least 1, got {self.max_tokens}", "max_tokens")
-        if self.min_tokens < 0 or (self.max_tokens is not None and self.min_tokens > self.max_tokens):
-            raise bad(f"min_tokens must be in [0, max_tokens], got {self.min_tokens}", "min_tokens")
+        if self.min_tokens < 0:
+            raise bad(f"min_tokens must be at least 0, got {self.min_tokens}", "min_tokens")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise bad(f"min_tokens must be at most max_tokens ({self.max_tokens}), got {self.min_tokens}", "min_tokens")
         if not (-2.0 <= self.presence_penalty <= 2.0):
             raise bad(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}", "presence_penalty")
         if not (-2.0 <= self.frequency_penalty <= 2.0):

@@ -342,6 +342,14 @@ def fit_max_tokens(scheduler: Scheduler, prompt_len: int, params: SamplingParams
     """`params` as the request will run: refused (InvalidRequestError) if it could never run, and with an
     unset max_tokens capped to what the KV cache holds for its n completions (see `Scheduler.check_fits`)."""
     max_tokens = scheduler.check_fits(prompt_len, params.max_tokens, params.n, ceiling=params.max_tokens_is_ceiling)
+    room = scheduler.max_model_len - prompt_len
+    if params.min_tokens > room:
+        # a completion ends with "length" at the end of the context, whatever max_tokens says
+        raise InvalidRequestError(
+            f"min_tokens {params.min_tokens} cannot be reached: the model's context of {scheduler.max_model_len} "
+            f"tokens leaves room for {room} new tokens after this prompt ({prompt_len} tokens)",
+            param="min_tokens",
+        )
     if max_tokens == params.max_tokens:
         return params
     if max_tokens < params.min_tokens:

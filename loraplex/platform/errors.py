@@ -19,6 +19,7 @@ from loraplex.engine.errors import (
     AdapterMissingError,
     EngineOverloadedError,
     InvalidRequestError,
+    PromptTooLongError,
 )
 
 log = logging.getLogger(__name__)
@@ -87,6 +88,8 @@ def unavailable(message: str, retry_after: int | None = None) -> APIError:
 
 
 def from_engine_error(exc: Exception) -> APIError:
+    if isinstance(exc, PromptTooLongError):
+        return bad_request(str(exc), param=exc.param, code="context_length_exceeded")
     if isinstance(exc, InvalidRequestError):
         return bad_request(str(exc), param=exc.param)
     if isinstance(exc, EngineOverloadedError):

@@ -221,3 +221,14 @@ def test_adapter_not_resident_waits_without_blocking_others_and_slots_bound_a_st
         seen += [q.seq_id for q in batch.seqs]
     assert with_a.seq_id in seen and with_b.seq_id in seen
     assert all(n == 0 for n in slots.refs.values())  # every acquire was released
+
+
+def test_min_tokens_must_fit_in_the_context_left_after_the_prompt():
+    """A request without max_tokens runs to the end of the context at most: a min_tokens beyond it could never
+    be met (the completion would end with "length" first), so it is refused, as it is beside a max_tokens."""
+    s = _scheduler(num_blocks=64, block_size=4, max_model_len=32)
+    assert fit_max_tokens(s, 10, SamplingParams(max_tokens=None, min_tokens=22)).min_tokens == 22
+    for max_tokens in (None, 100):
+        with pytest.raises(InvalidRequestError, match="min_tokens 23 cannot be reached") as info:
+            fit_max_tokens(s, 10, SamplingParams(max_tokens=max_tokens, min_tokens=23))
+        assert info.value.param == "min_tokens"

@@ -254,6 +254,22 @@ def test_min_tokens_beyond_the_token_rate_is_a_429_not_a_500(client, make_tenant
     assert _chat(client, tenant, max_tokens=None, min_tokens=3).status_code == 200
 
 
+def test_min_tokens_beyond_the_default_max_tokens_is_a_400(client, make_tenant, fake_engine):
+    """Without max_tokens a chat completion may run to the end of the context, and no further: a min_tokens
+    beyond that is refused as one beyond an explicit max_tokens is. A completion's default max_tokens is 16."""
+    tenant = make_tenant()
+    room = fake_engine.max_model_len - len(fake_engine.encode_chat([{"role": "user", "content": "hi"}]))
+    for body in ({"max_tokens": None, "min_tokens": 10_000}, {"max_tokens": None, "min_tokens": room + 1},
+                 {"max_tokens": 20, "min_tokens": 10_000}):
+        r = _chat(client, tenant, **body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "min_tokens", r.text
+    assert "leaves room for at most" in _chat(client, tenant, max_tokens=None, min_tokens=10_000).text
+    assert _chat(client, tenant, max_tokens=None, min_tokens=room, ignore_eos=True).status_code == 200
+    r = client.post("/v1/completions", headers=tenant.headers, json={"model": "fake-base", "prompt": "hi",
+                                                                     "min_tokens": 17})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "min_tokens" and "(16)" in r.text, r.text
+
+
 def test_a_request_the_engine_refuses_is_a_400_and_no_usage(client, make_tenant, fake_engine, app, monkeypatch):
     """A client error found by the engine (n above what it runs at once, say) is answered 400 and is neither
     usage nor a failed request."""

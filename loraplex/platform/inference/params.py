@@ -166,7 +166,9 @@ MAX_BATCH_SEQUENCES = 2048
 
 
 def completion_prompts(engine: EngineClient, req: CompletionRequest) -> list[list[int]]:
-    """A completion request may carry one prompt or a batch (strings or token ids)."""
+    """A completion request may carry one prompt or a batch (strings or token ids). A string prompt is the
+    caller's whole prompt, written for the model: its special-token text is read as special tokens (as OpenAI's
+    legacy completions and vLLM read it), unlike a chat message's."""
     p = req.prompt
     if isinstance(p, str):
         prompts: list[Any] = [p]
@@ -209,7 +211,14 @@ def check_context(engine: EngineClient, prompt_len: int, params: SamplingParams,
                           f"{prompt_len} tokens. Please reduce the length of the {param}.", param=param,
                           code="context_length_exceeded")
     if params.max_tokens is None:
-        return limit - prompt_len
+        # the default: up to the end of the context, which min_tokens must fit in as it must fit in max_tokens
+        room = limit - prompt_len
+        if params.min_tokens > room:
+            raise bad_request(f"min_tokens is {params.min_tokens}, but this model's maximum context length of "
+                              f"{limit} tokens leaves room for at most {room} completion tokens after your "
+                              f"prompt's {prompt_len}. Please lower min_tokens or reduce the length of the "
+                              f"{param}.", param="min_tokens")
+        return room
     if prompt_len + params.max_tokens > limit:
         raise bad_request(f"This model's maximum context length is {limit} tokens. However, you requested "
                           f"{prompt_len + params.max_tokens} tokens ({prompt_len} in the prompt, "

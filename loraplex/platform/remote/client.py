@@ -90,10 +90,11 @@ class RemoteEngine:
         return _prompt_tokens_processed(r)
 
     def encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text)
+        return self.tokenizer.encode(text, max_model_len=self.max_model_len)
 
     def encode_chat(self, messages: Sequence[dict[str, Any]], *, add_generation_prompt: bool = True) -> list[int]:
-        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                  max_model_len=self.max_model_len)
 
     async def prefetch_adapter(self, adapter: LoRARequest, *, pin: bool | None = None) -> None:
         try:

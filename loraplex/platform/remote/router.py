@@ -170,10 +170,11 @@ class EngineRouter:
         return await engine.abort(request_id)
 
     def encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text)
+        return self.tokenizer.encode(text, max_model_len=self.max_model_len)
 
     def encode_chat(self, messages: Sequence[dict[str, Any]], *, add_generation_prompt: bool = True) -> list[int]:
-        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                  max_model_len=self.max_model_len)
 
     async def prefetch_adapter(self, adapter: LoRARequest, *, pin: bool | None = None) -> None:
         """Warm the adapter on the engine `choose` picks. A pin goes to every registered engine (it keeps the
