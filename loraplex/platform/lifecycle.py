@@ -77,17 +77,23 @@ async def month_tokens(services: Services, tenant_id: int, month: str) -> int:
 
 def _usage_recorder(services: Services):
     from loraplex.platform.usage import UsageRecorder
+    from loraplex.platform.usage.file_journal import FileJournal
 
     settings = services.settings
+    journal_dir = settings.data_dir / "usage-journal"
+    spool = None
     if services.redis is not None:
         from loraplex.platform.usage.redis_journal import RedisJournal
 
         journal = RedisJournal(services.redis, settings.redis_prefix)
+        try:  # records Redis does not take wait here (the shared data directory) for the database
+            spool = FileJournal(journal_dir, open_now=False)
+        except OSError as exc:
+            log.warning("no usage spool at %s (%s): records Redis does not take go to the log only",
+                        journal_dir, exc)
     else:
-        from loraplex.platform.usage.file_journal import FileJournal
-
-        journal = FileJournal(settings.data_dir / "usage-journal")
-    return UsageRecorder(services.sessions, journal, batch_size=settings.usage_batch_size,
+        journal = FileJournal(journal_dir)
+    return UsageRecorder(services.sessions, journal, spool=spool, batch_size=settings.usage_batch_size,
                          interval=settings.usage_flush_interval)
 
 
