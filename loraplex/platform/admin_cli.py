@@ -11,6 +11,28 @@ from loraplex.platform.billing.cli import billing
 from loraplex.platform.ids import MAX_ROW_ID
 
 
+class KeyId(click.ParamType):
+    """A key's id: the number its listing shows first (click's own words for a bad one, "is not a valid
+    integer range", say nothing of what was expected)."""
+
+    name = "key id"
+
+    def __init__(self, listing: str):
+        self.listing = listing  # the command that shows the ids
+
+    def convert(self, value, param, ctx) -> int:
+        if isinstance(value, int):
+            return value
+        text = str(value).strip()
+        if not (text.isascii() and text.isdigit()):
+            self.fail(f"expects a key id, a number as `loraplex admin {self.listing}` shows it first; got "
+                      f"{value!r}", param, ctx)
+        number = int(text)
+        if not 1 <= number <= MAX_ROW_ID:
+            self.fail(f"no key has id {number}", param, ctx)
+        return number
+
+
 @contextmanager
 def _session():
     from pydantic import ValidationError
@@ -254,8 +276,9 @@ def create_key_cmd(tenant, name, scopes):
 
     with _session() as (session, settings):
         data = KeyCreate(name=name, scopes=list(scopes)) if scopes else KeyCreate(name=name)
-        created = create_api_key(session, settings, get_tenant(session, tenant), data)
-        click.echo(f"key {created.id} for tenant {tenant} (scopes: {' '.join(created.scopes)}); "
+        owner = get_tenant(session, tenant)
+        created = create_api_key(session, settings, owner, data)
+        click.echo(f"key {created.id} for tenant {owner.name} (scopes: {' '.join(created.scopes)}); "
                    "shown only now:", err=True)
         click.echo(created.key)
 
@@ -277,7 +300,7 @@ def list_keys_cmd(tenant):
 
 
 @admin.command("revoke-key")
-@click.argument("key_id", type=click.IntRange(1, MAX_ROW_ID))
+@click.argument("key_id", type=KeyId("list-keys TENANT"))
 def revoke_key_cmd(key_id):
     """Revoke an API key by id; it stops working at once."""
     from loraplex.platform.models import ApiKey
@@ -328,7 +351,7 @@ def list_admin_keys_cmd():
 
 
 @admin.command("revoke-admin-key")
-@click.argument("key_id", type=click.IntRange(1, MAX_ROW_ID))
+@click.argument("key_id", type=KeyId("list-admin-keys"))
 def revoke_admin_key_cmd(key_id):
     """Revoke an admin key by id: /admin/api refuses it at once and its console sessions end."""
     from loraplex.platform.tenants import active_admin_keys, revoke_admin_key

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from sqlalchemy import select
+from sqlalchemy import func, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
@@ -71,6 +71,27 @@ def key_public(key: ApiKey) -> KeyPublic:
                      scopes=sorted(key.scope_set), created_at=key.created_at, revoked_at=key.revoked_at)
 
 
+def _same_name(session: Session, model: type[Plan] | type[Tenant], name: str, *,
+               other_than: int | None = None) -> str | None:
+    """The name of the plan or tenant already called `name` whatever its case (names are ASCII, so lower()
+    agrees with the unique index on lower(name) in either database), or None."""
+    stmt = select(model.name).where(func.lower(model.name) == name.lower())
+    if other_than is not None:
+        stmt = stmt.where(model.id != other_than)
+    return session.scalar(stmt.limit(1))
+
+
+def _name_taken(kind: str, name: str, existing: str | None = None) -> TenantError:
+    if existing is None:  # found by the database's unique index: a concurrent create or rename
+        message = f"a {kind} named {name!r}, or one differing from it only in case, already exists"
+    elif existing == name:
+        message = f"a {kind} named {name!r} already exists"
+    else:
+        message = (f"a {kind} named {existing!r} already exists, and {kind} names are unique whatever their case: "
+                   f"choose a name other than {name!r}")
+    return TenantError(message, status=409, param="name")
+
+
 def _plan_by_name(session: Session, name: str) -> Plan:
     plan = session.scalar(select(Plan).where(Plan.name == name))
     if plan is None:
@@ -80,14 +101,15 @@ def _plan_by_name(session: Session, name: str) -> Plan:
 
 
 def create_plan(session: Session, data: PlanCreate) -> Plan:
-    if session.scalar(select(Plan).where(Plan.name == data.name)) is not None:
-        raise TenantError(f"a plan named {data.name!r} already exists", status=409, param="name")
+    existing = _same_name(session, Plan, data.name)
+    if existing is not None:
+        raise _name_taken("plan", data.name, existing)
     plan = Plan(**data.model_dump())
     session.add(plan)
     try:
         session.flush()
     except IntegrityError as exc:  # a concurrent create with the same name
-        raise TenantError(f"a plan named {data.name!r} already exists", status=409, param="name") from exc
+        raise _name_taken("plan", data.name) from exc
     return plan
 
 
@@ -110,15 +132,16 @@ def update_plan(session: Session, plan: Plan, data: PlanUpdate) -> Plan:
         why = "a plan has a name" if nulls[0] == "name" else "a plan's tenants fall back on its quotas"
         raise TenantError(f"{nulls[0]} cannot be null: {why}", param=nulls[0])
     name = changes.get("name")
-    if name is not None and name != plan.name and \
-            session.scalar(select(Plan.id).where(Plan.name == name)) is not None:
-        raise TenantError(f"a plan named {name!r} already exists", status=409, param="name")
+    if name is not None and name != plan.name:  # a new case of its own name is still its own
+        existing = _same_name(session, Plan, name, other_than=plan.id)
+        if existing is not None:
+            raise _name_taken("plan", name, existing)
     for field, value in changes.items():
         setattr(plan, field, value)
     try:
         session.flush()
     except IntegrityError as exc:  # a concurrent create or rename to the same name
-        raise TenantError(f"a plan named {name!r} already exists", status=409, param="name") from exc
+        raise _name_taken("plan", name) from exc
     return plan
 
 
@@ -147,8 +170,9 @@ def delete_plan(session: Session, plan: Plan) -> None:
 
 
 def create_tenant(session: Session, data: TenantCreate) -> Tenant:
-    if session.scalar(select(Tenant).where(Tenant.name == data.name)) is not None:
-        raise TenantError(f"a tenant named {data.name!r} already exists", status=409, param="name")
+    existing = _same_name(session, Tenant, data.name)
+    if existing is not None:
+        raise _name_taken("tenant", data.name, existing)
     tenant = Tenant(name=data.name, **{f: getattr(data, f) for f in _QUOTA_FIELDS})
     if data.plan is not None:
         tenant.plan = _plan_by_name(session, data.plan)
@@ -156,7 +180,7 @@ def create_tenant(session: Session, data: TenantCreate) -> Tenant:
     try:
         session.flush()
     except IntegrityError as exc:  # a concurrent create with the same name
-        raise TenantError(f"a tenant named {data.name!r} already exists", status=409, param="name") from exc
+        raise _name_taken("tenant", data.name) from exc
     session.add(TenantPlan(tenant_id=tenant.id, effective_period=ALWAYS, plan_id=tenant.plan_id))
     session.flush()
     return tenant

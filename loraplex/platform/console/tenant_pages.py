@@ -247,7 +247,8 @@ async def key_create(request: Request, context: ConsolePostDep, services: Servic
     form = await request.form()
     back = f"/console/tenants/{tenant_id}"
     try:
-        data = KeyCreate(name=forms.text(form, "name") or "default",
+        # an empty name is refused, as the API and the CLI refuse it, rather than made "default"
+        data = KeyCreate(name=forms.text(form, "name") or "",
                          scopes=[s for s in form.getlist("scopes") if isinstance(s, str)])
         with services.sessions() as session:
             created = create_api_key(session, services.settings, get_tenant(session, tenant_id), data)
