@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import re
 from contextlib import contextmanager
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import click
@@ -264,21 +266,46 @@ def _set_status(tenant: str, status: str) -> None:
         click.echo(f"tenant {t.name} is {t.status}")
 
 
+_DURATION = re.compile(r"^(\d{1,6})\s*([hdw])$")
+_HOURS = {"h": 1, "d": 24, "w": 7 * 24}
+
+
+def _expiry(_ctx, _param, value: str | None) -> datetime | None:
+    """--expires-in: a time from now (30d, 12h, 2w) or an ISO 8601 date or time."""
+    from loraplex.platform.schemas.tenants import parse_expiry
+
+    if value is None:
+        return None
+    found = _DURATION.match(value.strip().lower())
+    if found:
+        return datetime.now(UTC) + timedelta(hours=int(found[1]) * _HOURS[found[2]])
+    try:
+        return parse_expiry(value)
+    except ValueError:
+        raise click.BadParameter(f"expects a time from now (30d, 12h, 2w) or an ISO 8601 date or time "
+                                 f"(2027-01-31, 2027-01-31T12:00:00Z); got {value!r}") from None
+
+
 @admin.command("create-key")
 @click.argument("tenant")
 @click.option("--name", default="default", show_default=True)
 @click.option("--scope", "scopes", multiple=True, type=click.Choice(["inference", "adapters", "usage"]),
               help="repeat for several; default: all")
-def create_key_cmd(tenant, name, scopes):
+@click.option("--expires-in", "--expires", "expires_at", callback=_expiry, metavar="30d|12h|2w|DATE",
+              help="the key stops working then: a time from now, or an ISO 8601 date (00:00 UTC that day) or "
+                   "time; default: never")
+def create_key_cmd(tenant, name, scopes, expires_at):
     """Create an API key for TENANT (name or id). The key is printed once."""
     from loraplex.platform.schemas.tenants import KeyCreate
     from loraplex.platform.tenants import create_api_key, get_tenant
 
     with _session() as (session, settings):
-        data = KeyCreate(name=name, scopes=list(scopes)) if scopes else KeyCreate(name=name)
+        fields = {"name": name, "expires_at": expires_at} | ({"scopes": list(scopes)} if scopes else {})
+        data = KeyCreate(**fields)
         owner = get_tenant(session, tenant)
         created = create_api_key(session, settings, owner, data)
-        click.echo(f"key {created.id} for tenant {owner.name} (scopes: {' '.join(created.scopes)}); "
+        until = f"; expires {created.expires_at:%Y-%m-%d %H:%M} UTC" if created.expires_at else ""
+        click.echo(f"key {created.id} for tenant {owner.name} (scopes: {' '.join(created.scopes)}{until}); "
                    "shown only now:", err=True)
         click.echo(created.key)
 
@@ -286,17 +313,17 @@ def create_key_cmd(tenant, name, scopes):
 @admin.command("list-keys")
 @click.argument("tenant")
 def list_keys_cmd(tenant):
-    """TENANT's keys: id, display prefix, name, scopes, state (never the secret)."""
+    """TENANT's keys: id, display prefix, name, scopes, state, last use (to the minute; never the secret)."""
     from sqlalchemy import select
 
     from loraplex.platform.models import ApiKey
-    from loraplex.platform.tenants import get_tenant
+    from loraplex.platform.tenants import get_tenant, key_state
 
     with _session() as (session, _):
         t = get_tenant(session, tenant)
         for key in session.scalars(select(ApiKey).where(ApiKey.tenant_id == t.id).order_by(ApiKey.id)):
-            state = f"revoked {key.revoked_at:%Y-%m-%d %H:%M}" if key.revoked_at else "active"
-            click.echo(f"{key.id}\t{key.prefix}...\t{key.name}\t{key.scopes}\t{state}")
+            used = f"last used {key.last_used_at:%Y-%m-%d %H:%M}" if key.last_used_at else "never used"
+            click.echo(f"{key.id}\t{key.prefix}...\t{key.name}\t{key.scopes}\t{key_state(key)}\t{used}")
 
 
 @admin.command("revoke-key")

@@ -46,6 +46,9 @@ def build_services(settings: Settings, *, engine: EngineClient | None = None,
     if getattr(limiter, "month_seed", False) is None:
         limiter.month_seed = functools.partial(month_tokens, services)
     services.usage = _usage_recorder(services)
+    from loraplex.platform.key_use import KeyLastUse
+
+    services.key_use = KeyLastUse(services.sessions)
     from loraplex.platform.tasks.dispatch import TaskDispatcher
 
     services.tasks = TaskDispatcher(settings)
@@ -146,6 +149,7 @@ async def start_services(services: Services, app: FastAPI) -> None:
     # A journal left by an earlier (crashed) process is replayed before new traffic arrives.
     await services.usage.flush()
     services.background.append(asyncio.create_task(services.usage.run(), name="usage-flusher"))
+    services.background.append(asyncio.create_task(services.key_use.run(), name="key-last-use"))
     if hasattr(services.limiter, "run"):  # Redis: keeps this process's in-flight quota entries alive
         services.background.append(asyncio.create_task(services.limiter.run(), name="quota-keep-alive"))
     for hook in services.startup_hooks:
@@ -189,6 +193,7 @@ async def shutdown_services(services: Services) -> None:
         await services.usage.close()
     except Exception:
         log.exception("final usage flush failed; the journal keeps the records for the next start")
+    await services.key_use.close()
     await services.limiter.close()
     if services.engine is not None and services.owns_engine:
         await services.engine.shutdown()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
+
 from sqlalchemy import func, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
@@ -68,7 +70,20 @@ def tenant_public(tenant: Tenant, settings: Settings) -> TenantPublic:
 
 def key_public(key: ApiKey) -> KeyPublic:
     return KeyPublic(id=key.id, tenant_id=key.tenant_id, name=key.name, prefix=key.prefix,
-                     scopes=sorted(key.scope_set), created_at=key.created_at, revoked_at=key.revoked_at)
+                     scopes=sorted(key.scope_set), created_at=key.created_at, revoked_at=key.revoked_at,
+                     expires_at=key.expires_at, last_used_at=key.last_used_at)
+
+
+def key_state(key: ApiKey, now: datetime | None = None) -> str:
+    """What a key's listing says of it: active (until when), revoked or expired (when)."""
+    if key.revoked_at is not None:
+        return f"revoked {key.revoked_at:%Y-%m-%d %H:%M}"
+    if key.expires_at is None:
+        return "active"
+    expires = key.expires_at.astimezone(UTC)
+    if expires <= (now or datetime.now(UTC)):
+        return f"expired {expires:%Y-%m-%d %H:%M}"
+    return f"active until {expires:%Y-%m-%d %H:%M} UTC"
 
 
 def _same_name(session: Session, model: type[Plan] | type[Tenant], name: str, *,
@@ -221,7 +236,8 @@ def update_tenant(session: Session, tenant: Tenant, data: TenantUpdate) -> Tenan
 def create_api_key(session: Session, settings: Settings, tenant: Tenant, data: KeyCreate) -> KeyCreated:
     secret = generate_key()
     key = ApiKey(tenant_id=tenant.id, name=data.name, prefix=display_prefix(secret),
-                 key_hash=hash_key(settings.secret_key, secret), scopes=" ".join(data.scopes))
+                 key_hash=hash_key(settings.secret_key, secret), scopes=" ".join(data.scopes),
+                 expires_at=data.expires_at)
     session.add(key)
     session.flush()
     return KeyCreated(key=secret, **key_public(key).model_dump())
