@@ -2,13 +2,37 @@
 
 from __future__ import annotations
 
+import re
 from contextlib import contextmanager
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import click
 
 from loraplex.platform.billing.cli import billing
 from loraplex.platform.ids import MAX_ROW_ID
+
+
+class KeyId(click.ParamType):
+    """A key's id: the number its listing shows first (click's own words for a bad one, "is not a valid
+    integer range", say nothing of what was expected)."""
+
+    name = "key id"
+
+    def __init__(self, listing: str):
+        self.listing = listing  # the command that shows the ids
+
+    def convert(self, value, param, ctx) -> int:
+        if isinstance(value, int):
+            return value
+        text = str(value).strip()
+        if not (text.isascii() and text.isdigit()):
+            self.fail(f"expects a key id, a number as `loraplex admin {self.listing}` shows it first; got "
+                      f"{value!r}", param, ctx)
+        number = int(text)
+        if not 1 <= number <= MAX_ROW_ID:
+            self.fail(f"no key has id {number}", param, ctx)
+        return number
 
 
 @contextmanager
@@ -242,20 +266,46 @@ def _set_status(tenant: str, status: str) -> None:
         click.echo(f"tenant {t.name} is {t.status}")
 
 
+_DURATION = re.compile(r"^(\d{1,6})\s*([hdw])$")
+_HOURS = {"h": 1, "d": 24, "w": 7 * 24}
+
+
+def _expiry(_ctx, _param, value: str | None) -> datetime | None:
+    """--expires-in: a time from now (30d, 12h, 2w) or an ISO 8601 date or time."""
+    from loraplex.platform.schemas.tenants import parse_expiry
+
+    if value is None:
+        return None
+    found = _DURATION.match(value.strip().lower())
+    if found:
+        return datetime.now(UTC) + timedelta(hours=int(found[1]) * _HOURS[found[2]])
+    try:
+        return parse_expiry(value)
+    except ValueError:
+        raise click.BadParameter(f"expects a time from now (30d, 12h, 2w) or an ISO 8601 date or time "
+                                 f"(2027-01-31, 2027-01-31T12:00:00Z); got {value!r}") from None
+
+
 @admin.command("create-key")
 @click.argument("tenant")
 @click.option("--name", default="default", show_default=True)
 @click.option("--scope", "scopes", multiple=True, type=click.Choice(["inference", "adapters", "usage"]),
               help="repeat for several; default: all")
-def create_key_cmd(tenant, name, scopes):
+@click.option("--expires-in", "--expires", "expires_at", callback=_expiry, metavar="30d|12h|2w|DATE",
+              help="the key stops working then: a time from now, or an ISO 8601 date (00:00 UTC that day) or "
+                   "time; default: never")
+def create_key_cmd(tenant, name, scopes, expires_at):
     """Create an API key for TENANT (name or id). The key is printed once."""
     from loraplex.platform.schemas.tenants import KeyCreate
     from loraplex.platform.tenants import create_api_key, get_tenant
 
     with _session() as (session, settings):
-        data = KeyCreate(name=name, scopes=list(scopes)) if scopes else KeyCreate(name=name)
-        created = create_api_key(session, settings, get_tenant(session, tenant), data)
-        click.echo(f"key {created.id} for tenant {tenant} (scopes: {' '.join(created.scopes)}); "
+        fields = {"name": name, "expires_at": expires_at} | ({"scopes": list(scopes)} if scopes else {})
+        data = KeyCreate(**fields)
+        owner = get_tenant(session, tenant)
+        created = create_api_key(session, settings, owner, data)
+        until = f"; expires {created.expires_at:%Y-%m-%d %H:%M} UTC" if created.expires_at else ""
+        click.echo(f"key {created.id} for tenant {owner.name} (scopes: {' '.join(created.scopes)}{until}); "
                    "shown only now:", err=True)
         click.echo(created.key)
 
@@ -263,21 +313,21 @@ def create_key_cmd(tenant, name, scopes):
 @admin.command("list-keys")
 @click.argument("tenant")
 def list_keys_cmd(tenant):
-    """TENANT's keys: id, display prefix, name, scopes, state (never the secret)."""
+    """TENANT's keys: id, display prefix, name, scopes, state, last use (to the minute; never the secret)."""
     from sqlalchemy import select
 
     from loraplex.platform.models import ApiKey
-    from loraplex.platform.tenants import get_tenant
+    from loraplex.platform.tenants import get_tenant, key_state
 
     with _session() as (session, _):
         t = get_tenant(session, tenant)
         for key in session.scalars(select(ApiKey).where(ApiKey.tenant_id == t.id).order_by(ApiKey.id)):
-            state = f"revoked {key.revoked_at:%Y-%m-%d %H:%M}" if key.revoked_at else "active"
-            click.echo(f"{key.id}\t{key.prefix}...\t{key.name}\t{key.scopes}\t{state}")
+            used = f"last used {key.last_used_at:%Y-%m-%d %H:%M}" if key.last_used_at else "never used"
+            click.echo(f"{key.id}\t{key.prefix}...\t{key.name}\t{key.scopes}\t{key_state(key)}\t{used}")
 
 
 @admin.command("revoke-key")
-@click.argument("key_id", type=click.IntRange(1, MAX_ROW_ID))
+@click.argument("key_id", type=KeyId("list-keys TENANT"))
 def revoke_key_cmd(key_id):
     """Revoke an API key by id; it stops working at once."""
     from loraplex.platform.models import ApiKey
@@ -328,7 +378,7 @@ def list_admin_keys_cmd():
 
 
 @admin.command("revoke-admin-key")
-@click.argument("key_id", type=click.IntRange(1, MAX_ROW_ID))
+@click.argument("key_id", type=KeyId("list-admin-keys"))
 def revoke_admin_key_cmd(key_id):
     """Revoke an admin key by id: /admin/api refuses it at once and its console sessions end."""
     from loraplex.platform.tenants import active_admin_keys, revoke_admin_key

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import UTC, datetime
 
 from sqlalchemy import Engine, bindparam, select
 from sqlalchemy.orm import Session
 
 from loraplex.config import Settings
-from loraplex.platform.errors import forbidden, unauthorized
+from loraplex.platform.errors import APIError, forbidden, unauthorized
 from loraplex.platform.hot_query import HotQuery
 from loraplex.platform.models import AdminKey, ApiKey, Plan, Tenant, TenantStatus
 from loraplex.platform.quotas import QuotaLimits
@@ -37,6 +38,13 @@ def _masked(token: str) -> str:
     return token[:8] + "*" * 8 + token[-4:] if len(token) > 16 else "****"
 
 
+def _refuse_expired(prefix: str, expires_at: datetime | None) -> None:
+    if expires_at is not None and expires_at <= datetime.now(UTC):
+        raise APIError(401, f"The API key {prefix}... expired at {expires_at.astimezone(UTC):%Y-%m-%d %H:%M} UTC; "
+                       "ask for a new one.", type="authentication_error", code="api_key_expired",
+                       headers={"www-authenticate": "Bearer"})
+
+
 def authenticate_tenant(session: Session, settings: Settings, token: str | None) -> TenantContext:
     if token is None:
         raise unauthorized("You didn't provide an API key. Pass it in the Authorization header as "
@@ -48,6 +56,7 @@ def authenticate_tenant(session: Session, settings: Settings, token: str | None)
         raise unauthorized(f"Incorrect API key provided: {_masked(token)}.")
     if key.revoked_at is not None:
         raise unauthorized(f"The API key {key.prefix}... has been revoked.")
+    _refuse_expired(key.prefix, key.expires_at)
     tenant = key.tenant
     if tenant.status != TenantStatus.active:
         raise forbidden(f"Tenant {tenant.name!r} is {tenant.status}.", code="tenant_suspended")
@@ -56,7 +65,8 @@ def authenticate_tenant(session: Session, settings: Settings, token: str | None)
 
 
 _TENANT_BY_KEY = HotQuery(
-    select(ApiKey.id, ApiKey.prefix, ApiKey.scopes, ApiKey.revoked_at, Tenant.id, Tenant.name, Tenant.status,
+    select(ApiKey.id, ApiKey.prefix, ApiKey.scopes, ApiKey.revoked_at, ApiKey.expires_at, Tenant.id, Tenant.name,
+           Tenant.status,
            Tenant.requests_per_minute, Tenant.tokens_per_minute, Tenant.max_concurrent,
            Tenant.monthly_token_budget, Plan.requests_per_minute, Plan.tokens_per_minute, Plan.max_concurrent,
            Plan.monthly_token_budget)
@@ -75,9 +85,10 @@ def authenticate_tenant_fast(db: Engine, settings: Settings, token: str | None) 
     row = _TENANT_BY_KEY.first(db, key_hash=hash_key(settings.secret_key, token))
     if row is None:
         raise unauthorized(f"Incorrect API key provided: {_masked(token)}.")
-    (key_id, prefix, scopes, revoked_at, tenant_id, tenant_name, status, *quotas) = row
+    (key_id, prefix, scopes, revoked_at, expires_at, tenant_id, tenant_name, status, *quotas) = row
     if revoked_at is not None:
         raise unauthorized(f"The API key {prefix}... has been revoked.")
+    _refuse_expired(prefix, expires_at)
     if status != TenantStatus.active:
         raise forbidden(f"Tenant {tenant_name!r} is {status}.", code="tenant_suspended")
     own, plan = quotas[:4], quotas[4:]

@@ -56,8 +56,12 @@ async def get_tenant(request: Request) -> TenantContext:
     services: Services = request.app.state.services
     token = bearer_token(request.headers.get("authorization"))
     if services.db.dialect.name == "sqlite":
-        return authenticate_tenant_fast(services.db, services.settings, token)
-    return await asyncio.to_thread(authenticate_tenant_fast, services.db, services.settings, token)
+        tenant = authenticate_tenant_fast(services.db, services.settings, token)
+    else:
+        tenant = await asyncio.to_thread(authenticate_tenant_fast, services.db, services.settings, token)
+    if services.key_use is not None:
+        services.key_use.touch(tenant.key_id)  # written in the background, once a minute
+    return tenant
 
 
 TenantDep = Annotated[TenantContext, Depends(get_tenant)]

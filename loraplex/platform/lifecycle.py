@@ -46,6 +46,9 @@ def build_services(settings: Settings, *, engine: EngineClient | None = None,
     if getattr(limiter, "month_seed", False) is None:
         limiter.month_seed = functools.partial(month_tokens, services)
     services.usage = _usage_recorder(services)
+    from loraplex.platform.key_use import KeyLastUse
+
+    services.key_use = KeyLastUse(services.sessions)
     from loraplex.platform.tasks.dispatch import TaskDispatcher
 
     services.tasks = TaskDispatcher(settings)
@@ -77,17 +80,23 @@ async def month_tokens(services: Services, tenant_id: int, month: str) -> int:
 
 def _usage_recorder(services: Services):
     from loraplex.platform.usage import UsageRecorder
+    from loraplex.platform.usage.file_journal import FileJournal
 
     settings = services.settings
+    journal_dir = settings.data_dir / "usage-journal"
+    spool = None
     if services.redis is not None:
         from loraplex.platform.usage.redis_journal import RedisJournal
 
         journal = RedisJournal(services.redis, settings.redis_prefix)
+        try:  # records Redis does not take wait here (the shared data directory) for the database
+            spool = FileJournal(journal_dir, open_now=False)
+        except OSError as exc:
+            log.warning("no usage spool at %s (%s): records Redis does not take go to the log only",
+                        journal_dir, exc)
     else:
-        from loraplex.platform.usage.file_journal import FileJournal
-
-        journal = FileJournal(settings.data_dir / "usage-journal")
-    return UsageRecorder(services.sessions, journal, batch_size=settings.usage_batch_size,
+        journal = FileJournal(journal_dir)
+    return UsageRecorder(services.sessions, journal, spool=spool, batch_size=settings.usage_batch_size,
                          interval=settings.usage_flush_interval)
 
 
@@ -140,6 +149,7 @@ async def start_services(services: Services, app: FastAPI) -> None:
     # A journal left by an earlier (crashed) process is replayed before new traffic arrives.
     await services.usage.flush()
     services.background.append(asyncio.create_task(services.usage.run(), name="usage-flusher"))
+    services.background.append(asyncio.create_task(services.key_use.run(), name="key-last-use"))
     if hasattr(services.limiter, "run"):  # Redis: keeps this process's in-flight quota entries alive
         services.background.append(asyncio.create_task(services.limiter.run(), name="quota-keep-alive"))
     for hook in services.startup_hooks:
@@ -183,6 +193,7 @@ async def shutdown_services(services: Services) -> None:
         await services.usage.close()
     except Exception:
         log.exception("final usage flush failed; the journal keeps the records for the next start")
+    await services.key_use.close()
     await services.limiter.close()
     if services.engine is not None and services.owns_engine:
         await services.engine.shutdown()

@@ -31,6 +31,7 @@ class Services:
     tasks: Any = None  # TaskDispatcher
     store: Any = None  # AdapterStore
     redis: Any = None  # redis.asyncio.Redis when redis_url is set
+    key_use: Any = None  # KeyLastUse: when each API key was last used
     background: list[Any] = field(default_factory=list)  # asyncio tasks to cancel on shutdown
     startup_hooks: list[Any] = field(default_factory=list)  # async (services, app) -> None
     shutdown_hooks: list[Any] = field(default_factory=list)  # async (services) -> None

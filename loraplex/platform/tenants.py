@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from sqlalchemy import select
+from datetime import UTC, datetime
+
+from sqlalchemy import func, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
@@ -68,7 +70,41 @@ def tenant_public(tenant: Tenant, settings: Settings) -> TenantPublic:
 
 def key_public(key: ApiKey) -> KeyPublic:
     return KeyPublic(id=key.id, tenant_id=key.tenant_id, name=key.name, prefix=key.prefix,
-                     scopes=sorted(key.scope_set), created_at=key.created_at, revoked_at=key.revoked_at)
+                     scopes=sorted(key.scope_set), created_at=key.created_at, revoked_at=key.revoked_at,
+                     expires_at=key.expires_at, last_used_at=key.last_used_at)
+
+
+def key_state(key: ApiKey, now: datetime | None = None) -> str:
+    """What a key's listing says of it: active (until when), revoked or expired (when)."""
+    if key.revoked_at is not None:
+        return f"revoked {key.revoked_at:%Y-%m-%d %H:%M}"
+    if key.expires_at is None:
+        return "active"
+    expires = key.expires_at.astimezone(UTC)
+    if expires <= (now or datetime.now(UTC)):
+        return f"expired {expires:%Y-%m-%d %H:%M}"
+    return f"active until {expires:%Y-%m-%d %H:%M} UTC"
+
+
+def _same_name(session: Session, model: type[Plan] | type[Tenant], name: str, *,
+               other_than: int | None = None) -> str | None:
+    """The name of the plan or tenant already called `name` whatever its case (names are ASCII, so lower()
+    agrees with the unique index on lower(name) in either database), or None."""
+    stmt = select(model.name).where(func.lower(model.name) == name.lower())
+    if other_than is not None:
+        stmt = stmt.where(model.id != other_than)
+    return session.scalar(stmt.limit(1))
+
+
+def _name_taken(kind: str, name: str, existing: str | None = None) -> TenantError:
+    if existing is None:  # found by the database's unique index: a concurrent create or rename
+        message = f"a {kind} named {name!r}, or one differing from it only in case, already exists"
+    elif existing == name:
+        message = f"a {kind} named {name!r} already exists"
+    else:
+        message = (f"a {kind} named {existing!r} already exists, and {kind} names are unique whatever their case: "
+                   f"choose a name other than {name!r}")
+    return TenantError(message, status=409, param="name")
 
 
 def _plan_by_name(session: Session, name: str) -> Plan:
@@ -80,14 +116,15 @@ def _plan_by_name(session: Session, name: str) -> Plan:
 
 
 def create_plan(session: Session, data: PlanCreate) -> Plan:
-    if session.scalar(select(Plan).where(Plan.name == data.name)) is not None:
-        raise TenantError(f"a plan named {data.name!r} already exists", status=409, param="name")
+    existing = _same_name(session, Plan, data.name)
+    if existing is not None:
+        raise _name_taken("plan", data.name, existing)
     plan = Plan(**data.model_dump())
     session.add(plan)
     try:
         session.flush()
     except IntegrityError as exc:  # a concurrent create with the same name
-        raise TenantError(f"a plan named {data.name!r} already exists", status=409, param="name") from exc
+        raise _name_taken("plan", data.name) from exc
     return plan
 
 
@@ -110,15 +147,16 @@ def update_plan(session: Session, plan: Plan, data: PlanUpdate) -> Plan:
         why = "a plan has a name" if nulls[0] == "name" else "a plan's tenants fall back on its quotas"
         raise TenantError(f"{nulls[0]} cannot be null: {why}", param=nulls[0])
     name = changes.get("name")
-    if name is not None and name != plan.name and \
-            session.scalar(select(Plan.id).where(Plan.name == name)) is not None:
-        raise TenantError(f"a plan named {name!r} already exists", status=409, param="name")
+    if name is not None and name != plan.name:  # a new case of its own name is still its own
+        existing = _same_name(session, Plan, name, other_than=plan.id)
+        if existing is not None:
+            raise _name_taken("plan", name, existing)
     for field, value in changes.items():
         setattr(plan, field, value)
     try:
         session.flush()
     except IntegrityError as exc:  # a concurrent create or rename to the same name
-        raise TenantError(f"a plan named {name!r} already exists", status=409, param="name") from exc
+        raise _name_taken("plan", name) from exc
     return plan
 
 
@@ -147,8 +185,9 @@ def delete_plan(session: Session, plan: Plan) -> None:
 
 
 def create_tenant(session: Session, data: TenantCreate) -> Tenant:
-    if session.scalar(select(Tenant).where(Tenant.name == data.name)) is not None:
-        raise TenantError(f"a tenant named {data.name!r} already exists", status=409, param="name")
+    existing = _same_name(session, Tenant, data.name)
+    if existing is not None:
+        raise _name_taken("tenant", data.name, existing)
     tenant = Tenant(name=data.name, **{f: getattr(data, f) for f in _QUOTA_FIELDS})
     if data.plan is not None:
         tenant.plan = _plan_by_name(session, data.plan)
@@ -156,7 +195,7 @@ def create_tenant(session: Session, data: TenantCreate) -> Tenant:
     try:
         session.flush()
     except IntegrityError as exc:  # a concurrent create with the same name
-        raise TenantError(f"a tenant named {data.name!r} already exists", status=409, param="name") from exc
+        raise _name_taken("tenant", data.name) from exc
     session.add(TenantPlan(tenant_id=tenant.id, effective_period=ALWAYS, plan_id=tenant.plan_id))
     session.flush()
     return tenant
@@ -197,7 +236,8 @@ def update_tenant(session: Session, tenant: Tenant, data: TenantUpdate) -> Tenan
 def create_api_key(session: Session, settings: Settings, tenant: Tenant, data: KeyCreate) -> KeyCreated:
     secret = generate_key()
     key = ApiKey(tenant_id=tenant.id, name=data.name, prefix=display_prefix(secret),
-                 key_hash=hash_key(settings.secret_key, secret), scopes=" ".join(data.scopes))
+                 key_hash=hash_key(settings.secret_key, secret), scopes=" ".join(data.scopes),
+                 expires_at=data.expires_at)
     session.add(key)
     session.flush()
     return KeyCreated(key=secret, **key_public(key).model_dump())

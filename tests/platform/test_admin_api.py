@@ -157,3 +157,32 @@ def test_a_plan_is_deleted_only_when_no_tenant_is_or_was_on_it(client, admin_key
     assert r.status_code == 200 and r.json()["name"] == "spare"
     assert [p["name"] for p in client.get("/admin/api/plans", headers=h).json()] == ["pro"]
     assert client.delete(f"/admin/api/plans/{unused['id']}", headers=h).status_code == 404
+
+
+def test_tenant_and_plan_names_are_unique_whatever_their_case(client, admin_key, app):
+    """`acme` and `ACME` would read as one tenant to whoever types the name: the second is refused, by the
+    service (naming the one that exists) and, behind it, by the database's unique index on lower(name)."""
+    import pytest
+    from sqlalchemy.exc import IntegrityError
+
+    from loraplex.platform.models import Plan, Tenant
+
+    h = _admin(admin_key)
+    assert client.post("/admin/api/tenants", headers=h, json={"name": "acme"}).status_code == 201
+    r = client.post("/admin/api/tenants", headers=h, json={"name": "ACME"})
+    assert r.status_code == 409 and r.json()["error"]["param"] == "name"
+    message = r.json()["error"]["message"]
+    assert "'acme' already exists" in message and "whatever their case" in message and "'ACME'" in message
+    pro = client.post("/admin/api/plans", headers=h, json=PRO).json()
+    basic = client.post("/admin/api/plans", headers=h, json={**PRO, "name": "basic"}).json()
+    r = client.post("/admin/api/plans", headers=h, json={**PRO, "name": "Pro"})
+    assert r.status_code == 409 and "'pro' already exists" in r.json()["error"]["message"]
+    r = client.patch(f"/admin/api/plans/{basic['id']}", headers=h, json={"name": "PRO"})
+    assert r.status_code == 409 and "whatever their case" in r.json()["error"]["message"]
+    r = client.patch(f"/admin/api/plans/{pro['id']}", headers=h, json={"name": "PRO"})  # its own name, recased
+    assert r.status_code == 200 and r.json()["name"] == "PRO"
+    for row in (Tenant(name="Acme"), Plan(name="basIC", requests_per_minute=1, tokens_per_minute=1,
+                                          max_concurrent=1, monthly_token_budget=1)):
+        with app.state.services.sessions() as session, pytest.raises(IntegrityError):
+            session.add(row)
+            session.flush()

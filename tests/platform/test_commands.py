@@ -35,8 +35,8 @@ def test_admin_commands(cli_env):
     assert r.exit_code == 0, r.output
     r = runner.invoke(admin, ["create-tenant", "acme", "--plan", "pro", "--rpm", "5"])
     assert r.exit_code == 0 and "5 req/min" in r.output and "1000 tokens/min" in r.output
-    r = runner.invoke(admin, ["create-key", "acme", "--scope", "inference"])
-    assert r.exit_code == 0
+    r = runner.invoke(admin, ["create-key", "1", "--scope", "inference"])  # the tenant by its id
+    assert r.exit_code == 0 and "for tenant acme (scopes: inference)" in r.stderr, r.output
     key = r.stdout.strip().splitlines()[-1]
     assert key.startswith("lpx_")
     r = runner.invoke(admin, ["list-keys", "acme"])
@@ -46,6 +46,10 @@ def test_admin_commands(cli_env):
 
     for args, message in [
         (["create-tenant", "acme"], "already exists"),
+        (["create-tenant", "ACME"], "a tenant named 'acme' already exists, and tenant names are unique whatever"),
+        (["create-plan", "Pro", "--rpm", "1", "--tpm", "1", "--concurrent", "1", "--monthly-tokens", "1"],
+         "a plan named 'pro' already exists, and plan names are unique whatever their case"),
+        (["create-key", "acme", "--name", ""], "name must not be empty"),
         (["create-tenant", "x", "--plan", "gold"], "unknown plan 'gold'; known plans: pro"),
         (["create-key", "nobody"], "no tenant 'nobody'"),
         (["revoke-key", "99"], "no API key with id 99"),
@@ -63,6 +67,13 @@ def test_admin_commands(cli_env):
         assert r.exit_code == 1 and message in r.output, (args, r.output)
         assert "Traceback" not in r.output
         assert "should match pattern" not in r.output and "Value error" not in r.output and "^[" not in r.output
+    for args, message in [
+        (["revoke-key", "abc"], "expects a key id, a number as `loraplex admin list-keys TENANT` shows it"),
+        (["revoke-key", "0"], "no key has id 0"),
+        (["revoke-admin-key", "first"], "expects a key id, a number as `loraplex admin list-admin-keys` shows"),
+    ]:
+        r = runner.invoke(admin, args)
+        assert r.exit_code == 2 and message in r.output and "integer range" not in r.output, (args, r.output)
 
 
 def test_plans_are_listed_updated_and_deleted_from_the_command_line(cli_env):

@@ -120,6 +120,21 @@ def test_a_new_key_is_shown_once_and_works_until_revoked(console):
     assert console.client.get("/v1/models", headers=headers).status_code == 401
 
 
+def test_a_key_without_a_name_is_refused_as_the_cli_refuses_it(console):
+    console.post("/console/tenants", {"name": "acme"})
+    tenant = _tenant(console, "acme")
+    for name in ("", "   "):
+        r = console.post(f"/console/tenants/{tenant.id}/keys", {"name": name, "scopes": "inference"})
+        assert r.status_code == 303
+        assert "No key created: name must not be empty" in console.client.get(r.headers["location"]).text
+    r = console.post("/console/tenants", {"name": "ACME"})  # names are unique whatever their case
+    assert "already exists, and tenant names are unique whatever their case" in console.client.get(
+        r.headers["location"]).text
+    with console.sessions() as s:
+        assert not s.scalars(select(ApiKey).where(ApiKey.tenant_id == tenant.id)).all()
+        assert s.scalars(select(Tenant.name)).all() == ["acme"]
+
+
 def test_tenant_price_override_round_trips_in_micro_units(console):
     console.post("/console/tenants", {"name": "acme"})
     tenant = _tenant(console, "acme")

@@ -37,3 +37,35 @@ def test_not_ready_once_the_embedded_engine_has_stopped(client, fake_engine, mon
     r = client.post("/v1/chat/completions", headers=tenant.headers,
                     json={"model": "fake-base", "messages": [{"role": "user", "content": "hi"}]})
     assert r.status_code == 503 and "engine stopped" in r.json()["error"]["message"]
+
+
+class _Redis:
+    def __init__(self, error: BaseException | None = None, delay: float = 0.0):
+        self.error, self.delay, self.pings = error, delay, 0
+
+    async def ping(self) -> bool:
+        import asyncio
+
+        self.pings += 1
+        await asyncio.sleep(self.delay)
+        if self.error is not None:
+            raise self.error
+        return True
+
+
+def test_ready_only_while_redis_answers(client, app, monkeypatch):
+    """With Redis configured, quotas and usage need it: /readyz says which dependency failed."""
+    import redis.exceptions
+
+    from loraplex.platform.routes import health
+
+    services = app.state.services
+    monkeypatch.setattr(services, "redis", _Redis())
+    assert client.get("/readyz").status_code == 200 and services.redis.pings == 1
+    monkeypatch.setattr(services, "redis", _Redis(redis.exceptions.ConnectionError("Connection refused")))
+    r = client.get("/readyz")
+    assert r.status_code == 503 and r.json()["problems"] == ["redis: ConnectionError"]
+    monkeypatch.setattr(health, "REDIS_PING_SECONDS", 0.05)
+    monkeypatch.setattr(services, "redis", _Redis(delay=5))
+    r = client.get("/readyz")
+    assert r.status_code == 503 and r.json()["problems"] == ["redis: no answer within 0.05 s"]

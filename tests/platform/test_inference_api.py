@@ -272,14 +272,14 @@ def test_min_tokens_beyond_the_default_max_tokens_is_a_400(client, make_tenant, 
 
 def test_a_request_the_engine_refuses_is_a_400_and_no_usage(client, make_tenant, fake_engine, app, monkeypatch):
     """A client error found by the engine (n above what it runs at once, say) is answered 400 and is neither
-    usage nor a failed request."""
+    usage nor a failed request, nor one of the per-minute limit's requests (as other 400s are not)."""
     from loraplex.engine.errors import InvalidRequestError
 
     async def refuse(*args, **kwargs):
         raise InvalidRequestError("n=100 is more completions than this engine runs at once", param="n")
         yield  # an async generator, as the engine's generate is
 
-    tenant = make_tenant()
+    tenant = make_tenant(requests_per_minute=10)
     monkeypatch.setattr(fake_engine, "generate", refuse)
     for stream in (False, True):
         r = _chat(client, tenant, n=100, stream=stream)
@@ -287,7 +287,9 @@ def test_a_request_the_engine_refuses_is_a_400_and_no_usage(client, make_tenant,
     client.portal.call(app.state.services.usage.flush)
     assert client.get("/v1/usage", headers=tenant.headers).json()["data"] == []
     monkeypatch.undo()
-    assert _chat(client, tenant).status_code == 200  # its reservations were given back
+    r = _chat(client, tenant)
+    assert r.status_code == 200  # its reservations were given back
+    assert r.headers["x-ratelimit-remaining-requests"] == "9"  # and its requests: this one is the first
 
 
 def test_logprobs_json_never_carries_nan_or_infinity():

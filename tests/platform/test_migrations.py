@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
+import pytest
 from alembic import command
 from alembic.script import ScriptDirectory
 
@@ -63,3 +66,36 @@ def test_version_ids_are_never_reused_and_the_rows_survive_the_change(tmp_path):
     assert "ix_adapter_versions_tenant_id_content_hash" in indexes
     command.downgrade(config, "0105")
     command.upgrade(config, "head")
+
+
+@pytest.mark.parametrize("kind", ["sqlite", pytest.param("postgresql", marks=pytest.mark.integration)])
+def test_names_differing_only_in_case_stop_the_upgrade_and_change_nothing(tmp_path, kind):
+    """0107 makes tenant and plan names unique whatever their case. A database that already holds such
+    names stops the upgrade with a message naming them; its rows and its version stay as they were; once
+    renamed, the upgrade goes through."""
+    import sqlalchemy as sa
+    from platform_helpers import postgres_schema
+
+    from loraplex.platform.db import make_engine
+
+    context = postgres_schema("lpx_case") if kind == "postgresql" else nullcontext(f"sqlite:///{tmp_path / 'c.db'}")
+    with context as url:
+        config = alembic_config(url)
+        command.upgrade(config, "0106")
+        engine = make_engine(url, pooled=False)
+        with engine.begin() as conn:
+            for name in ("acme", "ACME", "other"):
+                conn.execute(sa.text("INSERT INTO tenants (name, status, created_at) VALUES (:n, 'active', "
+                                     "CURRENT_TIMESTAMP)"), {"n": name})
+        with pytest.raises(Exception, match="differ only in case") as info:
+            command.upgrade(config, "head")
+        assert "'acme' (id 1), 'ACME' (id 2)" in str(info.value) and "other" not in str(info.value)
+        with engine.begin() as conn:
+            assert conn.execute(sa.text("SELECT version_num FROM alembic_version")).scalar() == "0106"
+            assert conn.execute(sa.text("SELECT count(*) FROM tenants")).scalar() == 3
+            conn.execute(sa.text("UPDATE tenants SET name = 'acme-2' WHERE id = 2"))
+        command.upgrade(config, "head")
+        with engine.begin() as conn, pytest.raises(sa.exc.IntegrityError):
+            conn.execute(sa.text("INSERT INTO tenants (name, status, created_at) VALUES ('Other', 'active', "
+                                 "CURRENT_TIMESTAMP)"))
+        engine.dispose()

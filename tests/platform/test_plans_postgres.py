@@ -13,6 +13,7 @@ from test_admin_api import (  # noqa: F401
     test_a_plan_edit_reaches_its_tenants_next_request_unless_they_override,
     test_a_plan_is_deleted_only_when_no_tenant_is_or_was_on_it,
     test_create_tenant_plan_and_key,
+    test_tenant_and_plan_names_are_unique_whatever_their_case,
 )
 from test_plan_history import (  # noqa: F401
     test_a_currency_change_already_scheduled_is_no_way_around_the_override_check,

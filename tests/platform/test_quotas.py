@@ -102,7 +102,8 @@ async def test_a_request_larger_than_the_limit_is_not_worth_retrying(limiter):
         await limiter.acquire(1, LIMITS, "huge", 101, now=T0)
     assert info.value.kind == "tokens" and "alone exceeds" in str(info.value)
     assert info.value.headers["x-should-retry"] == "false" and "retry-after" not in info.value.headers
-    await limiter.acquire(1, LIMITS, "fits", 100, now=T0)
+    fits = await limiter.acquire(1, LIMITS, "fits", 100, now=T0)
+    await limiter.settle(fits, 100)
     with pytest.raises(QuotaExceeded) as info:  # this one fits the next window: worth waiting for
         await limiter.acquire(1, LIMITS, "later", 50, now=T0 + 1)
     assert "x-should-retry" not in info.value.headers and info.value.headers["retry-after"] == "59"
@@ -287,3 +288,129 @@ async def test_used_now_reads_the_current_window_and_month(limiter):
     assert await limiter.used_now(7, now=T0 + 2) == (130, 130)
     assert await limiter.used_now(8, now=T0 + 2) == (0, 0)
     assert await limiter.used_now(7, now=T0 + 61) == (0, 130)
+
+
+async def test_tokens_held_by_running_requests_are_worth_a_short_wait(limiter):
+    """A per-minute token limit full of running requests' reservations frees within seconds as they settle:
+    Retry-After says so instead of the minute; a request that would not fit even then waits for the window."""
+    limits = QuotaLimits(requests_per_minute=100, tokens_per_minute=100, max_concurrent=10,
+                         monthly_token_budget=10**6)
+    running = await limiter.acquire(1, limits, "running", 90, now=T0)
+    with pytest.raises(QuotaExceeded) as info:
+        await limiter.acquire(1, limits, "b", 20, now=T0 + 1)
+    assert info.value.kind == "tokens" and "90 are reserved by requests still running" in str(info.value)
+    assert "use less than they reserved" in str(info.value)
+    assert info.value.headers["retry-after"] == "1" and "x-should-retry" not in info.value.headers
+    await limiter.settle(running, 60)
+    # 60 used, not reserved: only the next window has room for 50
+    with pytest.raises(QuotaExceeded) as info:
+        await limiter.acquire(1, limits, "c", 50, now=T0 + 2)
+    assert info.value.headers["retry-after"] == "58" and "reserved" not in str(info.value)
+    await limiter.acquire(1, limits, "d", 40, now=T0 + 2)  # what the settlement gave back is usable at once
+
+
+async def test_a_request_that_never_ran_gives_its_place_in_the_request_count_back(limiter):
+    """The engine refused it before doing any work (a client error): like requests refused before the quota
+    check, it does not count against the per-minute request limit."""
+    refused = await limiter.acquire(1, LIMITS, "refused", 10, now=T0)
+    assert refused.headers["x-ratelimit-remaining-requests"] == "2"
+    await limiter.settle(refused, 0, count_request=False)
+    await limiter.settle(refused, 0, count_request=False)  # once only
+    served = await limiter.acquire(1, LIMITS, "served", 10, now=T0 + 1)
+    assert served.headers["x-ratelimit-remaining-requests"] == "2"
+    assert served.headers["x-ratelimit-remaining-tokens"] == "90"
+    await limiter.settle(served, 10)
+    assert (await limiter.acquire(1, LIMITS, "next", 10, now=T0 + 2)).headers[
+        "x-ratelimit-remaining-requests"] == "1"
+
+
+async def test_a_budget_whose_running_requests_may_use_it_all_promises_nothing(limiter):
+    """Budget = what is used + 300, eight requests running with 36 tokens reserved each: a ninth that needs
+    36 is refused. A retry helps only if the eight use less than they reserved, which is what it says; one
+    that would not fit even if they used nothing is told not to retry."""
+    limits = QuotaLimits(requests_per_minute=1000, tokens_per_minute=10**6, max_concurrent=100,
+                         monthly_token_budget=1300)
+    done = await limiter.acquire(1, limits, "done", 1000, now=T0)
+    await limiter.settle(done, 1000)
+    running = [await limiter.acquire(1, limits, f"r{i}", 36, now=T0 + 1) for i in range(8)]
+    with pytest.raises(QuotaExceeded) as info:
+        await limiter.acquire(1, limits, "ninth", 36, now=T0 + 2)
+    message = str(info.value)
+    assert "1000 used and 288 reserved by requests still running, 12 free" in message
+    assert "only if they use less than they reserved" in message and "Retry when they finish" not in message
+    assert "x-should-retry" not in info.value.headers and info.value.headers["retry-after"] == "1"
+    for r in running:
+        await limiter.settle(r, 36)  # they used all they reserved: the retry fails, now for good
+    with pytest.raises(QuotaExceeded) as info:
+        await limiter.acquire(1, limits, "ninth", 36, now=T0 + 3)
+    assert info.value.headers["x-should-retry"] == "false"
+    with pytest.raises(QuotaExceeded) as info:  # more than budget minus used, whatever the running use
+        await limiter.acquire(1, limits, "big", 301, now=T0 + 3)
+    assert info.value.headers["x-should-retry"] == "false"
+
+
+async def test_concurrency_slots_of_a_stopped_process_say_when_they_free():
+    """An API process that crashed mid-request leaves its in-flight entries until they lapse: Retry-After
+    for the concurrency limit is the time until the first lapses, not 1 s; a live request's slot may free any
+    moment."""
+    from loraplex.platform.quotas.redis import INFLIGHT_TTL_MS, STALE_AFTER_MS, RedisQuotaLimiter
+
+    client = await _redis_or_skip()
+    prefix = f"lpxtest-{uuid.uuid4().hex[:8]}"
+    try:
+        crashed, alive = RedisQuotaLimiter(client, prefix=prefix), RedisQuotaLimiter(client, prefix=prefix)
+        limits = QuotaLimits(requests_per_minute=100, tokens_per_minute=10**6, max_concurrent=2,
+                             monthly_token_budget=10**6)
+        await crashed.acquire(1, limits, "killed-1", 10, now=T0)
+        await crashed.acquire(1, limits, "killed-2", 10, now=T0 + 5)
+        with pytest.raises(QuotaExceeded) as info:  # just taken: as likely live as not
+            await alive.acquire(1, limits, "next", 10, now=T0 + 6)
+        assert info.value.headers["retry-after"] == "1"
+        later = T0 + 5 + STALE_AFTER_MS / 1000 + 1  # no keep-alive came for either
+        with pytest.raises(QuotaExceeded) as info:
+            await alive.acquire(1, limits, "next", 10, now=later)
+        first_lapses = T0 + INFLIGHT_TTL_MS / 1000
+        assert info.value.headers["retry-after"] == str(round(first_lapses - later))
+        assert "stopped without finishing them" in str(info.value)
+        await alive.acquire(1, limits, "next", 10, now=first_lapses + 0.1)
+    finally:
+        keys = [k async for k in client.scan_iter(f"{prefix}:*")]
+        if keys:
+            await client.delete(*keys)
+        await client.aclose()
+
+
+async def test_a_settlement_redis_did_not_take_is_retried_with_the_keep_alive(monkeypatch):
+    """Redis away for a moment as a request finishes: the settlement does not fail the request, and the
+    keep-alive loop lands it (freeing the slot and counting what was used) once Redis answers."""
+    import redis.exceptions
+
+    from loraplex.platform.quotas.redis import RedisQuotaLimiter
+
+    client = await _redis_or_skip()
+    prefix = f"lpxtest-{uuid.uuid4().hex[:8]}"
+    try:
+        limiter = RedisQuotaLimiter(client, prefix=prefix)
+        limits = QuotaLimits(requests_per_minute=100, tokens_per_minute=10**6, max_concurrent=1,
+                             monthly_token_budget=10**6)
+        r = await limiter.acquire(1, limits, "a", 100, now=T0)
+        real_settle = limiter._settle
+
+        async def down(**kwargs):
+            raise redis.exceptions.ConnectionError("Connection refused")
+
+        limiter._settle = down
+        await limiter.settle(r, 30)  # no exception
+        assert limiter._unsettled
+        with pytest.raises(redis.exceptions.ConnectionError):
+            await limiter.keep_alive(now=T0 + 1)
+        limiter._settle = real_settle
+        await limiter.keep_alive(now=T0 + 2)
+        assert not limiter._unsettled
+        assert int(await client.get(f"{prefix}:rl:1:month:{r.month}")) == 30
+        await limiter.acquire(1, limits, "b", 1, now=T0 + 3)  # the slot is free
+    finally:
+        keys = [k async for k in client.scan_iter(f"{prefix}:*")]
+        if keys:
+            await client.delete(*keys)
+        await client.aclose()

@@ -29,9 +29,9 @@ REDIS_URL = os.environ.get("LORAPLEX_TEST_REDIS_URL", "redis://127.0.0.1:6379/0"
 class SlowSettleLimiter(MemoryQuotaLimiter):
     """Settles a quarter of a second late, as a remote Redis may: the shutdown must wait for it."""
 
-    async def settle(self, reservation, used_tokens: int) -> None:
+    async def settle(self, reservation, used_tokens: int, **kwargs) -> None:
         await asyncio.sleep(0.25)
-        await super().settle(reservation, used_tokens)
+        await super().settle(reservation, used_tokens, **kwargs)
 
 
 def _run_and_stop(data_dir, tiny_llama_dir, make_tenant_factory, *, grace: float, backstop: float,

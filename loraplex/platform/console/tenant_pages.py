@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
+
 from fastapi import APIRouter, Request
 from fastapi.responses import HTMLResponse, RedirectResponse
 from itsdangerous import BadSignature, URLSafeTimedSerializer
 from pydantic import ValidationError
-from sqlalchemy import func, select
+from sqlalchemy import func, or_, select
 
 from loraplex.platform.billing.money import format_micros
 from loraplex.platform.billing.periods import upcoming_periods
@@ -18,7 +20,7 @@ from loraplex.platform.console.deps import ConsoleDep, ConsolePostDep
 from loraplex.platform.console.session import cookie_secure
 from loraplex.platform.console.templating import redirect, render
 from loraplex.platform.deps import IdPath, ServicesDep
-from loraplex.platform.models import ALL_SCOPES, ApiKey, Plan, Tenant
+from loraplex.platform.models import ALL_SCOPES, ApiKey, Plan, Tenant, utcnow
 from loraplex.platform.schemas.messages import plain_errors
 from loraplex.platform.schemas.tenants import (
     QUOTA_MAX,
@@ -68,7 +70,9 @@ def tenants_page(request: Request, context: ConsoleDep, services: ServicesDep) -
         plans = list(session.scalars(select(Plan).order_by(Plan.name)))
         plan_tenants = dict(session.execute(select(Tenant.plan_id, func.count()).group_by(Tenant.plan_id)).all())
         counts = dict(session.execute(
-            select(ApiKey.tenant_id, func.count(ApiKey.id)).where(ApiKey.revoked_at.is_(None)).group_by(ApiKey.tenant_id)
+            select(ApiKey.tenant_id, func.count(ApiKey.id))
+            .where(ApiKey.revoked_at.is_(None), or_(ApiKey.expires_at.is_(None), ApiKey.expires_at > utcnow()))
+            .group_by(ApiKey.tenant_id)
         ).all())
     return render(request, "tenants.html", context, tenants=tenants, plans=plans, key_counts=counts,
                   plan_tenants=plan_tenants, quota_fields=QUOTA_FIELDS)
@@ -160,6 +164,7 @@ def _tenant_page(request: Request, context, services, tenant_id: int, *, new_key
         request, "tenant.html", context, status_code=status_code, tenant=public, keys=keys, plans=plans,
         new_key=new_key, quota_fields=QUOTA_FIELDS, price_fields=PRICE_FIELDS, price=vars(price) | {"currency": price.currency},
         override_values=override_values, scopes=ALL_SCOPES, period=period, periods=periods, this_month=this_month,
+        now=datetime.now(UTC),
     )
 
 
@@ -247,8 +252,10 @@ async def key_create(request: Request, context: ConsolePostDep, services: Servic
     form = await request.form()
     back = f"/console/tenants/{tenant_id}"
     try:
-        data = KeyCreate(name=forms.text(form, "name") or "default",
-                         scopes=[s for s in form.getlist("scopes") if isinstance(s, str)])
+        # an empty name is refused, as the API and the CLI refuse it, rather than made "default"
+        data = KeyCreate(name=forms.text(form, "name") or "",
+                         scopes=[s for s in form.getlist("scopes") if isinstance(s, str)],
+                         expires_at=forms.text(form, "expires_at"))
         with services.sessions() as session:
             created = create_api_key(session, services.settings, get_tenant(session, tenant_id), data)
             session.commit()

@@ -214,9 +214,10 @@ class InferenceJob:
         await self.finish(status)
 
     async def _release(self) -> None:
-        """A refused request's end: its reservation given back in full, no usage record."""
+        """A refused request's end: its reservation given back in full, its place in the per-minute request
+        count too (as for requests refused before the quota check), no usage record."""
         try:
-            await self.services.limiter.settle(self.reservation, 0)
+            await self.services.limiter.settle(self.reservation, 0, count_request=False)
         except Exception:
             log.exception("quota settle failed for %s", self.request_id)
         self._record_metrics("rejected", 0, None)

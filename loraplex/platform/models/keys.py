@@ -33,6 +33,9 @@ class ApiKey(Base):
     scopes: Mapped[str] = mapped_column(String(128))  # space-separated Scope values
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
     revoked_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
+    expires_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)  # NULL: never
+    # written at most once a minute per key (loraplex.platform.key_use), so up to a minute behind
+    last_used_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
 
     tenant: Mapped[Tenant] = relationship(lazy="joined")
 

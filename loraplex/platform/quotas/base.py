@@ -63,7 +63,11 @@ class QuotaLimiter(Protocol):
         monthly budget this month (reservations of requests still running included)."""
         ...
 
-    async def settle(self, reservation: Reservation, used_tokens: int) -> None: ...
+    async def settle(self, reservation: Reservation, used_tokens: int, *, count_request: bool = True) -> None:
+        """Count what the request used instead of what it reserved, and free its concurrency slot.
+        count_request=False: the request did not happen at all (the engine refused it before doing any
+        work), so it gives back its place in the per-minute request count too."""
+        ...
 
     async def close(self) -> None: ...
 
@@ -100,10 +104,12 @@ def seconds_to_next_month(now: float) -> float:
 
 
 def exceeded(kind: str, limits: QuotaLimits, used_requests: int, used_tokens: int, reset_in: float,
-             now: float, reserve_tokens: int, *, month_used: int | None = None,
-             month_in_flight: int = 0) -> QuotaExceeded:
-    """month_in_flight: of month_used, the tokens still reserved by this tenant's running requests (they
-    give back what they do not use when they finish)."""
+             now: float, reserve_tokens: int, *, month_used: int | None = None, month_in_flight: int = 0,
+             window_in_flight: int = 0, slots_free_in: float | None = None) -> QuotaExceeded:
+    """month_in_flight, window_in_flight: of month_used and of used_tokens, the tokens still reserved by this
+    tenant's running requests (they give back what they do not use when they finish; they may use it all).
+    slots_free_in: for the concurrency limit, seconds until a slot frees for certain, where every slot is held
+    by a request whose process stopped keeping it alive (None: some are live and may finish any moment)."""
     headers = rate_headers(limits, used_requests, used_tokens, reset_in)
     retry_after = reset_in
     futile = False  # a retry cannot succeed (soon): told to clients with x-should-retry: false
@@ -115,17 +121,29 @@ def exceeded(kind: str, limits: QuotaLimits, used_requests: int, used_tokens: in
         if reserve_tokens > limits.tokens_per_minute:
             msg += " The request alone exceeds the limit: lower max_tokens or the prompt length."
             futile = True
+        elif window_in_flight > 0 and used_tokens - window_in_flight + reserve_tokens <= limits.tokens_per_minute:
+            # short only because running requests hold reservations, which they settle within seconds
+            msg += (f" Of those used, {window_in_flight} are reserved by requests still running: this request "
+                    "fits once they finish if they use less than they reserved; if not, the window turns in "
+                    f"{math.ceil(reset_in)} s. Lowering max_tokens may let it fit now.")
+            retry_after = 1.0
     elif kind == "concurrent":
         msg = f"Too many concurrent requests: limit {limits.max_concurrent}."
         retry_after = 1.0
+        if slots_free_in is not None:
+            msg += (" The slots are held by requests of a server process that stopped without finishing them; "
+                    f"the first is freed in {math.ceil(slots_free_in)} s.")
+            retry_after = slots_free_in
     else:
         budget = limits.monthly_token_budget
         settled = None if month_used is None else month_used - month_in_flight
         if month_in_flight > 0 and settled is not None and settled + reserve_tokens <= budget:
-            # short only because running requests hold reservations: waiting for them can help
-            msg = (f"Monthly token budget of {budget} tokens: {month_used} used or held, of which "
-                   f"{month_in_flight} are reserved by requests still running; this request may use up to "
-                   f"{reserve_tokens}. Retry when they finish, or lower max_tokens.")
+            # short only because running requests hold reservations: a retry helps if, and only if, they
+            # use less than they reserved, which cannot be known before they finish
+            msg = (f"Monthly token budget of {budget} tokens: {settled} used and {month_in_flight} reserved by "
+                   f"requests still running, {max(0, budget - month_used)} free; this request may use up to "
+                   f"{reserve_tokens} (its prompt plus max_tokens). It fits once they finish only if they use "
+                   "less than they reserved; lower max_tokens to fit what is free now.")
             headers["retry-after"] = "1"
             return QuotaExceeded(msg, kind=kind, retry_after=1.0, headers=headers)
         if month_used is None or month_used >= budget:

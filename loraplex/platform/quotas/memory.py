@@ -31,8 +31,8 @@ class MemoryQuotaLimiter:
         self._monthly: dict[tuple[int, str], int] = defaultdict(int)
         # tenant -> request id -> when acquired; entries a lost request never settled expire like Redis's
         self._inflight: dict[int, dict[str, float]] = defaultdict(dict)
-        # tenant -> request id -> (tokens reserved, month) until settled
-        self._held: dict[int, dict[str, tuple[int, str]]] = defaultdict(dict)
+        # tenant -> request id -> (tokens reserved, month, minute) until settled
+        self._held: dict[int, dict[str, tuple[int, str, int]]] = defaultdict(dict)
 
     async def acquire(self, tenant_id: int, limits: QuotaLimits, request_id: str,
                       reserve_tokens: int, *, now: float | None = None) -> Reservation:
@@ -60,14 +60,15 @@ class MemoryQuotaLimiter:
             elif spent + reserve_tokens > limits.monthly_token_budget:
                 kind = "monthly_budget"
             if kind is not None:
-                held = sum(r for r, m in self._held[tenant_id].values() if m == month)
+                held = self._held[tenant_id].values()
                 raise exceeded(kind, limits, reqs, toks, reset_in, t, reserve_tokens, month_used=spent,
-                               month_in_flight=held)
+                               month_in_flight=sum(r for r, m, _ in held if m == month),
+                               window_in_flight=sum(r for r, _, w in held if w == minute))
             self._requests[(tenant_id, minute)] = reqs + 1
             self._tokens[(tenant_id, minute)] = toks + reserve_tokens
             self._monthly[(tenant_id, month)] = spent + reserve_tokens
             inflight[request_id] = t
-            self._held[tenant_id][request_id] = (reserve_tokens, month)
+            self._held[tenant_id][request_id] = (reserve_tokens, month, minute)
         return Reservation(tenant_id, request_id, reserve_tokens, minute, month,
                            headers=rate_headers(limits, reqs + 1, toks + reserve_tokens, reset_in))
 
@@ -98,7 +99,7 @@ class MemoryQuotaLimiter:
         with self._lock:
             return self._tokens.get((tenant_id, minute), 0), self._monthly.get((tenant_id, month), 0)
 
-    async def settle(self, reservation: Reservation, used_tokens: int) -> None:
+    async def settle(self, reservation: Reservation, used_tokens: int, *, count_request: bool = True) -> None:
         with self._lock:
             if reservation.settled:
                 return
@@ -107,6 +108,8 @@ class MemoryQuotaLimiter:
             key = (reservation.tenant_id, reservation.minute)
             if key in self._tokens:
                 self._tokens[key] = max(0, self._tokens[key] + delta)
+            if not count_request and key in self._requests:
+                self._requests[key] = max(0, self._requests[key] - 1)
             mkey = (reservation.tenant_id, reservation.month)
             self._monthly[mkey] = max(0, self._monthly[mkey] + delta)
             self._inflight[reservation.tenant_id].pop(reservation.request_id, None)

@@ -3,7 +3,9 @@ number of API processes share one budget without overshooting."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import math
 import time
 
 from loraplex.platform.outage import OutageLog, every
@@ -17,7 +19,8 @@ from loraplex.platform.quotas.base import (
     rate_headers,
 )
 
-# KEYS: requests-window, tokens-window, monthly, in-flight zset, reservations hash
+# KEYS: requests-window, tokens-window, monthly, in-flight zset, reservations hash, held-window (the tokens of
+#       the window that running requests reserved and have not settled yet)
 # ARGV: now_ms, rpm, tpm, max_concurrent, monthly_budget, reserve, request_id, inflight_ttl_ms,
 #       window_ttl_s, month_ttl_s, tenant key base, month, "1" to answer 5 (and count nothing) when the month
 #       has no counter yet, so that the caller seeds it first
@@ -48,14 +51,17 @@ local reqs = tonumber(redis.call('GET', KEYS[1]) or '0')
 local toks = tonumber(redis.call('GET', KEYS[2]) or '0')
 local spent = tonumber(redis.call('GET', KEYS[3]) or '0')
 local reserve = tonumber(ARGV[6])
-if inflight >= tonumber(ARGV[4]) then return {1, reqs, toks, spent} end
-if reqs + 1 > tonumber(ARGV[2]) then return {2, reqs, toks, spent} end
-if toks + reserve > tonumber(ARGV[3]) then return {3, reqs, toks, spent} end
-if spent + reserve > tonumber(ARGV[5]) then return {4, reqs, toks, spent} end
+local held = tonumber(redis.call('GET', KEYS[6]) or '0')
+if inflight >= tonumber(ARGV[4]) then return {1, reqs, toks, spent, held} end
+if reqs + 1 > tonumber(ARGV[2]) then return {2, reqs, toks, spent, held} end
+if toks + reserve > tonumber(ARGV[3]) then return {3, reqs, toks, spent, held} end
+if spent + reserve > tonumber(ARGV[5]) then return {4, reqs, toks, spent, held} end
 redis.call('INCR', KEYS[1])
 redis.call('EXPIRE', KEYS[1], ARGV[9])
 redis.call('INCRBY', KEYS[2], reserve)
 redis.call('EXPIRE', KEYS[2], ARGV[9])
+redis.call('INCRBY', KEYS[6], reserve)
+redis.call('EXPIRE', KEYS[6], ARGV[9])
 redis.call('INCRBY', KEYS[3], reserve)
 redis.call('EXPIRE', KEYS[3], ARGV[10])
 redis.call('ZADD', KEYS[4], now + tonumber(ARGV[8]), ARGV[7])
@@ -65,20 +71,25 @@ redis.call('EXPIRE', KEYS[5], ARGV[10])
 return {0, reqs + 1, toks + reserve, spent + reserve}
 """
 
-# KEYS: tokens-window, monthly, in-flight zset, reservations hash. ARGV: delta, request_id.
+# KEYS: tokens-window, monthly, in-flight zset, reservations hash, requests-window, held-window.
+# ARGV: delta, request_id, reserved, "0" to take the request back off the requests-window.
 # Removing the in-flight entry is the once-only guard: a second settle finds nothing and changes nothing.
 _SETTLE = """
 redis.call('HDEL', KEYS[4], ARGV[2])
 if redis.call('ZREM', KEYS[3], ARGV[2]) == 0 then return 0 end
-local delta = tonumber(ARGV[1])
-for i = 1, 2 do
-  local cur = redis.call('GET', KEYS[i])
+local function add(key, delta)
+  local cur = redis.call('GET', key)
   if cur then
     local v = tonumber(cur) + delta
     if v < 0 then v = 0 end
-    redis.call('SET', KEYS[i], v, 'KEEPTTL')
+    redis.call('SET', key, v, 'KEEPTTL')
   end
 end
+local delta = tonumber(ARGV[1])
+add(KEYS[1], delta)
+add(KEYS[2], delta)
+add(KEYS[6], -tonumber(ARGV[3]))
+if ARGV[4] == '0' then add(KEYS[5], -1) end
 return 1
 """
 
@@ -95,6 +106,10 @@ _KINDS = {1: "concurrent", 2: "requests", 3: "tokens", 4: "monthly_budget"}
 # them to lapse after INFLIGHT_TTL_MS, which frees their concurrency slots and takes their reservations back.
 INFLIGHT_TTL_MS = 90 * 1000
 KEEP_ALIVE_SECONDS = 20.0
+# an in-flight entry not pushed forward for this long belongs to a process that stopped (live ones are pushed
+# every KEEP_ALIVE_SECONDS; twice that leaves room for a busy event loop)
+STALE_AFTER_MS = 2 * KEEP_ALIVE_SECONDS * 1000
+SETTLE_SECONDS = 2.0  # a settlement Redis does not answer in time is retried by the keep-alive loop
 MAX_REQUEST_SECONDS = 6 * 3600  # no request runs this long: one still unsettled is kept alive no more
 MONTH_TTL_SECONDS = 40 * 24 * 3600
 
@@ -109,6 +124,8 @@ class RedisQuotaLimiter:
         self._keep_alive = redis.register_script(_KEEP_ALIVE)
         # this process's unsettled reservations -> when they were made (time.monotonic())
         self._live: dict[tuple[int, str], float] = {}
+        # settlements Redis did not take: (keys, args, when) retried until they land or their entry lapses
+        self._unsettled: list[tuple[list[str], list, float]] = []
 
     def _base(self, tenant_id: int) -> str:
         return f"{self.prefix}:rl:{tenant_id}"
@@ -116,7 +133,7 @@ class RedisQuotaLimiter:
     def _keys(self, tenant_id: int, minute: int, month: str) -> list[str]:
         base = self._base(tenant_id)
         return [f"{base}:req:{minute}", f"{base}:tok:{minute}", f"{base}:month:{month}", f"{base}:inflight",
-                f"{base}:reserved"]
+                f"{base}:reserved", f"{base}:held:{minute}"]
 
     async def acquire(self, tenant_id: int, limits: QuotaLimits, request_id: str,
                       reserve_tokens: int, *, now: float | None = None) -> Reservation:
@@ -126,7 +143,7 @@ class RedisQuotaLimiter:
         # is seeded from the usage records first; the script says so without counting anything.
         seed = self.month_seed is not None
         while True:
-            code, reqs, toks, spent = await self._acquire(
+            code, reqs, toks, spent, *held_in_window = await self._acquire(
                 keys=self._keys(tenant_id, minute, month),
                 args=[int(t * 1000), limits.requests_per_minute, limits.tokens_per_minute, limits.max_concurrent,
                       limits.monthly_token_budget, reserve_tokens, request_id, INFLIGHT_TTL_MS,
@@ -137,19 +154,34 @@ class RedisQuotaLimiter:
             await self._seed(tenant_id, month)
             seed = False  # seeded, or the records could not be read: count from here either way
         if code:
+            kind = _KINDS[int(code)]
             held = 0
-            if _KINDS[int(code)] == "monthly_budget":  # how much of it running requests only reserve
+            if kind == "monthly_budget":  # how much of it running requests only reserve
                 for value in await self.redis.hvals(self._keys(tenant_id, minute, month)[4]):
                     text = value.decode() if isinstance(value, bytes) else str(value)
                     reserved, _, of_month = text.partition(":")
                     if of_month == month and reserved.lstrip("-").isdigit():
                         held += int(reserved)
-            raise exceeded(_KINDS[int(code)], limits, int(reqs), int(toks), reset_in, t, reserve_tokens,
-                           month_used=int(spent), month_in_flight=held)
+            slots_free_in = await self._slots_free_in(tenant_id, t) if kind == "concurrent" else None
+            raise exceeded(kind, limits, int(reqs), int(toks), reset_in, t, reserve_tokens,
+                           month_used=int(spent), month_in_flight=held,
+                           window_in_flight=int(held_in_window[0]) if held_in_window else 0,
+                           slots_free_in=slots_free_in)
         reservation = Reservation(tenant_id, request_id, reserve_tokens, minute, month,
                                   headers=rate_headers(limits, int(reqs), int(toks), reset_in))
         self._live[(tenant_id, request_id)] = time.monotonic()
         return reservation
+
+    async def _slots_free_in(self, tenant_id: int, now: float) -> float | None:
+        """Seconds until the first of the tenant's concurrency slots lapses, when every one is held by a
+        request that nobody keeps alive (its API process stopped mid-request); None when some are live: those
+        end when their requests do, any moment."""
+        entries = await self.redis.zrange(f"{self._base(tenant_id)}:inflight", 0, -1, withscores=True)
+        now_ms = now * 1000
+        left = [expiry - now_ms for _, expiry in entries]
+        if not left or any(ms > INFLIGHT_TTL_MS - STALE_AFTER_MS for ms in left):
+            return None
+        return max(1.0, math.ceil(min(left) / 1000))
 
     def _month_key(self, tenant_id: int, month: str) -> str:
         return f"{self._base(tenant_id)}:month:{month}"
@@ -178,7 +210,9 @@ class RedisQuotaLimiter:
         return int(window or 0), int(spent or 0)
 
     async def keep_alive(self, *, now: float | None = None) -> int:
-        """Push this process's unsettled reservations' expiry forward; returns how many."""
+        """Settle what Redis did not take before, and push this process's unsettled reservations' expiry
+        forward; returns how many of those."""
+        await self._retry_settlements()
         t = now_parts(now)[0]
         by_tenant: dict[int, list[str]] = {}
         oldest = time.monotonic() - MAX_REQUEST_SECONDS
@@ -197,14 +231,33 @@ class RedisQuotaLimiter:
         await every(KEEP_ALIVE_SECONDS, self.keep_alive,
                     OutageLog(log, "keeping in-flight quota entries alive", KEEP_ALIVE_SECONDS))
 
-    async def settle(self, reservation: Reservation, used_tokens: int) -> None:
+    async def settle(self, reservation: Reservation, used_tokens: int, *, count_request: bool = True) -> None:
+        """Never raises for Redis's sake: a settlement Redis does not take in SETTLE_SECONDS is retried
+        with the keep-alive (the script's once-only guard makes a retry of one that did land harmless), so
+        an outage of seconds neither loses the request's count nor holds its slot until the entry lapses."""
         if reservation.settled:
             return
         reservation.settled = True
         self._live.pop((reservation.tenant_id, reservation.request_id), None)
-        keys = self._keys(reservation.tenant_id, reservation.minute, reservation.month)
-        await self._settle(keys=[keys[1], keys[2], keys[3], keys[4]],
-                           args=[used_tokens - reservation.reserved_tokens, reservation.request_id])
+        req, tok, month, inflight, reserved, held = self._keys(reservation.tenant_id, reservation.minute,
+                                                               reservation.month)
+        keys = [tok, month, inflight, reserved, req, held]
+        args = [used_tokens - reservation.reserved_tokens, reservation.request_id, reservation.reserved_tokens,
+                "1" if count_request else "0"]
+        try:
+            await asyncio.wait_for(self._settle(keys=keys, args=args), SETTLE_SECONDS)
+        except Exception as exc:  # noqa: BLE001 - Redis away or slow: retried below, never the request's error
+            log.warning("settling request %s's quota failed (%r); retried every %s s until Redis takes it",
+                        reservation.request_id, exc, KEEP_ALIVE_SECONDS)
+            self._unsettled.append((keys, args, time.monotonic()))
+
+    async def _retry_settlements(self) -> None:
+        lapsed = time.monotonic() - INFLIGHT_TTL_MS / 1000  # their entries are gone: nothing left to settle
+        self._unsettled = [u for u in self._unsettled if u[2] >= lapsed]
+        while self._unsettled:
+            keys, args, _ = self._unsettled[0]
+            await self._settle(keys=keys, args=args)  # raises while Redis is still away: the outage log says so
+            self._unsettled.pop(0)
 
     async def close(self) -> None:
         return None

@@ -13,6 +13,8 @@ from loraplex.platform.services import Services
 from loraplex.platform.strict_json import StrictJsonRoute
 
 router = APIRouter(route_class=StrictJsonRoute, tags=["health"])
+# a readiness probe answers within its own timeout (often 1 s): a Redis that does not answer in this is down
+REDIS_PING_SECONDS = 0.5
 
 
 @router.get("/healthz")
@@ -29,17 +31,29 @@ def _database_ready(services: Services) -> str | None:
     return None
 
 
+async def _redis_ready(services: Services) -> str | None:
+    """Quotas and the usage journal live in Redis: without it no inference request is admitted."""
+    if services.redis is None:
+        return None
+    try:
+        await asyncio.wait_for(services.redis.ping(), REDIS_PING_SECONDS)
+    except TimeoutError:
+        return f"redis: no answer within {REDIS_PING_SECONDS} s"
+    except Exception as exc:
+        return f"redis: {type(exc).__name__}"
+    return None
+
+
 @router.get("/readyz")
 async def readyz(*, services: ServicesDep) -> JSONResponse:
-    """200 when a request could be served now: the database answers and an engine is there; else 503 with
-    the reasons (for a load balancer's or an orchestrator's readiness check)."""
+    """200 when a request could be served now: the database answers, Redis too where it is configured, and an
+    engine is there; else 503 with the reasons (for a load balancer's or an orchestrator's readiness check)."""
     problems = []
     engine = services.engine_problem()
     if engine:
         problems.append(f"engine: {engine}")
-    database = await asyncio.to_thread(_database_ready, services)
-    if database:
-        problems.append(database)
+    database, redis = await asyncio.gather(asyncio.to_thread(_database_ready, services), _redis_ready(services))
+    problems += [problem for problem in (database, redis) if problem]
     if problems:
         return JSONResponse({"status": "not ready", "problems": problems}, status_code=503)
     return JSONResponse({"status": "ready", "model": services.base_model_name})

@@ -1,7 +1,7 @@
 from __future__ import annotations
 
 import unicodedata
-from datetime import datetime
+from datetime import UTC, date, datetime, time
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -19,6 +19,28 @@ def refuse_control_characters(value: str) -> str:
     if bad is not None:
         raise ValueError(f"must not contain control characters (found U+{ord(bad):04X})")
     return value
+
+
+def parse_expiry(text: str) -> datetime:
+    """An API key's expiry as written in ISO 8601: a date (the key stops at 00:00 UTC that day) or a date and
+    time (UTC unless it names an offset)."""
+    text = text.strip()
+    try:
+        if len(text) == 10:
+            return datetime.combine(date.fromisoformat(text), time.min, UTC)
+        value = datetime.fromisoformat(text)
+    except ValueError:
+        raise ValueError(f"must be an ISO 8601 date or time, such as 2027-01-31 or 2027-01-31T12:00:00Z; got "
+                         f"{text!r}") from None
+    return value if value.tzinfo is not None else value.replace(tzinfo=UTC)
+
+
+def future_expiry(value: datetime) -> datetime:
+    value = value if value.tzinfo is not None else value.replace(tzinfo=UTC)
+    if value <= datetime.now(UTC):
+        raise ValueError(f"{value.astimezone(UTC):%Y-%m-%d %H:%M:%S} UTC has passed: a key's expiry must be in the "
+                         "future")
+    return value.astimezone(UTC)
 
 
 # Quotas are stored in INTEGER (32-bit on PostgreSQL) and BIGINT columns: larger numbers are refused here
@@ -115,11 +137,29 @@ class KeyCreate(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
     name: DbText = Field(default="default", min_length=1, max_length=64)
     scopes: list[str] = Field(default_factory=lambda: list(ALL_SCOPES))
+    # text in JSON, hence not strict; numbers (Unix times?) are refused rather than guessed at
+    expires_at: datetime | None = Field(default=None, strict=False, description=(
+        "when the key stops working: an ISO 8601 date (00:00 UTC that day) or time (UTC unless it says "
+        "otherwise); null or left out: never"))
 
     @field_validator("name")
     @classmethod
     def _printable_name(cls, name: str) -> str:
         return refuse_control_characters(name)
+
+    @field_validator("expires_at", mode="before")
+    @classmethod
+    def _expiry_text(cls, value):
+        if value is None or isinstance(value, datetime):
+            return value
+        if not isinstance(value, str):
+            raise ValueError("must be an ISO 8601 date or time, such as 2027-01-31 or 2027-01-31T12:00:00Z")
+        return parse_expiry(value)
+
+    @field_validator("expires_at")
+    @classmethod
+    def _in_the_future(cls, value: datetime | None) -> datetime | None:
+        return None if value is None else future_expiry(value)
 
     @field_validator("scopes")
     @classmethod
@@ -140,6 +180,8 @@ class KeyPublic(BaseModel):
     scopes: list[str]
     created_at: datetime
     revoked_at: datetime | None
+    expires_at: datetime | None = None
+    last_used_at: datetime | None = Field(default=None, description="to the minute: written once a minute")
 
 
 class KeyCreated(KeyPublic):

@@ -1,4 +1,5 @@
-"""A per-process append-only journal file for the embedded default.
+"""A per-process append-only journal file: the embedded default's journal, and the spool of the Redis
+journal's records while Redis does not answer.
 
 Each process writes its own file and holds an exclusive flock on it, so the flusher of any process can
 tell a live journal (locked) from one a crashed process left behind (unlocked) and replay the latter.
@@ -20,14 +21,19 @@ log = logging.getLogger(__name__)
 
 
 class FileJournal:
-    def __init__(self, directory: Path):
+    def __init__(self, directory: Path, *, open_now: bool = True):
+        """open_now=False: this process's file is made by its first append (a spool that may never be
+        written), while the journals other processes left are replayable from the start."""
         self.dir = Path(directory)
         self.dir.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
         self._fd: int | None = None
         self._path: Path | None = None
         self._dirty = False
-        self._open_new()
+        self._closed = False
+        self._lazy = not open_now
+        if open_now:
+            self._open_new()
 
     def _open_new(self) -> None:
         self._path = self.dir / f"journal-{os.getpid()}-{uuid.uuid4().hex[:8]}.jsonl"
@@ -38,8 +44,10 @@ class FileJournal:
     def append(self, event: UsageEvent) -> None:
         data = (event.to_json() + "\n").encode()
         with self._lock:
-            if self._fd is None:
+            if self._closed:
                 raise RuntimeError("usage journal is closed")
+            if self._fd is None:
+                self._open_new()
             os.write(self._fd, data)  # one write() of a whole line: O_APPEND keeps lines intact
             self._dirty = True
 
@@ -49,7 +57,10 @@ class FileJournal:
             if self._fd is None or not self._dirty:
                 return
             old_fd = self._fd
-            self._open_new()
+            if self._lazy:
+                self._fd, self._path = None, None
+            else:
+                self._open_new()
         os.close(old_fd)  # releases the flock: the old file is now fair game for replay
 
     def replayable(self) -> list[tuple[Path, int, list[UsageEvent]]]:
@@ -84,6 +95,7 @@ class FileJournal:
 
     def close(self) -> None:
         with self._lock:
+            self._closed = True
             if self._fd is not None:
                 os.close(self._fd)
                 self._fd = None

@@ -1,9 +1,15 @@
-"""UsageRecorder: `record()` on the request path (a journal append), `flush()` in the background."""
+"""UsageRecorder: `record()` on the request path (a journal append), `flush()` in the background.
+
+With the Redis journal, a record Redis does not take (an outage, a restart) goes to a local spool, a file
+journal in the data directory, which every flush moves into the database as it moves Redis's: a request
+that finished is never turned into an error by its record, nor left unbilled.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -14,33 +20,81 @@ from loraplex.platform.usage.redis_journal import RedisJournal
 from loraplex.platform.usage.sink import insert_events
 
 log = logging.getLogger(__name__)
+# how long a record may try the Redis journal (the client's own retries included) before it is spooled: the
+# request's response waits for it
+APPEND_SECONDS = 2.0
+RETRY_DELAYS = (0.05, 0.2, 0.5)
 
 
 class UsageRecorder:
     def __init__(self, sessions: sessionmaker[Session], journal: FileJournal | RedisJournal, *,
-                 batch_size: int = 500, interval: float = 1.0):
+                 spool: FileJournal | None = None, batch_size: int = 500, interval: float = 1.0,
+                 append_seconds: float = APPEND_SECONDS):
+        """spool: where records go that the Redis journal does not take (None: nowhere but the log)."""
         self.sessions = sessions
         self.journal = journal
+        self.spool = spool
         self.batch_size = batch_size
         self.interval = interval
+        self.append_seconds = append_seconds
         self._flush_lock = asyncio.Lock()
         self._batch: asyncio.Future | None = None  # the Redis batch being moved (see _flush_redis)
+        self._spooling = False  # records are going to the spool (logged once per outage)
 
     async def record(self, event: UsageEvent) -> None:
-        if isinstance(self.journal, RedisJournal):
-            await self.journal.append(event)
-        else:
+        """Journal the record; never raises: the request it records has finished whatever happens here."""
+        if not isinstance(self.journal, RedisJournal):
             self.journal.append(event)
+            return
+        error = await self._append_redis(event)
+        if error is None:
+            if self._spooling:
+                log.warning("the Redis usage journal takes records again")
+                self._spooling = False
+            return
+        if not self._spooling:
+            log.warning("the Redis usage journal did not take request %s's record (%r); records go to the "
+                        "local spool until it does, and from there to the database", event.request_id, error)
+            self._spooling = True
+        try:
+            if self.spool is None:
+                raise RuntimeError("no spool")
+            self.spool.append(event)
+        except Exception:
+            # the last place the record can still be found: the log, whole
+            log.exception("usage record of request %s could be neither journaled nor spooled: %s",
+                          event.request_id, event.to_json())
+
+    async def _append_redis(self, event: UsageEvent) -> BaseException | None:
+        """Append to the Redis journal, retrying for up to append_seconds; the error that won, or None.
+        An append cut by the deadline may still have reached Redis: the record is then both there and in
+        the spool, and the request id keeps it one row."""
+        deadline = time.monotonic() + self.append_seconds
+        delays = iter(RETRY_DELAYS)
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                await asyncio.wait_for(self.journal.append(event), timeout=max(left, 0.001))
+                return None
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - whatever Redis says, the record must land somewhere
+                error = exc
+            delay = next(delays, None)
+            if delay is None or time.monotonic() + delay >= deadline:
+                return error
+            await asyncio.sleep(delay)
 
     async def flush(self) -> int:
         """Move journaled events into the database; returns how many rows were new."""
         async with self._flush_lock:
-            if isinstance(self.journal, RedisJournal):
-                return await self._flush_redis()
-            return await self._flush_files()
+            if not isinstance(self.journal, RedisJournal):
+                return await self._flush_files(self.journal)
+            # the spool first: it needs only the database, which may answer while Redis does not
+            inserted = await self._flush_files(self.spool) if self.spool is not None else 0
+            return inserted + await self._flush_redis()
 
-    async def _flush_files(self) -> int:
-        journal: FileJournal = self.journal
+    async def _flush_files(self, journal: FileJournal) -> int:
         journal.seal()
         inserted = 0
         for path, fd, events in await asyncio.to_thread(journal.replayable):
@@ -91,5 +145,6 @@ class UsageRecorder:
         try:
             await self.flush()
         finally:
-            if isinstance(self.journal, FileJournal):
-                self.journal.close()
+            for journal in (self.journal, self.spool):
+                if isinstance(journal, FileJournal):
+                    journal.close()
