@@ -176,3 +176,16 @@ def make_peft_adapter(
                 p.copy_(torch.randn(p.shape, generator=generator) * init_scale)
     peft_model.save_pretrained(str(out), safe_serialization=True)
     return out
+
+
+class Untokenizable:
+    """A tokenizer backend stand-in that fails any tokenizing call and passes everything else through: put in
+    place of a Tokenizer's backend, it shows that a path refuses a prompt without tokenizing it."""
+
+    def __init__(self, backend):
+        self._backend = backend
+
+    def __getattr__(self, name):
+        if name in ("encode", "encode_batch"):
+            raise AssertionError("the prompt was tokenized")
+        return getattr(self._backend, name)

@@ -6,20 +6,9 @@ import pytest
 
 from loraplex.engine.errors import PromptTooLongError
 from loraplex.engine.tokenizer import Tokenizer
+from loraplex.testing import Untokenizable
 
 LIMIT = 64
-
-
-class _Untokenizable:
-    """A backend stand-in that fails any tokenizing call and passes everything else through."""
-
-    def __init__(self, backend):
-        self._backend = backend
-
-    def __getattr__(self, name):
-        if name in ("encode", "encode_batch"):
-            raise AssertionError("the prompt was tokenized")
-        return getattr(self._backend, name)
 
 
 @pytest.fixture
@@ -34,7 +23,7 @@ def test_the_longest_token_bounds_every_token(tokenizer):
 
 
 def test_an_oversize_prompt_is_refused_without_tokenizing(tokenizer):
-    tokenizer.backend = _Untokenizable(tokenizer.backend)
+    tokenizer.backend = Untokenizable(tokenizer.backend)
     # each copy of the longest token's text is one token: LIMIT of them leave no room for a generated one
     with pytest.raises(PromptTooLongError, match="too long") as info:
         tokenizer.encode("<|endoftext|>" * LIMIT, max_model_len=LIMIT)

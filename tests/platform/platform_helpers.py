@@ -80,3 +80,21 @@ def upload(client, tenant: TenantKey, name: str, files: list[tuple[str, bytes]],
     """POST /v1/adapters with the given (filename, content) pairs."""
     return client.post("/v1/adapters", params={"wait": str(wait).lower()}, headers=tenant.headers,
                        data={"name": name}, files=[("file", (fn, content)) for fn, content in files])
+
+
+def admin_cli(code: int = 0):
+    """run(*args, code=0): `loraplex admin ARGS` through click's runner; asserts the exit code and that no
+    traceback reached the user, and returns the output."""
+    from click.testing import CliRunner
+
+    from loraplex.platform.commands import admin
+
+    runner = CliRunner()
+
+    def run(*args, code=code):
+        r = runner.invoke(admin, list(args))
+        assert r.exit_code == code, r.output
+        assert "Traceback" not in r.output
+        return r.output
+
+    return run

@@ -11,6 +11,7 @@ import httpx
 import pytest
 from click.testing import CliRunner
 from live_server import free_port
+from platform_helpers import admin_cli
 
 from loraplex.platform.commands import admin
 
@@ -77,13 +78,7 @@ def test_admin_commands(cli_env):
 
 
 def test_plans_are_listed_updated_and_deleted_from_the_command_line(cli_env):
-    runner = CliRunner()
-
-    def run(*args, code=0):
-        r = runner.invoke(admin, list(args))
-        assert r.exit_code == code, r.output
-        assert "Traceback" not in r.output
-        return r.output
+    run = admin_cli()
 
     run("create-plan", "tiny", "--rpm", "1", "--tpm", "1", "--concurrent", "1", "--monthly-tokens", "1")
     run("create-plan", "spare", "--rpm", "5", "--tpm", "5", "--concurrent", "1", "--monthly-tokens", "5")

@@ -6,7 +6,7 @@ from __future__ import annotations
 from datetime import UTC, datetime, timedelta
 
 import pytest
-from platform_helpers import make_settings, postgres_schema
+from platform_helpers import admin_cli, make_settings, postgres_schema
 from sqlalchemy import select, update
 
 from loraplex.platform.models import ApiKey
@@ -89,22 +89,14 @@ def test_last_use_is_written_once_a_minute_not_per_request(client, app, admin_ke
 
 
 def test_expiry_and_last_use_from_the_command_line(settings, monkeypatch):
-    from click.testing import CliRunner
 
-    from loraplex.platform.commands import admin
     from loraplex.platform.migrate import upgrade_to_head
 
     monkeypatch.setenv("LORAPLEX_DATA_DIR", str(settings.data_dir))
     monkeypatch.setenv("LORAPLEX_DATABASE_URL", settings.resolved_database_url)
     monkeypatch.setenv("LORAPLEX_SECRET_KEY", settings.secret_key)
     upgrade_to_head(settings.resolved_database_url)
-    runner = CliRunner()
-
-    def run(*args, code=0):
-        r = runner.invoke(admin, list(args))
-        assert r.exit_code == code, r.output
-        assert "Traceback" not in r.output
-        return r.output
+    run = admin_cli()
 
     run("create-tenant", "acme")
     out = run("create-key", "acme", "--name", "month", "--expires-in", "30d")

@@ -14,6 +14,8 @@ import pytest
 from live_server import live_server
 from platform_helpers import make_settings
 
+from loraplex.testing import Untokenizable
+
 PROMPT = [{"role": "user", "content": "Tell me about the quick brown fox."}]
 
 
@@ -243,16 +245,6 @@ def test_chat_messages_are_plain_text(live):
     assert r.usage.prompt_tokens == len(tokenizer.encode(rendered)) < len(ids)
 
 
-class _Untokenizable:
-    def __init__(self, backend):
-        self._backend = backend
-
-    def __getattr__(self, name):
-        if name in ("encode", "encode_batch"):
-            raise AssertionError("the prompt was tokenized")
-        return getattr(self._backend, name)
-
-
 def test_an_oversize_prompt_is_refused_before_it_is_tokenized(live, monkeypatch):
     _, _, key = live.tenant()
     client = live.client(key)
@@ -260,7 +252,7 @@ def test_an_oversize_prompt_is_refused_before_it_is_tokenized(live, monkeypatch)
     limit = live.app.state.services.engine.max_model_len
     # each <|endoftext|> is one token, and the longest there is: `limit` of them cannot leave room for one more
     inside, outside = "<|endoftext|>" * (limit - 1), "<|endoftext|>" * limit
-    monkeypatch.setattr(tokenizer, "backend", _Untokenizable(tokenizer.backend))
+    monkeypatch.setattr(tokenizer, "backend", Untokenizable(tokenizer.backend))
     for call in (lambda: client.completions.create(model=live.model, prompt=outside, max_tokens=1),
                  lambda: client.completions.create(model=live.model, prompt=[outside, "hi"], max_tokens=1),
                  lambda: client.chat.completions.create(model=live.model, max_tokens=1,
