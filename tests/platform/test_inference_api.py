@@ -118,6 +118,34 @@ def test_min_p_and_repetition_penalty_reach_the_engine(client, make_tenant, fake
     assert len(fake_engine.requests) == before
 
 
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+def test_stop_token_ids_and_the_text_options_reach_the_engine(client, make_tenant, fake_engine, path):
+    tenant = make_tenant()
+    base = ({"messages": [{"role": "user", "content": "hi"}]} if path == "/v1/chat/completions"
+            else {"prompt": "hi"})
+    body = {"model": "fake-base", "max_tokens": 2, **base}
+    r = client.post(path, headers=tenant.headers, json={**body, "stop_token_ids": [5, 7],
+                                                         "include_stop_str_in_output": True,
+                                                         "skip_special_tokens": False})
+    assert r.status_code == 200, r.text
+    params = fake_engine.requests[-1]["params"]
+    assert (params.stop_token_ids, params.include_stop_str_in_output, params.skip_special_tokens) == \
+        ([5, 7], True, False)
+    r = client.post(path, headers=tenant.headers, json=body)
+    assert r.status_code == 200, r.text
+    params = fake_engine.requests[-1]["params"]
+    assert (params.stop_token_ids, params.include_stop_str_in_output, params.skip_special_tokens) == \
+        ([], False, True)
+    before = len(fake_engine.requests)
+    for field, value in (("stop_token_ids", [-1]), ("stop_token_ids", "5"), ("stop_token_ids", [1.5]),
+                         ("stop_token_ids", list(range(257))), ("include_stop_str_in_output", "yes"),
+                         ("skip_special_tokens", 0)):
+        r = client.post(path, headers=tenant.headers, json={**body, field: value})
+        assert r.status_code == 400, (field, value, r.text)
+        assert r.json()["error"]["param"].startswith(field), r.text
+    assert len(fake_engine.requests) == before
+
+
 def test_top_p_zero_keeps_only_the_most_likely_token(client, make_tenant, fake_engine):
     """OpenAI's API takes top_p from 0 to 1; 0 is the smallest nucleus there is, the most likely token."""
     r = _chat(client, make_tenant(), top_p=0)

@@ -46,7 +46,9 @@ def _sampling(req, *, max_tokens: int | None, logprobs: int | None) -> SamplingP
         return SamplingParams(
             n=req.n, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k if req.top_k else -1,
             min_p=req.min_p, seed=req.seed, max_tokens=max_tokens, min_tokens=req.min_tokens, stop=req.stop,
-            ignore_eos=req.ignore_eos, presence_penalty=req.presence_penalty,
+            ignore_eos=req.ignore_eos, stop_token_ids=req.stop_token_ids,
+            include_stop_str_in_output=req.include_stop_str_in_output, skip_special_tokens=req.skip_special_tokens,
+            presence_penalty=req.presence_penalty,
             frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty, logprobs=logprobs,
         )
     except InvalidRequestError as exc:

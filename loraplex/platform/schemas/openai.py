@@ -76,6 +76,9 @@ class _Sampling(_NullMeansDefault):
     repetition_penalty: float = Field(default=1.0, gt=0.0, le=2.0)
     min_tokens: int = Field(default=0, ge=0)
     ignore_eos: bool = False
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(default=None, max_length=256)
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
     # vLLM extras this server does not serve (guided decoding, beam search): refused unless null
     guided_json: Any = None
     guided_regex: Any = None
