@@ -13,6 +13,12 @@ def _chat(client, tenant, **body):
     return client.post("/v1/chat/completions", headers=tenant.headers, json=payload)
 
 
+def _short_body(path: str) -> dict:
+    """A two-token request to the fake base model for the chat or the completions route."""
+    prompt = {"messages": [{"role": "user", "content": "hi"}]} if path == "/v1/chat/completions" else {"prompt": "hi"}
+    return {"model": "fake-base", "max_tokens": 2, **prompt}
+
+
 def _events(text: str) -> list:
     out = []
     for line in text.splitlines():
@@ -98,9 +104,7 @@ def test_invalid_parameters_are_400_with_param(client, make_tenant, body, param)
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
 def test_min_p_and_repetition_penalty_reach_the_engine(client, make_tenant, fake_engine, path):
     tenant = make_tenant()
-    base = ({"messages": [{"role": "user", "content": "hi"}]} if path == "/v1/chat/completions"
-            else {"prompt": "hi"})
-    body = {"model": "fake-base", "max_tokens": 2, **base}
+    body = _short_body(path)
     r = client.post(path, headers=tenant.headers, json={**body, "min_p": 0.1, "repetition_penalty": 1.3})
     assert r.status_code == 200, r.text
     params = fake_engine.requests[-1]["params"]
@@ -121,9 +125,7 @@ def test_min_p_and_repetition_penalty_reach_the_engine(client, make_tenant, fake
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
 def test_stop_token_ids_and_the_text_options_reach_the_engine(client, make_tenant, fake_engine, path):
     tenant = make_tenant()
-    base = ({"messages": [{"role": "user", "content": "hi"}]} if path == "/v1/chat/completions"
-            else {"prompt": "hi"})
-    body = {"model": "fake-base", "max_tokens": 2, **base}
+    body = _short_body(path)
     r = client.post(path, headers=tenant.headers, json={**body, "stop_token_ids": [5, 7],
                                                          "include_stop_str_in_output": True,
                                                          "skip_special_tokens": False})

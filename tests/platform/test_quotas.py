@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import uuid
+from contextlib import asynccontextmanager
 
 import pytest
 
@@ -28,6 +29,20 @@ async def _redis_or_skip():
     return client
 
 
+@asynccontextmanager
+async def _redis_namespace():
+    """(client, prefix): the real Redis, with a key prefix of the test's own, whose keys are deleted after."""
+    client = await _redis_or_skip()
+    prefix = f"lpxtest-{uuid.uuid4().hex[:8]}"
+    try:
+        yield client, prefix
+    finally:
+        keys = [k async for k in client.scan_iter(f"{prefix}:*")]
+        if keys:
+            await client.delete(*keys)
+        await client.aclose()
+
+
 @pytest.fixture(params=["memory", "redis"])
 async def limiter(request):
     if request.param == "memory":
@@ -35,13 +50,8 @@ async def limiter(request):
         return
     from loraplex.platform.quotas.redis import RedisQuotaLimiter
 
-    client = await _redis_or_skip()
-    prefix = f"lpxtest-{uuid.uuid4().hex[:8]}"
-    yield RedisQuotaLimiter(client, prefix=prefix)
-    keys = [k async for k in client.scan_iter(f"{prefix}:*")]
-    if keys:
-        await client.delete(*keys)
-    await client.aclose()
+    async with _redis_namespace() as (client, prefix):
+        yield RedisQuotaLimiter(client, prefix=prefix)
 
 
 async def test_requests_per_minute_and_headers(limiter):
@@ -174,9 +184,7 @@ async def test_a_process_that_dies_mid_request_gives_its_slots_and_reservations_
     reservations back off the month, instead of holding them for good."""
     from loraplex.platform.quotas.redis import INFLIGHT_TTL_MS, RedisQuotaLimiter
 
-    client = await _redis_or_skip()
-    prefix = f"lpxtest-{uuid.uuid4().hex[:8]}"
-    try:
+    async with _redis_namespace() as (client, prefix):
         dead, alive = RedisQuotaLimiter(client, prefix=prefix), RedisQuotaLimiter(client, prefix=prefix)
         limits = QuotaLimits(requests_per_minute=100, tokens_per_minute=10**6, max_concurrent=2,
                              monthly_token_budget=1000)
@@ -198,29 +206,17 @@ async def test_a_process_that_dies_mid_request_gives_its_slots_and_reservations_
         assert int(await client.get(f"{prefix}:rl:1:month:{r.month}")) == 100 + 300 + 1
         await alive.settle(long, 50)
         assert int(await client.get(f"{prefix}:rl:1:month:{r.month}")) == 100 + 50 + 1
-    finally:
-        keys = [k async for k in client.scan_iter(f"{prefix}:*")]
-        if keys:
-            await client.delete(*keys)
-        await client.aclose()
 
 
 async def test_a_reservation_never_settled_is_not_kept_alive_for_ever(monkeypatch):
     from loraplex.platform.quotas import redis as redis_limiter
 
-    client = await _redis_or_skip()
-    prefix = f"lpxtest-{uuid.uuid4().hex[:8]}"
-    try:
+    async with _redis_namespace() as (client, prefix):
         limiter = redis_limiter.RedisQuotaLimiter(client, prefix=prefix)
         await limiter.acquire(1, LIMITS, "lost", 10, now=T0)
         assert await limiter.keep_alive(now=T0 + 1) == 1
         monkeypatch.setattr(redis_limiter, "MAX_REQUEST_SECONDS", -1.0)  # as if it were hours old
         assert await limiter.keep_alive(now=T0 + 2) == 0 and not limiter._live
-    finally:
-        keys = [k async for k in client.scan_iter(f"{prefix}:*")]
-        if keys:
-            await client.delete(*keys)
-        await client.aclose()
 
 
 async def test_a_month_without_a_counter_starts_from_the_usage_records(limiter):
@@ -249,17 +245,15 @@ async def test_a_counter_lost_while_the_process_runs_is_seeded_again():
     records instead of counting from 0."""
     from loraplex.platform.quotas.redis import RedisQuotaLimiter
 
-    client = await _redis_or_skip()
-    prefix = f"lpxtest-{uuid.uuid4().hex[:8]}"
-    recorded = {"tokens": 0}
+    async with _redis_namespace() as (client, prefix):
+        recorded = {"tokens": 0}
 
-    async def seed(tenant_id, month):
-        return recorded["tokens"]
+        async def seed(tenant_id, month):
+            return recorded["tokens"]
 
-    limiter = RedisQuotaLimiter(client, prefix=prefix, month_seed=seed)
-    limits = QuotaLimits(requests_per_minute=100, tokens_per_minute=1000, max_concurrent=10,
-                         monthly_token_budget=250)
-    try:
+        limiter = RedisQuotaLimiter(client, prefix=prefix, month_seed=seed)
+        limits = QuotaLimits(requests_per_minute=100, tokens_per_minute=1000, max_concurrent=10,
+                             monthly_token_budget=250)
         r = await limiter.acquire(1, limits, "a", 200, now=T0)
         await limiter.settle(r, 200)
         recorded["tokens"] = 200  # what the usage records now hold
@@ -269,11 +263,6 @@ async def test_a_counter_lost_while_the_process_runs_is_seeded_again():
         assert info.value.kind == "monthly_budget" and "200 used" in info.value.message
         await client.delete(*[k async for k in client.scan_iter(f"{prefix}:*month*")])
         assert await limiter.month_used(1, now=T0 + 2) == 200
-    finally:
-        keys = [k async for k in client.scan_iter(f"{prefix}:*")]
-        if keys:
-            await client.delete(*keys)
-        await client.aclose()
 
 
 async def test_used_now_reads_the_current_window_and_month(limiter):
@@ -355,9 +344,7 @@ async def test_concurrency_slots_of_a_stopped_process_say_when_they_free():
     moment."""
     from loraplex.platform.quotas.redis import INFLIGHT_TTL_MS, STALE_AFTER_MS, RedisQuotaLimiter
 
-    client = await _redis_or_skip()
-    prefix = f"lpxtest-{uuid.uuid4().hex[:8]}"
-    try:
+    async with _redis_namespace() as (client, prefix):
         crashed, alive = RedisQuotaLimiter(client, prefix=prefix), RedisQuotaLimiter(client, prefix=prefix)
         limits = QuotaLimits(requests_per_minute=100, tokens_per_minute=10**6, max_concurrent=2,
                              monthly_token_budget=10**6)
@@ -373,11 +360,6 @@ async def test_concurrency_slots_of_a_stopped_process_say_when_they_free():
         assert info.value.headers["retry-after"] == str(round(first_lapses - later))
         assert "stopped without finishing them" in str(info.value)
         await alive.acquire(1, limits, "next", 10, now=first_lapses + 0.1)
-    finally:
-        keys = [k async for k in client.scan_iter(f"{prefix}:*")]
-        if keys:
-            await client.delete(*keys)
-        await client.aclose()
 
 
 async def test_a_settlement_redis_did_not_take_is_retried_with_the_keep_alive(monkeypatch):
@@ -387,9 +369,7 @@ async def test_a_settlement_redis_did_not_take_is_retried_with_the_keep_alive(mo
 
     from loraplex.platform.quotas.redis import RedisQuotaLimiter
 
-    client = await _redis_or_skip()
-    prefix = f"lpxtest-{uuid.uuid4().hex[:8]}"
-    try:
+    async with _redis_namespace() as (client, prefix):
         limiter = RedisQuotaLimiter(client, prefix=prefix)
         limits = QuotaLimits(requests_per_minute=100, tokens_per_minute=10**6, max_concurrent=1,
                              monthly_token_budget=10**6)
@@ -409,8 +389,3 @@ async def test_a_settlement_redis_did_not_take_is_retried_with_the_keep_alive(mo
         assert not limiter._unsettled
         assert int(await client.get(f"{prefix}:rl:1:month:{r.month}")) == 30
         await limiter.acquire(1, limits, "b", 1, now=T0 + 3)  # the slot is free
-    finally:
-        keys = [k async for k in client.scan_iter(f"{prefix}:*")]
-        if keys:
-            await client.delete(*keys)
-        await client.aclose()
