@@ -46,6 +46,9 @@ def test_upload_zip_becomes_ready_and_serves(app, client, make_tenant, fake_engi
     expected = load_adapter(peft_adapter_dir, BaseModelSpec.from_model_dir(tiny_llama_dir)).content_hash
     assert version["status"] == "ready" and version["content_hash"] == expected
     assert version["version"] == expected[:12] and version["rank"] == 4
+    # the version says whose it is and what to send as `model` for exactly it
+    assert version["object"] == "adapter.version" and version["adapter"] == "support-bot"
+    assert version["model"] == f"support-bot@{expected[:12]}"
 
     listed = client.get("/v1/adapters", headers=tenant.headers).json()["data"]
     assert [a["name"] for a in listed] == ["support-bot"] and listed[0]["latest_version"] == expected[:12]
@@ -123,6 +126,9 @@ def test_upload_two_peft_files_without_waiting(client, make_tenant, peft_adapter
     tenant = make_tenant()
     r = upload(client, tenant, "pair", list(_peft_files(peft_adapter_dir).items()), wait=False)
     assert r.status_code in (201, 202), r.text
+    if r.status_code == 202:  # not validated yet: no version to name in `model`
+        assert r.json()["model"] is None and r.json()["status"] in ("pending", "validating")
+    assert r.json()["adapter"] == "pair"
     app.state.services.tasks.join()
     detail = client.get("/v1/adapters/pair", headers=tenant.headers).json()
     assert detail["status"] == "ready" and detail["versions"][0]["upload_filename"] == "peft-files"

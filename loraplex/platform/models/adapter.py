@@ -67,3 +67,13 @@ class AdapterVersion(Base):
     def version(self) -> str | None:
         """The short version users type after '@': the first 12 hex digits of the content hash."""
         return self.content_hash[:12] if self.content_hash else None
+
+    @property
+    def adapter_name(self) -> str:
+        return self.adapter.name
+
+    @property
+    def model(self) -> str | None:
+        """The model name that requests exactly this version (`name@version`), while it is ready."""
+        ready = self.content_hash and self.status == VersionStatus.ready.value
+        return f"{self.adapter.name}@{self.version}" if ready else None

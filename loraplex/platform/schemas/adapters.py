@@ -3,13 +3,16 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 
 class AdapterVersionPublic(BaseModel):
-    model_config = ConfigDict(from_attributes=True)
+    model_config = ConfigDict(from_attributes=True, populate_by_name=True)
 
+    object: Literal["adapter.version"] = "adapter.version"
     id: int
+    adapter: str = Field(validation_alias="adapter_name")  # the adapter's name
+    model: str | None  # what to send as `model` for exactly this version (`name@version`), while ready
     version: str | None  # what goes after '@' in a model name, once validated
     content_hash: str | None
     status: Literal["pending", "validating", "ready", "failed"]
