@@ -20,6 +20,8 @@ def to_canonical(tensors: dict[str, torch.Tensor], settings: LoraSettings, spec:
     paths = {spec.module_path(i, m): (i, m) for i in range(spec.num_layers) for m in spec.peft_modules}
     found: dict[tuple[int, str], dict[str, tuple[str, torch.Tensor]]] = {}
     for key, tensor in tensors.items():
+        if _training_only(key, settings, paths):
+            continue
         path = _module_path(key)
         target = paths.get(path)
         if target is None:
@@ -62,6 +64,16 @@ def to_canonical(tensors: dict[str, torch.Tensor], settings: LoraSettings, spec:
             weights[(layer, s.module)] = LoraWeights(a_own, b[s.start:s.stop].contiguous())
     return CanonicalAdapter.build(weights, architecture=spec.architecture, num_layers=spec.num_layers,
                                   base_model_name_or_path=settings.base_model_name_or_path)
+
+
+def _training_only(key: str, settings: LoraSettings, paths: dict[str, tuple[int, str]]) -> bool:
+    """A tensor a training-only variant (VeLoRA, MonteCLoRA) saved beside a targeted module's A and B: PEFT's
+    inference does not read it."""
+    for name in settings.training_only_tensors:
+        m = re.match(rf"^{re.escape(_PREFIX)}(?P<path>.+)\.{name}(\..+)?$", key)
+        if m is not None and paths.get(m["path"]) in settings.targets:
+            return True
+    return False
 
 
 def _module_path(key: str) -> str | None:
