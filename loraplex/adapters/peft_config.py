@@ -79,7 +79,7 @@ def _key_pattern(key: str) -> re.Pattern:
 
 def parse_lora_config(config: object, spec: BaseModelSpec, limits: AdapterLimits) -> LoraSettings:
     if not isinstance(config, dict):
-        raise _invalid("adapter_config.json must be a JSON object")
+        raise _invalid(f"must be a JSON object (peft_type, r, target_modules, ...), not {_json_kind(config)}")
     peft_type = config.get("peft_type")
     if peft_type != "LORA":
         raise AdapterValidationError(
@@ -105,6 +105,11 @@ def parse_lora_config(config: object, spec: BaseModelSpec, limits: AdapterLimits
     )
     _check_rank_limit(settings, spec, limits)
     return settings
+
+
+def _json_kind(value: object) -> str:
+    kinds = {list: "a list", str: "a string", bool: "true or false", int: "a number", float: "a number"}
+    return "null" if value is None else kinds.get(type(value), type(value).__name__)
 
 
 def _check_rank_limit(settings: LoraSettings, spec: BaseModelSpec, limits: AdapterLimits) -> None:

@@ -4,26 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from adapter_helpers import peft_deltas
 
 from loraplex.adapters import MODULES, BaseModelSpec, load_adapter
 from loraplex.testing import make_peft_adapter
-
-
-def _peft_deltas(base_dir, adapter_dir) -> dict[tuple[int, str], torch.Tensor]:
-    from peft import PeftModel
-    from peft.tuners.lora import LoraLayer
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.float32)
-    peft_model = PeftModel.from_pretrained(model, str(adapter_dir))
-    deltas = {}
-    for name, module in peft_model.named_modules():
-        if isinstance(module, LoraLayer) and "default" in module.lora_A:
-            parts = name.split(".")
-            layer = int(parts[parts.index("layers") + 1])
-            deltas[(layer, parts[-1])] = module.get_delta_weight("default").detach()
-    return deltas
-
 
 CASES = [
     pytest.param("tiny_llama_dir", dict(r=8, target_modules=MODULES), id="llama-r8-all"),
@@ -46,7 +30,7 @@ def test_canonical_delta_equals_peft_delta(base_fixture, kwargs, request, tmp_pa
     base_dir = request.getfixturevalue(base_fixture)
     adapter_dir = make_peft_adapter(base_dir, tmp_path / "lora", seed=3, **kwargs)
     adapter = load_adapter(adapter_dir, BaseModelSpec.from_model_dir(base_dir))
-    expected = _peft_deltas(base_dir, adapter_dir)
+    expected = peft_deltas(base_dir, adapter_dir)
     assert set(adapter.weights) == set(expected)
     for key, delta in expected.items():
         w = adapter.weights[key]
