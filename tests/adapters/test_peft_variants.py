@@ -186,3 +186,18 @@ def test_config_that_is_no_json_object(adapter_copy, llama_spec, raw, words):
 def test_fields_of_the_wrong_type_are_named(adapter_copy, llama_spec, changes, code, words):
     adapter_copy.update_config(**changes)
     refused(adapter_copy.path, llama_spec, code, *words)
+
+
+def test_an_adapter_for_another_model_names_it(llama_spec, tmp_path):
+    """Shapes that fit another model (a narrower one, a deeper one) are refused naming the model the adapter's
+    config says it was made for, beside the base model here."""
+    from loraplex.testing import make_tiny_model
+
+    narrow = make_tiny_model(tmp_path / "narrow", "llama", hidden_size=32, intermediate_size=64)
+    path = make_peft_adapter(narrow, tmp_path / "narrow-lora", r=4, target_modules=["q_proj", "v_proj"])
+    error = refused(path, llama_spec, ErrorCode.SHAPE_MISMATCH, "q_proj", "takes 64 input features",
+                    "LlamaForCausalLM with hidden size 64 and 2 layers")
+    assert f"made for {str(narrow)!r} (base_model_name_or_path)" in str(error), str(error)
+    deep = make_tiny_model(tmp_path / "deep", "llama", num_hidden_layers=4)
+    path = make_peft_adapter(deep, tmp_path / "deep-lora", r=4, target_modules=["q_proj"])
+    refused(path, llama_spec, ErrorCode.LAYER_OUT_OF_RANGE, "layer 2", "deeper model", "hidden size 64")
