@@ -31,6 +31,7 @@ def resolve_targets(config: dict, spec: BaseModelSpec) -> frozenset[tuple[int, s
     if target is None:
         target = _default_targets(spec)
     layers = _layers_to_transform(config, target, spec)
+    exclude = _exclude(config.get("exclude_modules"))
     paths = {(i, m): spec.module_path(i, m) for i in range(spec.num_layers) for m in spec.peft_modules}
     if isinstance(target, str) and target.lower() == _ALL_LINEAR:
         matched = set(paths)
@@ -38,6 +39,7 @@ def resolve_targets(config: dict, spec: BaseModelSpec) -> frozenset[tuple[int, s
         pattern = _compile("target_modules pattern", target)
         if pattern.fullmatch("model.embed_tokens") or pattern.fullmatch("lm_head"):
             raise _embedding(target)
+        _refuse_other_modules(spec, exclude, lambda p: pattern.fullmatch(p) is not None, target)
         matched = {k for k, p in paths.items() if pattern.fullmatch(p)}
         if not matched:
             raise _unknown(target, spec)
@@ -45,26 +47,53 @@ def resolve_targets(config: dict, spec: BaseModelSpec) -> frozenset[tuple[int, s
         for name in target:
             if name.rsplit(".", 1)[-1] in _EMBEDDING_NAMES:
                 raise _embedding(name)
-        named = {k for k, p in paths.items() if p in target or any(p.endswith(f".{n}") for n in target)}
+        named = {k for k, p in paths.items() if _named(target, p)}
         if not named:
             # As PEFT does, names that match nothing are passed over (training scripts often list the names
             # of several architectures, e.g. q_proj and query_key_value) as long as one name matches.
             hint = " (the 'all-linear' shorthand is a string, not a list entry)" if _ALL_LINEAR in target else ""
             raise _unknown(target[0] if len(target) == 1 else target, spec, hint)
-        matched = {k for k in named if _in_layers(target, paths[k], layers, config.get("layers_pattern"))}
+        pattern = config.get("layers_pattern")
+        _refuse_other_modules(spec, exclude, lambda p: _named(target, p) and _in_layers(target, p, layers, pattern),
+                              target)
+        matched = {k for k in named if _in_layers(target, paths[k], layers, pattern)}
     else:
         raise _invalid(f"target_modules must be a non-empty list of module names or a pattern, got {target!r}")
-    exclude = config.get("exclude_modules")
-    if exclude:
-        if isinstance(exclude, str):
-            exclude = _compile("exclude_modules pattern", exclude)
-        elif not (isinstance(exclude, list) and all(isinstance(e, str) for e in exclude)):
-            raise _invalid(f"exclude_modules must be a list of names or a pattern, got {exclude!r}")
+    if exclude is not None:
         matched = {k for k in matched if not _excluded(exclude, paths[k])}
     if not matched:
         raise _invalid("the adapter targets no module of the base model (after exclude_modules and "
                        "layers_to_transform / layers_pattern)")
     return frozenset(matched)
+
+
+def _named(target: list[str], path: str) -> bool:
+    return path in target or any(path.endswith(f".{name}") for name in target)
+
+
+def _exclude(exclude) -> re.Pattern | list[str] | None:
+    if not exclude:
+        return None
+    if isinstance(exclude, str):
+        return _compile("exclude_modules pattern", exclude)
+    if not (isinstance(exclude, list) and all(isinstance(e, str) for e in exclude)):
+        raise _invalid(f"exclude_modules must be a list of names or a pattern, got {exclude!r}")
+    return exclude
+
+
+def _refuse_other_modules(spec: BaseModelSpec, exclude, targeted, target) -> None:
+    """PEFT refuses a config that targets a module it cannot wrap ("Target module LlamaAttention(...) is not
+    supported"): a decoder layer, an attention or MLP block, a norm. Those of the Llama family are known here."""
+    prefix = spec.layer_prefix
+    top = prefix.rsplit(".", 1)[0]
+    per_layer = ("", ".self_attn", ".mlp", ".input_layernorm", ".post_attention_layernorm")
+    others = [top, prefix, f"{top}.norm", *(f"{prefix}.{i}{s}" for i in range(spec.num_layers) for s in per_layer)]
+    for path in others:
+        if targeted(path) and not (exclude is not None and _excluded(exclude, path)):
+            raise AdapterValidationError(
+                f"adapter_config.json: target_modules {target!r} targets {path}, which is not a linear layer; PEFT "
+                f"refuses to wrap it. LoRA targets the projections: {', '.join(spec.peft_modules)}",
+                ErrorCode.UNKNOWN_TARGET_MODULE)
 
 
 def _default_targets(spec: BaseModelSpec) -> list[str]:

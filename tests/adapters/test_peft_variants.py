@@ -201,3 +201,30 @@ def test_an_adapter_for_another_model_names_it(llama_spec, tmp_path):
     deep = make_tiny_model(tmp_path / "deep", "llama", num_hidden_layers=4)
     path = make_peft_adapter(deep, tmp_path / "deep-lora", r=4, target_modules=["q_proj"])
     refused(path, llama_spec, ErrorCode.LAYER_OUT_OF_RANGE, "layer 2", "deeper model", "hidden size 64")
+
+
+@pytest.mark.parametrize("changes", [
+    dict(target_modules=["q_proj", "input_layernorm"]),
+    dict(target_modules=["q_proj", "self_attn"]),
+    dict(target_modules=["q_proj", "layers.1"]),
+    dict(target_modules=r".*\.(q_proj|mlp)"),
+    dict(target_modules=["q_proj", "mlp"], layers_to_transform=[1]),
+])
+def test_targets_that_are_no_linear_layer_are_refused_as_peft_refuses_them(tiny_llama_dir, llama_spec, adapter_copy,
+                                                                          changes):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    adapter_copy.update_config(**changes)
+    with pytest.raises(ValueError, match="is not supported"):
+        PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(str(tiny_llama_dir)), str(adapter_copy.path))
+    refused(adapter_copy.path, llama_spec, ErrorCode.UNKNOWN_TARGET_MODULE, "which is not a linear layer")
+
+
+def test_a_non_linear_name_the_layer_filter_or_exclude_modules_leaves_out_is_not_targeted(llama_spec, adapter_copy):
+    # "norm" ends model.norm, which has no layer index, so layers_to_transform leaves it out, as in PEFT
+    adapter_copy.update_config(target_modules=list(MODULES) + ["norm"], layers_to_transform=[0, 1])
+    assert len(load_adapter(adapter_copy.path, llama_spec).weights) == 14
+    adapter_copy.update_config(target_modules=list(MODULES) + ["self_attn"], layers_to_transform=None,
+                               exclude_modules=["self_attn"])
+    assert len(load_adapter(adapter_copy.path, llama_spec).weights) == 14
