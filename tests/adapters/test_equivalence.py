@@ -19,6 +19,13 @@ CASES = [
     pytest.param("tiny_llama_dir", dict(r=8, target_modules=("q_proj", "gate_proj"), layers_to_transform=[1],
                                         rank_pattern={"gate_proj": 4}, alpha_pattern={r"layers\.1\.self_attn\.q_proj": 3}),
                  id="llama-patterns-layer1"),
+    # PEFT's pattern-key rule: a key matches the end of a module path after a dot ("proj" matches no "q_proj"),
+    # "^" only from the start; the first key in the file that matches wins (PEFT saves the keys sorted)
+    pytest.param("tiny_llama_dir", dict(r=8, target_modules=MODULES,
+                                        rank_pattern={"^model.layers.0.self_attn.q_proj": 2, "layers.1.*": 6,
+                                                      r"mlp\.\w+_proj": 4},
+                                        alpha_pattern={"k_proj": 7, "layers.1.*": 3, "proj": 50}),
+                 id="llama-pattern-keys"),
     # a module named in full is wrapped whatever layers_to_transform says (PEFT's exact-name rule)
     pytest.param("tiny_llama_dir", dict(r=4, target_modules=["model.layers.0.self_attn.q_proj", "v_proj"],
                                         layers_to_transform=[1]), id="llama-full-name-outside-layers"),
