@@ -39,6 +39,11 @@ def validate(path: Path, model: str, max_rank: int, store_dir: Path | None) -> N
         raise click.ClickException(str(exc)) from exc
     try:
         spec = BaseModelSpec.from_model_dir(model_dir)
+    except AdapterValidationError as exc:
+        raise click.ClickException(f"base model {model}: {exc}") from exc
+    # The store is opened first, so that a store that cannot be used is said before a long validation.
+    store = _open_store(store_dir) if store_dir is not None else None
+    try:
         canonical = load_adapter(path, spec, AdapterLimits(max_rank=max_rank))
     except AdapterValidationError as exc:
         raise click.ClickException(f"refused ({exc.code.value}): {exc}") from exc
@@ -50,8 +55,12 @@ def validate(path: Path, model: str, max_rank: int, store_dir: Path | None) -> N
         "layers": len(canonical.layers),
         "bytes": canonical.nbytes,
     }
-    if store_dir is not None:
-        report["stored_at"] = LocalAdapterStore(store_dir).put(canonical)
+    if store is not None:
+        try:
+            report["stored_at"] = store.put(canonical)
+        except OSError as exc:
+            raise click.ClickException(f"the adapter is valid but could not be written to the store "
+                                       f"{store_dir}: {exc.strerror or exc}") from exc
     click.echo(json.dumps(report, indent=2))
 
 
@@ -73,5 +82,18 @@ def _settings_store_dir() -> Path:
               type=click.Path(exists=True, file_okay=False, path_type=Path))
 def list_versions(store_dir: Path) -> None:
     """List the content hashes held by a local store."""
-    for content_hash in LocalAdapterStore(store_dir).list():
+    store = _open_store(store_dir)
+    try:
+        hashes = store.list()
+    except OSError as exc:
+        raise click.ClickException(f"cannot read the adapter store {store_dir}: {exc.strerror or exc}") from exc
+    for content_hash in hashes:
         click.echo(content_hash)
+
+
+def _open_store(store_dir: Path) -> LocalAdapterStore:
+    try:
+        return LocalAdapterStore(store_dir)
+    except OSError as exc:
+        # e.g. a parent that is a file, no permission, a read-only file system
+        raise click.ClickException(f"cannot use {store_dir} as the adapter store: {exc.strerror or exc}") from exc

@@ -20,6 +20,8 @@ def to_canonical(tensors: dict[str, torch.Tensor], settings: LoraSettings, spec:
     paths = {spec.module_path(i, m): (i, m) for i in range(spec.num_layers) for m in spec.peft_modules}
     found: dict[tuple[int, str], dict[str, tuple[str, torch.Tensor]]] = {}
     for key, tensor in tensors.items():
+        if _training_only(key, settings, paths):
+            continue
         path = _module_path(key)
         target = paths.get(path)
         if target is None:
@@ -33,7 +35,8 @@ def to_canonical(tensors: dict[str, torch.Tensor], settings: LoraSettings, spec:
             if layer is not None and int(layer[1]) >= spec.num_layers:
                 raise AdapterValidationError(
                     f"{_WEIGHTS}: tensor {key!r} is for layer {int(layer[1])}, but {spec.architecture} here has "
-                    f"{spec.num_layers} layers (0..{spec.num_layers - 1}): an adapter for a deeper model?",
+                    f"{spec.num_layers} layers (0..{spec.num_layers - 1}): an adapter for a deeper model?"
+                    f"{_made_for(settings, spec)}",
                     ErrorCode.LAYER_OUT_OF_RANGE)
             raise AdapterValidationError(
                 f"{_WEIGHTS}: unknown tensor {key!r}; expected "
@@ -64,6 +67,16 @@ def to_canonical(tensors: dict[str, torch.Tensor], settings: LoraSettings, spec:
                                   base_model_name_or_path=settings.base_model_name_or_path)
 
 
+def _training_only(key: str, settings: LoraSettings, paths: dict[str, tuple[int, str]]) -> bool:
+    """A tensor a training-only variant (VeLoRA, MonteCLoRA) saved beside a targeted module's A and B: PEFT's
+    inference does not read it."""
+    for name in settings.training_only_tensors:
+        m = re.match(rf"^{re.escape(_PREFIX)}(?P<path>.+)\.{name}(\..+)?$", key)
+        if m is not None and paths.get(m["path"]) in settings.targets:
+            return True
+    return False
+
+
 def _module_path(key: str) -> str | None:
     if "lora_magnitude_vector" in key:
         raise AdapterValidationError(f"{_WEIGHTS}: tensor {key!r} is a DoRA magnitude vector; DoRA adapters are "
@@ -84,6 +97,15 @@ def _module_path(key: str) -> str | None:
     return m["path"][len(_PREFIX):]
 
 
+def _made_for(settings: LoraSettings, spec: BaseModelSpec) -> str:
+    """Where the shapes say the adapter belongs to another model: the model its config names, beside this one."""
+    named = settings.base_model_name_or_path
+    here = f"{spec.architecture} with hidden size {spec.hidden_size} and {spec.num_layers} layers"
+    if named:
+        return f". The adapter was made for {named!r} (base_model_name_or_path); the base model here is {here}"
+    return f". The adapter looks made for another base model; the base model here is {here}"
+
+
 def _checked_pair(a_item, b_item, layer: int, module: str, settings: LoraSettings, spec: BaseModelSpec):
     (a_key, a), (b_key, b) = a_item, b_item
     shape = spec.peft_shape(module)
@@ -95,11 +117,13 @@ def _checked_pair(a_item, b_item, layer: int, module: str, settings: LoraSetting
     if a.shape[1] != shape.in_features:
         raise AdapterValidationError(
             f"{_WEIGHTS}: {a_key} has shape {list(a.shape)}; layer {layer} {module} of the base model takes "
-            f"{shape.in_features} input features, so A must be [r, {shape.in_features}]", ErrorCode.SHAPE_MISMATCH)
+            f"{shape.in_features} input features, so A must be [r, {shape.in_features}]{_made_for(settings, spec)}",
+            ErrorCode.SHAPE_MISMATCH)
     if b.shape[0] != shape.out_features:
         raise AdapterValidationError(
             f"{_WEIGHTS}: {b_key} has shape {list(b.shape)}; layer {layer} {module} of the base model gives "
-            f"{shape.out_features} output features, so B must be [{shape.out_features}, r]", ErrorCode.SHAPE_MISMATCH)
+            f"{shape.out_features} output features, so B must be [{shape.out_features}, r]{_made_for(settings, spec)}",
+            ErrorCode.SHAPE_MISMATCH)
     if a.shape[0] != b.shape[1]:
         raise AdapterValidationError(f"{_WEIGHTS}: {a_key} has rank {a.shape[0]} but {b_key} has rank {b.shape[1]}",
                                      ErrorCode.RANK_MISMATCH)

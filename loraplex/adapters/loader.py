@@ -216,7 +216,10 @@ def _load_pair(config_path: Path, weights_path: Path, spec: BaseModelSpec, limit
                                      ErrorCode.CONFIG_INVALID)
     try:
         config = json.loads(config_path.read_bytes().decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as exc:
+    except UnicodeDecodeError as exc:
+        raise AdapterValidationError(f"{CONFIG_NAME} is not UTF-8 text (byte {exc.start} is {exc.object[exc.start]:#04x}); "
+                                     f"JSON files are UTF-8", ErrorCode.CONFIG_INVALID) from exc
+    except ValueError as exc:
         raise AdapterValidationError(f"{CONFIG_NAME} is not valid JSON: {exc}", ErrorCode.CONFIG_INVALID) from exc
     except RecursionError:
         raise AdapterValidationError(f"{CONFIG_NAME} is JSON nested too deeply", ErrorCode.CONFIG_INVALID) from None

@@ -14,12 +14,14 @@ from dataclasses import dataclass
 from .errors import AdapterValidationError, ErrorCode
 from .limits import AdapterLimits
 from .spec import BaseModelSpec
+from .targets import resolve_targets
 
-_EMBEDDING_NAMES = ("embed_tokens", "lm_head", "wte", "embed_out")
-_ALL_LINEAR = "all-linear"
-# PiSSA, OLoRA and CorDA subtract their initial A/B from the base weights; LoftQ replaces them with a
-# quantized copy. Such adapters are only correct on that modified base.
-_BASE_CHANGING_INITS = ("pissa", "olora", "corda", "loftq")
+# PiSSA, OLoRA, CorDA and LoRA-GA subtract their initial A/B from the base weights; LoftQ replaces them with a
+# quantized copy. Such adapters are only correct on that modified base, until converted to plain LoRA.
+_BASE_CHANGING_INITS = {"pissa": "PiSSA", "olora": "OLoRA", "corda": "CorDA", "lora_ga": "LoRA-GA", "loftq": "LoftQ"}
+# Initialisations that only choose the starting A and B (MiCA also freezes B in training): what is saved is plain
+# LoRA on the unchanged base, as PEFT loads it.
+_PLAIN_INITS = ("gaussian", "eva", "orthogonal", "mica")
 # Options that change what the adapter computes and that canonical A/B weights cannot express.
 _UNSUPPORTED_OPTIONS = {
     "layer_replication": "layer replication",
@@ -27,8 +29,17 @@ _UNSUPPORTED_OPTIONS = {
     "target_parameters": "LoRA on raw parameters (target_parameters)",
     "alora_invocation_tokens": "activated LoRA (alora_invocation_tokens)",
     "use_qalora": "QALoRA",
-    "arrow_config": "Arrow routing",
 }
+# LoRA variants PEFT turns on with a sub-config: any value but null turns them on, an empty {} included.
+_UNSUPPORTED_VARIANTS = {
+    "arrow_config": "Arrow routing",
+    "use_bdlora": "BD-LoRA (block-diagonal A or B)",
+    "kasa_config": "KaSA, which truncates the base weights' smallest singular components and scales the update "
+                   "by a trained diagonal (lora_diag)",
+}
+# Variants that change only training (VeLoRA's compressed activations, MonteCLoRA's sampled noise): in
+# inference PEFT computes plain LoRA, and the extra tensors they save (named here) take no part.
+TRAINING_ONLY_VARIANTS = {"velora_config": "lora_velora_embed", "monteclora_config": "lora_monteclora_sampler"}
 
 
 @dataclass(frozen=True)
@@ -42,6 +53,8 @@ class LoraSettings:
     alpha_pattern: Mapping[str, float]
     targets: frozenset[tuple[int, str]]  # (layer, PEFT module name)
     base_model_name_or_path: str | None
+    # names of per-module tensors saved by a training-only variant, not part of the weights served
+    training_only_tensors: tuple[str, ...] = ()
 
     def rank_for(self, module_path: str) -> int:
         return self.rank_pattern.get(_pattern_key(self.rank_pattern, module_path), self.r)
@@ -66,7 +79,7 @@ def _key_pattern(key: str) -> re.Pattern:
 
 def parse_lora_config(config: object, spec: BaseModelSpec, limits: AdapterLimits) -> LoraSettings:
     if not isinstance(config, dict):
-        raise _invalid("adapter_config.json must be a JSON object")
+        raise _invalid(f"must be a JSON object (peft_type, r, target_modules, ...), not {_json_kind(config)}")
     peft_type = config.get("peft_type")
     if peft_type != "LORA":
         raise AdapterValidationError(
@@ -86,10 +99,17 @@ def parse_lora_config(config: object, spec: BaseModelSpec, limits: AdapterLimits
     base = config.get("base_model_name_or_path")
     settings = LoraSettings(
         r=r, lora_alpha=alpha, use_rslora=use_rslora, rank_pattern=rank_pattern, alpha_pattern=alpha_pattern,
-        targets=_resolve_targets(config, spec), base_model_name_or_path=base if isinstance(base, str) else None,
+        targets=resolve_targets(config, spec), base_model_name_or_path=base if isinstance(base, str) else None,
+        training_only_tensors=tuple(name for key, name in TRAINING_ONLY_VARIANTS.items()
+                                    if config.get(key) is not None),
     )
     _check_rank_limit(settings, spec, limits)
     return settings
+
+
+def _json_kind(value: object) -> str:
+    kinds = {list: "a list", str: "a string", bool: "true or false", int: "a number", float: "a number"}
+    return "null" if value is None else kinds.get(type(value), type(value).__name__)
 
 
 def _check_rank_limit(settings: LoraSettings, spec: BaseModelSpec, limits: AdapterLimits) -> None:
@@ -127,16 +147,41 @@ def _refuse_unsupported(config: dict) -> None:
     if _flag(config, "lora_bias"):
         raise AdapterValidationError("adapter_config.json: lora_bias is true; a bias on lora_B is not supported",
                                      ErrorCode.BIAS_UNSUPPORTED)
-    init = config.get("init_lora_weights")
-    if isinstance(init, str) and init.lower().startswith(_BASE_CHANGING_INITS):
-        raise AdapterValidationError(
-            f"adapter_config.json: init_lora_weights is {init!r}; that initialisation changes the base model's "
-            f"weights, so the adapter only works on that changed model. Convert it to a plain LoRA first (PEFT: "
-            f"save_pretrained(..., path_initial_model_for_weight_conversion=...))", ErrorCode.OPTION_UNSUPPORTED)
+    _check_init(config.get("init_lora_weights"))
     for key, what in _UNSUPPORTED_OPTIONS.items():
         if config.get(key):
             raise AdapterValidationError(f"adapter_config.json: {key}={config[key]!r}; {what} is not supported",
                                          ErrorCode.OPTION_UNSUPPORTED)
+    for key, what in _UNSUPPORTED_VARIANTS.items():
+        if config.get(key) is not None:
+            raise AdapterValidationError(f"adapter_config.json: {key}={config[key]!r}; {what} is not supported "
+                                         f"(only plain LoRA weights are served)", ErrorCode.OPTION_UNSUPPORTED)
+    for key in TRAINING_ONLY_VARIANTS:
+        if config.get(key) is not None and not isinstance(config[key], dict):
+            raise _invalid(f"{key} must be an object or null, got {config[key]!r}")
+    # PEFT runs one variant per module; two at once is a combination it refuses.
+    variants = [key for key in TRAINING_ONLY_VARIANTS if config.get(key) is not None]
+    if config.get("init_lora_weights") == "mica":
+        variants.append("init_lora_weights='mica'")
+    if len(variants) > 1:
+        raise AdapterValidationError(f"adapter_config.json: {' and '.join(variants)} are LoRA variants PEFT does "
+                                     f"not combine", ErrorCode.OPTION_UNSUPPORTED)
+
+
+def _check_init(init: object) -> None:
+    if init is None or isinstance(init, bool):
+        return  # True (PEFT's default), False, or null (read as False): plain LoRA
+    if not isinstance(init, str):
+        raise _invalid(f"init_lora_weights must be true, false or the name of an initialisation, got {init!r}")
+    for prefix, name in _BASE_CHANGING_INITS.items():
+        if init.lower().startswith(prefix):
+            raise AdapterValidationError(
+                f"adapter_config.json: init_lora_weights is {init!r}; {name} initialisation changes the base model's "
+                f"weights, so the adapter only works on that changed model. Convert it to a plain LoRA first (PEFT: "
+                f"save_pretrained(..., path_initial_model_for_weight_conversion=...))", ErrorCode.OPTION_UNSUPPORTED)
+    if init.lower() not in _PLAIN_INITS:
+        raise _invalid(f"init_lora_weights is {init!r}, which is not an initialisation PEFT knows (true, false, "
+                       f"{', '.join(repr(i) for i in (*_PLAIN_INITS, *_BASE_CHANGING_INITS))})")
 
 
 def _flag(config: dict, key: str) -> bool:
@@ -179,96 +224,5 @@ def _pattern(value: object, name: str, check) -> dict:
     return out
 
 
-def _resolve_targets(config: dict, spec: BaseModelSpec) -> frozenset[tuple[int, str]]:
-    target = config.get("target_modules")
-    layers = _layers_to_transform(config, spec)
-    exclude = config.get("exclude_modules")
-    paths = {(i, m): spec.module_path(i, m) for i in range(spec.num_layers) for m in spec.peft_modules}
-    exact: set[tuple[int, str]] = set()
-    if target == _ALL_LINEAR or target == [_ALL_LINEAR]:
-        matched = set(paths)
-    elif isinstance(target, str):
-        try:
-            pattern = re.compile(target)
-        except (re.error, RecursionError, OverflowError) as exc:
-            raise _invalid(f"target_modules pattern {target!r} is invalid: {exc}") from exc
-        if pattern.fullmatch("model.embed_tokens") or pattern.fullmatch("lm_head"):
-            raise _embedding(target)
-        matched = {k for k, p in paths.items() if pattern.fullmatch(p)}
-        if not matched:
-            raise _unknown(target, spec)
-        layers = None  # as in PEFT: layers_to_transform only narrows a list of target names
-    elif isinstance(target, list) and target and all(isinstance(t, str) for t in target):
-        matched = set()
-        for name in target:
-            if name.rsplit(".", 1)[-1] in _EMBEDDING_NAMES:
-                raise _embedding(name)
-            matched |= {k for k, p in paths.items() if p == name or p.endswith(f".{name}")}
-        # As in PEFT, a module named in full is targeted whatever layers_to_transform says; the layer filter
-        # narrows only the modules matched by a name's ending.
-        exact = {k for k, p in paths.items() if p in target}
-        if not matched:
-            # As PEFT does, names that match nothing are passed over (training scripts often list the names
-            # of several architectures, e.g. q_proj and query_key_value) as long as one name matches.
-            raise _unknown(target[0] if len(target) == 1 else target, spec)
-    else:
-        raise _invalid(f"target_modules must be a non-empty list of module names or a pattern, got {target!r}")
-    if exclude:
-        if isinstance(exclude, str):
-            try:
-                exclude = re.compile(exclude)
-            except (re.error, RecursionError, OverflowError) as exc:
-                raise _invalid(f"exclude_modules pattern {exclude!r} is invalid: {exc}") from exc
-        matched = {k for k in matched if not _excluded(exclude, paths[k])}
-    if layers is not None:
-        matched = {k for k in matched if k[0] in layers or k in exact}
-    if not matched:
-        raise _invalid("the adapter targets no module of the base model (after exclude_modules and "
-                       "layers_to_transform)")
-    return frozenset(matched)
-
-
-def _excluded(exclude: object, path: str) -> bool:
-    if isinstance(exclude, re.Pattern):
-        return exclude.fullmatch(path) is not None
-    if isinstance(exclude, list):
-        return any(path == e or path.endswith(f".{e}") for e in exclude)
-    raise _invalid(f"exclude_modules must be a list of names or a pattern, got {exclude!r}")
-
-
-def _layers_to_transform(config: dict, spec: BaseModelSpec) -> set[int] | None:
-    layers = config.get("layers_to_transform")
-    if layers is None or layers == []:
-        return None
-    values = [layers] if isinstance(layers, int) and not isinstance(layers, bool) else layers
-    if not isinstance(values, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
-        raise _invalid(f"layers_to_transform must be an integer or a list of integers, got {layers!r}")
-    for v in values:
-        if not 0 <= v < spec.num_layers:
-            raise AdapterValidationError(
-                f"adapter_config.json: layers_to_transform names layer {v}, but the base model has layers "
-                f"0..{spec.num_layers - 1}", ErrorCode.LAYER_OUT_OF_RANGE)
-    pattern = config.get("layers_pattern")
-    container = spec.layer_prefix.rsplit(".", 1)[-1]
-    if pattern not in (None, "", [], container, [container]):
-        raise AdapterValidationError(
-            f"adapter_config.json: layers_pattern {pattern!r} does not name the base model's layers ({container!r})",
-            ErrorCode.OPTION_UNSUPPORTED)
-    return set(values)
-
-
 def _invalid(why: str) -> AdapterValidationError:
     return AdapterValidationError(f"adapter_config.json: {why}", ErrorCode.CONFIG_INVALID)
-
-
-def _embedding(name: str) -> AdapterValidationError:
-    return AdapterValidationError(
-        f"adapter_config.json: target module {name!r} is an embedding or the LM head; LoRA on embeddings and "
-        f"lm_head is not supported", ErrorCode.EMBEDDING_LORA_UNSUPPORTED)
-
-
-def _unknown(name: str | list[str], spec: BaseModelSpec) -> AdapterValidationError:
-    what = f"target module {name!r} is not" if isinstance(name, str) else f"none of the target modules {name!r} is"
-    return AdapterValidationError(
-        f"adapter_config.json: {what} a projection of {spec.architecture}; known modules: "
-        f"{', '.join(spec.peft_modules)}", ErrorCode.UNKNOWN_TARGET_MODULE)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from adapter_helpers import AdapterCopy
 
 from loraplex.adapters import MODULES, BaseModelSpec
 
@@ -21,42 +22,6 @@ def llama_adapter_dir(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFac
 
     return make_peft_adapter(tiny_llama_dir, tmp_path_factory.mktemp("llama_lora"), r=8,
                              target_modules=MODULES, seed=1)
-
-
-class AdapterCopy:
-    """A writable copy of a PEFT adapter folder, for tests that damage one thing and expect a refusal."""
-
-    def __init__(self, src: Path, dst: Path):
-        import shutil
-
-        shutil.copytree(src, dst)
-        self.path = dst
-
-    @property
-    def config_path(self) -> Path:
-        return self.path / "adapter_config.json"
-
-    @property
-    def weights_path(self) -> Path:
-        return self.path / "adapter_model.safetensors"
-
-    def update_config(self, **changes) -> None:
-        import json
-
-        config = json.loads(self.config_path.read_text())
-        config.update(changes)
-        self.config_path.write_text(json.dumps(config))
-
-    def tensors(self) -> dict:
-        from safetensors.torch import load_file
-
-        # load_file maps the file; copies keep the tensors valid after the file is rewritten
-        return {k: v.clone() for k, v in load_file(str(self.weights_path)).items()}
-
-    def save_tensors(self, tensors: dict) -> None:
-        from safetensors.torch import save_file
-
-        save_file({k: v.contiguous() for k, v in tensors.items()}, str(self.weights_path))
 
 
 @pytest.fixture

@@ -54,3 +54,58 @@ def test_list_defaults_to_the_settings_store(llama_adapter_dir, tiny_llama_dir, 
     monkeypatch.setenv("LORAPLEX_ADAPTER_STORE_DIR", str(tmp_path / "elsewhere"))
     missing = CliRunner().invoke(main, ["adapter", "list"])
     assert missing.exit_code == 2 and "elsewhere" in missing.output, missing.output
+
+
+def test_a_store_that_cannot_be_used_is_a_readable_error(llama_adapter_dir, tiny_llama_dir, tmp_path, monkeypatch):
+    from loraplex.adapters.store import LocalAdapterStore
+
+    a_file = tmp_path / "a-file"
+    a_file.write_text("x")
+
+    def validate(store):
+        return CliRunner().invoke(main, ["adapter", "validate", str(llama_adapter_dir), "--model",
+                                         str(tiny_llama_dir), "--store", str(store)])
+
+    is_file = validate(a_file)
+    assert is_file.exit_code == 2 and "is a file" in is_file.output, is_file.output
+    under_file = validate(a_file / "store")
+    assert under_file.exit_code == 1, under_file.output
+    assert "cannot use" in under_file.output and "Not a directory" in under_file.output
+    assert under_file.exception is None or isinstance(under_file.exception, SystemExit)
+
+    def no_space(self, adapter):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(LocalAdapterStore, "put", no_space)
+    full = validate(tmp_path / "store")
+    assert full.exit_code == 1 and "valid but could not be written" in full.output, full.output
+    assert "No space left on device" in full.output
+
+    def denied(self):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(LocalAdapterStore, "list", denied)
+    listed = CliRunner().invoke(main, ["adapter", "list", "--store", str(tmp_path / "store")])
+    assert listed.exit_code == 1 and "cannot read the adapter store" in listed.output, listed.output
+    assert "Permission denied" in listed.output
+    not_dir = CliRunner().invoke(main, ["adapter", "list", "--store", str(a_file)])
+    assert not_dir.exit_code == 2 and "is a file" in not_dir.output
+
+
+def test_validate_a_path_that_is_no_adapter_names_it(tiny_llama_dir, tmp_path):
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("x")
+    for path, words in ((a_file, "refused (unsupported_format)"), (tmp_path / "missing", "refused (not_found)")):
+        result = CliRunner().invoke(main, ["adapter", "validate", str(path), "--model", str(tiny_llama_dir)])
+        assert result.exit_code == 1 and words in result.output, result.output
+
+
+def test_validate_names_a_base_model_it_cannot_use(llama_adapter_dir, tiny_llama_dir, tmp_path):
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_llama_dir, model)
+    (model / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}))
+    result = CliRunner().invoke(main, ["adapter", "validate", str(llama_adapter_dir), "--model", str(model)])
+    assert result.exit_code == 1, result.output
+    assert "base model" in result.output and "GPT2LMHeadModel" in result.output and "refused" not in result.output

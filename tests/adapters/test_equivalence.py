@@ -4,26 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from adapter_helpers import peft_deltas
 
 from loraplex.adapters import MODULES, BaseModelSpec, load_adapter
 from loraplex.testing import make_peft_adapter
-
-
-def _peft_deltas(base_dir, adapter_dir) -> dict[tuple[int, str], torch.Tensor]:
-    from peft import PeftModel
-    from peft.tuners.lora import LoraLayer
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.float32)
-    peft_model = PeftModel.from_pretrained(model, str(adapter_dir))
-    deltas = {}
-    for name, module in peft_model.named_modules():
-        if isinstance(module, LoraLayer) and "default" in module.lora_A:
-            parts = name.split(".")
-            layer = int(parts[parts.index("layers") + 1])
-            deltas[(layer, parts[-1])] = module.get_delta_weight("default").detach()
-    return deltas
-
 
 CASES = [
     pytest.param("tiny_llama_dir", dict(r=8, target_modules=MODULES), id="llama-r8-all"),
@@ -35,6 +19,13 @@ CASES = [
     pytest.param("tiny_llama_dir", dict(r=8, target_modules=("q_proj", "gate_proj"), layers_to_transform=[1],
                                         rank_pattern={"gate_proj": 4}, alpha_pattern={r"layers\.1\.self_attn\.q_proj": 3}),
                  id="llama-patterns-layer1"),
+    # PEFT's pattern-key rule: a key matches the end of a module path after a dot ("proj" matches no "q_proj"),
+    # "^" only from the start; the first key in the file that matches wins (PEFT saves the keys sorted)
+    pytest.param("tiny_llama_dir", dict(r=8, target_modules=MODULES,
+                                        rank_pattern={"^model.layers.0.self_attn.q_proj": 2, "layers.1.*": 6,
+                                                      r"mlp\.\w+_proj": 4},
+                                        alpha_pattern={"k_proj": 7, "layers.1.*": 3, "proj": 50}),
+                 id="llama-pattern-keys"),
     # a module named in full is wrapped whatever layers_to_transform says (PEFT's exact-name rule)
     pytest.param("tiny_llama_dir", dict(r=4, target_modules=["model.layers.0.self_attn.q_proj", "v_proj"],
                                         layers_to_transform=[1]), id="llama-full-name-outside-layers"),
@@ -46,7 +37,7 @@ def test_canonical_delta_equals_peft_delta(base_fixture, kwargs, request, tmp_pa
     base_dir = request.getfixturevalue(base_fixture)
     adapter_dir = make_peft_adapter(base_dir, tmp_path / "lora", seed=3, **kwargs)
     adapter = load_adapter(adapter_dir, BaseModelSpec.from_model_dir(base_dir))
-    expected = _peft_deltas(base_dir, adapter_dir)
+    expected = peft_deltas(base_dir, adapter_dir)
     assert set(adapter.weights) == set(expected)
     for key, delta in expected.items():
         w = adapter.weights[key]
