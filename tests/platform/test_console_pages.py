@@ -273,7 +273,12 @@ def test_exports_refuse_what_they_cannot_read(console, make_tenant):
         ("/console/usage/export?tenant_id=abc", "tenant_id must be"),
         ("/console/usage/export?tenant_id=0", "tenant_id must be"),
         ("/console/usage/export?tenant_id=99999999999999999999999", "tenant_id must be"),
-        ("/console/usage/export?start=2026-13-01", "start must be a date like 2026-12-01, got '2026-13-01'"),
+        ("/console/usage/export?start=2026-13-01", "start must be a day of the calendar written YYYY-MM-DD, got "
+                                                   "'2026-13-01'"),
+        ("/console/usage/export?start=20260101", "start must be a date written YYYY-MM-DD"),
+        ("/console/usage/export?end=2026-01-01T00:00:00%2B02:00", "no time or time zone offset"),
+        ("/console/usage/export?start=2026-02-01&end=2026-01-01", "start 2026-02-01 is after end 2026-01-01"),
+        ("/console/usage/export?group_by=day,day,nonsense", "group_by takes some of"),
         ("/console/billing/export?format=pdf", "format must be csv or json"),
         (f"/console/billing/statements/{tk.tenant_id}/2026-11?format=xml", "format must be csv or json"),
     ]:
