@@ -280,6 +280,7 @@ def test_exports_refuse_what_they_cannot_read(console, make_tenant):
         ("/console/usage/export?start=2026-02-01&end=2026-01-01", "start 2026-02-01 is after end 2026-01-01"),
         ("/console/usage/export?group_by=day,day,nonsense", "group_by takes some of"),
         ("/console/billing/export?format=pdf", "format must be csv or json"),
+        ("/console/billing/export?period=2026-01%0A", "period must look like 2026-01"),
         (f"/console/billing/statements/{tk.tenant_id}/2026-11?format=xml", "format must be csv or json"),
     ]:
         r = get(url)

@@ -101,3 +101,20 @@ def test_adapter_filter_takes_name_version_or_empty_for_the_base_model(client, u
     assert prompt_tokens("/admin/api/billing/report", _admin(admin_key), "secret") == 5000
     scoped = client.get(f"/admin/api/billing/report?adapter=secret&tenant_id={a.tenant_id}", headers=_admin(admin_key))
     assert scoped.status_code == 404
+
+
+def test_months_are_yyyy_mm_only(client, usage, admin_key):
+    """A month with a trailing newline read as the month (a regex's `$` matches before one) and reached a file
+    name in a header."""
+    a, _ = usage
+    for value in ("2026-01%0A", "2026-1", "2026-01-01", "202601", "2026-13"):
+        for url, headers in ((f"/v1/billing/statements/{value}?format=csv", a.headers),
+                             (f"/admin/api/billing/statements?period={value}&format=csv", _admin(admin_key)),
+                             (f"/admin/api/billing/statements/{a.tenant_id}/{value}", _admin(admin_key)),
+                             (f"/admin/api/billing/prices?period={value}", _admin(admin_key))):
+            error = _error(client.get(url, headers=headers), 400)
+            assert "2026-01" in error["message"] and error["param"] == "period", (url, error)
+    r = client.put("/admin/api/billing/prices/default", headers=_admin(admin_key),
+                   json={"prompt_price": 1, "completion_price": 1, "adapter_surcharge_price": 0,
+                         "effective_period": "2026-01\n"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "effective_period", r.text

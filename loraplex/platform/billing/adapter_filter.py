@@ -19,7 +19,7 @@ from loraplex.platform.schemas.text import refuse_unstorable
 
 MIN_VERSION_CHARS = 6  # as the `model` field takes a version
 MAX_NAME_CHARS = 64  # what an adapter name (and the usage columns that copy it) can hold
-_HEX = re.compile(r"^[0-9a-f]+$")
+_HEX = re.compile(r"[0-9a-f]+")
 
 
 class UnknownAdapter(LookupError):
@@ -59,7 +59,7 @@ def parse_adapter_filter(text: str) -> AdapterFilter:
                          f"got {_shown(text)}")
     if at:
         version = version.lower()
-        if len(version) < MIN_VERSION_CHARS or not _HEX.match(version):
+        if len(version) < MIN_VERSION_CHARS or not _HEX.fullmatch(version):
             raise ValueError(f"a version after '@' is at least {MIN_VERSION_CHARS} hex digits of the adapter's "
                              f"version, as /v1/models lists it; got {_shown(text)}")
         return AdapterFilter(name, version)

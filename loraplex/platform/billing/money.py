@@ -34,7 +34,7 @@ def exact_amount_numerator(tokens: int, price_micros_per_million: int) -> int:
 # A price as people write it: digits with at most one decimal point. Python's Decimal also reads exponents
 # ("1e999999", whose scaling overflows), "NaN", "Infinity", signs, "_" separators and other scripts' digits;
 # none of those is how an amount is written, so none reaches Decimal.
-_PLAIN_DECIMAL = re.compile(r"^(?=\.?[0-9])([0-9]*)(?:\.([0-9]*))?$")
+_PLAIN_DECIMAL = re.compile(r"(?=\.?[0-9])([0-9]*)(?:\.([0-9]*))?")
 MAX_AMOUNT_CHARS = 40  # far more than a price of 10 integer digits and 6 decimals, with trailing zeros
 
 
@@ -57,9 +57,9 @@ def parse_money(text: str | int | Decimal) -> int:
     shown = value if len(value) <= MAX_AMOUNT_CHARS else value[:MAX_AMOUNT_CHARS] + "..."
     if len(value) > MAX_AMOUNT_CHARS:
         raise ValueError(f"amount is too long ({len(value)} characters): {shown!r}")
-    match = _PLAIN_DECIMAL.match(value) if value.isascii() else None
+    match = _PLAIN_DECIMAL.fullmatch(value) if value.isascii() else None
     if match is None:
-        if value[:1] in "-+" and _PLAIN_DECIMAL.match(value[1:]):
+        if value[:1] in "-+" and _PLAIN_DECIMAL.fullmatch(value[1:]):
             raise ValueError(f"amount must be a number without a sign (prices are never negative), got {shown!r}")
         raise ValueError(f"amount must be a plain decimal number such as 0.25 (digits and at most one decimal "
                          f"point; no sign, exponent or separators), got {shown!r}")

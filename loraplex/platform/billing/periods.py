@@ -8,8 +8,8 @@ from typing import Annotated
 
 from pydantic import BeforeValidator
 
-_PERIOD = re.compile(r"^([0-9]{4})-([0-9]{2})$")
-_DAY = re.compile(r"^[0-9]{4}-[0-9]{2}-[0-9]{2}$")
+_PERIOD = re.compile(r"([0-9]{4})-([0-9]{2})")
+_DAY = re.compile(r"[0-9]{4}-[0-9]{2}-[0-9]{2}")
 MAX_REPORT_DAYS = 731
 
 
@@ -18,7 +18,7 @@ def parse_day(value: object) -> date:
     read "20260101", "2026-W01-1", a midnight with an offset or a Unix timestamp, each a different question
     than the one asked. The message starts with "must", for callers to put the parameter's name before it."""
     text = value.strip() if isinstance(value, str) else value
-    if isinstance(text, str) and _DAY.match(text):
+    if isinstance(text, str) and _DAY.fullmatch(text):
         try:
             return date.fromisoformat(text)
         except ValueError:
@@ -52,7 +52,7 @@ def day_range(day: date) -> tuple[datetime, datetime]:
 
 
 def parse_period(period: str) -> tuple[int, int]:
-    match = _PERIOD.match(period or "")
+    match = _PERIOD.fullmatch(period or "")
     if not match or not 1 <= int(match.group(2)) <= 12:
         raise ValueError(f"period must look like 2026-01, got {period!r}")
     year = int(match.group(1))
