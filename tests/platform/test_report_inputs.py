@@ -118,3 +118,20 @@ def test_months_are_yyyy_mm_only(client, usage, admin_key):
                    json={"prompt_price": 1, "completion_price": 1, "adapter_surcharge_price": 0,
                          "effective_period": "2026-01\n"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "effective_period", r.text
+
+
+def test_admin_api_prices_are_whole_micro_units_and_refused_in_words(client, usage, admin_key):
+    """The admin API takes integer micro-units: exponents, NaN, fractions, text, negatives and amounts past a
+    billion units per million tokens are refused with a message naming the field, never a 500."""
+    a, _ = usage
+    headers = _admin(admin_key) | {"content-type": "application/json"}
+    for raw, words in [("1e999999", "too large for a 64-bit float"), ("NaN", "JSON has no NaN"),
+                       ("Infinity", "JSON has no NaN"), ("1e3", "valid integer"), ("0.5", "valid integer"),
+                       ('"0.25"', "valid integer"), ("-1", "greater than or equal to 0"), (str(10**15 + 1), "less than or equal to"),
+                       ("9" * 5000, "more than 4300 digits")]:
+        for url, field in (("/admin/api/billing/prices/default", "prompt_price"),
+                           (f"/admin/api/billing/tenants/{a.tenant_id}/price-override", "completion_price")):
+            body = {"prompt_price": "1", "completion_price": "1", "adapter_surcharge_price": "0"} | {field: raw}
+            text = "{" + ", ".join(f'"{k}": {v}' for k, v in body.items()) + "}"
+            error = _error(client.put(url, headers=headers, content=text), 400)
+            assert words in error["message"], (url, raw, error)
