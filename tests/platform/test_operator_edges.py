@@ -325,10 +325,11 @@ def test_console_plan_and_key_errors_are_in_words(console, make_tenant):
 
 def test_console_dates_that_cannot_be_read_are_said_so(console):
     page = console.client.get("/console/usage?start=garbage").text
-    assert "start must be a date like 2026-12-01, got &#39;garbage&#39;" in page
+    assert "start must be a date written YYYY-MM-DD, like 2026-12-01; got &#39;garbage&#39;" in page
     assert "isoformat" not in page
     r = console.client.get("/console/usage/export?end=2026-02-30")
-    assert r.status_code == 400 and r.text == "end must be a date like 2026-12-01, got '2026-02-30'\n"
+    assert r.status_code == 400
+    assert r.text == "end must be a day of the calendar written YYYY-MM-DD, got '2026-02-30'\n"
 
 
 def test_admin_api_says_a_pattern_as_its_rule(client, admin_key):
