@@ -135,3 +135,50 @@ def test_admin_api_prices_are_whole_micro_units_and_refused_in_words(client, usa
             text = "{" + ", ".join(f'"{k}": {v}' for k, v in body.items()) + "}"
             error = _error(client.put(url, headers=headers, content=text), 400)
             assert words in error["message"], (url, raw, error)
+
+
+@pytest.mark.parametrize("kind", ["sqlite", pytest.param("postgresql", marks=pytest.mark.integration)])
+def test_adapter_filter_lookups_on_each_database(kind, tmp_path):
+    """An adapter is known by its row, its usage records or its rollups (a deleted adapter's usage still
+    names it); versions match as prefixes of the content hash; each tenant sees only its own."""
+    from datetime import timedelta
+
+    from platform_helpers import migrated_sessions
+
+    from loraplex.platform.billing.adapter_filter import UnknownAdapter, check_known, parse_adapter_filter
+    from loraplex.platform.billing.models import UsageRollup
+    from loraplex.platform.models import Adapter, AdapterVersion
+    from loraplex.platform.schemas.tenants import TenantCreate
+    from loraplex.platform.tenants import create_tenant
+    from loraplex.platform.usage.report import usage_by_day
+
+    with migrated_sessions(kind, tmp_path, "lpx_afilter") as sessions, sessions() as s:
+        a = create_tenant(s, TenantCreate(name="acme")).id
+        b = create_tenant(s, TenantCreate(name="globex")).id
+        adapter = Adapter(tenant_id=a, name="live")
+        s.add(adapter)
+        s.flush()
+        s.add(AdapterVersion(adapter_id=adapter.id, tenant_id=a, status="ready", upload_sha256="0" * 64,
+                             upload_filename="a.zip", upload_bytes=1, content_hash=V1))
+        today = today_utc()
+        s.add(UsageRollup(day=today - timedelta(days=40), tenant_id=a, adapter_name="gone", adapter_version=V2,
+                          requests=1, failed_requests=0, prompt_tokens=1, completion_tokens=1, latency_ms_total=1))
+        for name, version in ((None, None), ("spent", V1)):
+            s.add(UsageRecord(request_id=uuid.uuid4().hex, tenant_id=a, api_key_id=None, model=name or "base",
+                              adapter_name=name, adapter_version=version, endpoint="chat", prompt_tokens=7,
+                              completion_tokens=1, ttft_ms=1, latency_ms=1, status="ok", created_at=datetime.now(UTC)))
+        s.flush()
+        for text in ("", "live", f"live@{V1[:6]}", "gone", f"gone@{V2[:12]}", "spent", f"spent@{V1[:40]}"):
+            check_known(s, parse_adapter_filter(text), [a])
+            check_known(s, parse_adapter_filter(text), None)
+        for text in ("nope", f"live@{V2[:12]}", "live@ffffff", "gone@ffffff", "100%_live"):
+            with pytest.raises(UnknownAdapter):
+                check_known(s, parse_adapter_filter(text), [a])
+        for text in ("live", "gone", "spent"):
+            with pytest.raises(UnknownAdapter):
+                check_known(s, parse_adapter_filter(text), [b])
+        base = usage_by_day(s, a, today, today, adapter=parse_adapter_filter(""))
+        assert [(r.adapter, r.prompt_tokens) for r in base] == [(None, 7)]
+        spent = usage_by_day(s, a, today, today, adapter=parse_adapter_filter(f"spent@{V1[:12].upper()}"))
+        assert [(r.adapter, r.prompt_tokens) for r in spent] == [("spent", 7)]
+        s.rollback()
