@@ -107,8 +107,11 @@ def authenticate_admin(session: Session, settings: Settings, token: str | None) 
     if not token.startswith(ADMIN_KEY_PREFIX):
         raise unauthorized("This endpoint needs the admin key, not a tenant key.")
     key = session.scalar(select(AdminKey).where(AdminKey.key_hash == hash_key(settings.secret_key, token)))
-    if key is None or key.revoked_at is not None:
+    if key is None:
         raise unauthorized(f"Incorrect admin key provided: {_masked(token)}.")
+    if key.revoked_at is not None:
+        raise unauthorized(f"The admin key {key.prefix}... has been revoked; use another admin key "
+                           "(`loraplex admin create-admin-key` makes one).")
     return AdminContext(key_id=key.id, name=key.name)
 
 

@@ -137,18 +137,39 @@ def answer_errors_in_html(prefix: str, renderer: Callable[[Request, int, str], R
     _html_pages[prefix] = (renderer, json_under)
 
 
-def _as_page(request: Request, response: JSONResponse) -> Response:
-    """The JSON error response, or the page that stands for it where the path is an HTML area's."""
-    path = request.url.path
+def _page_renderer(path: str) -> Callable[[Request, int, str], Response] | None:
+    """The renderer of the HTML area `path` is in; None for a path that answers in JSON."""
     for prefix, (renderer, json_under) in _html_pages.items():
         if (path == prefix or path.startswith(prefix + "/")) and not path.startswith(json_under):
-            message = json.loads(response.body)["error"]["message"]
-            page = renderer(request, response.status_code, message)
-            for name, value in response.headers.items():
-                if name.lower() not in ("content-type", "content-length"):
-                    page.headers.setdefault(name, value)
-            return page
-    return response
+            return renderer
+    return None
+
+
+def _as_page(request: Request, response: JSONResponse) -> Response:
+    """The JSON error response, or the page that stands for it where the path is an HTML area's."""
+    renderer = _page_renderer(request.url.path)
+    if renderer is None:
+        return response
+    message = json.loads(response.body)["error"]["message"]
+    page = renderer(request, response.status_code, message)
+    for name, value in response.headers.items():
+        if name.lower() not in ("content-type", "content-length"):
+            page.headers.setdefault(name, value)
+    return page
+
+
+def server_error_page(scope: dict[str, Any], message: str) -> Response | None:
+    """A 500 as the page of the HTML area the request was for (a console page a browser asked for); None where
+    the request answers in JSON, or where even the page could not be rendered (the JSON error stands then)."""
+    request = Request(scope)
+    renderer = _page_renderer(request.url.path)
+    if renderer is None:
+        return None
+    try:
+        return renderer(request, 500, message)
+    except Exception:
+        log.exception("the error page of request %s could not be rendered", scope.get("state", {}).get("request_id"))
+        return None
 
 
 def _plain_msg(error: dict[str, Any]) -> str:

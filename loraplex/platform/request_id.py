@@ -9,7 +9,7 @@ import uuid
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from loraplex.platform.errors import error_body
+from loraplex.platform.errors import error_body, server_error_page
 
 log = logging.getLogger(__name__)
 HEADER = b"x-request-id"
@@ -49,8 +49,12 @@ class RequestIdMiddleware:
             log.exception("unhandled error in request %s", request_id)
             if started:
                 raise
-            body = json.dumps(error_body(f"The server had an error processing request {request_id}.",
-                                         "server_error")).encode()
+            message = f"The server had an error processing request {request_id}."
+            page = server_error_page(scope, message)  # a console page asked for by a browser gets a page
+            if page is not None:
+                await page(scope, receive, send_with_id)
+                return
+            body = json.dumps(error_body(message, "server_error")).encode()
             await send_with_id({"type": "http.response.start", "status": 500,
                                 "headers": [(b"content-type", b"application/json"),
                                             (b"content-length", str(len(body)).encode())]})

@@ -61,3 +61,42 @@ def test_the_cli_lists_and_revokes_admin_keys(elsewhere):
     assert "Traceback" not in missing.output
     bad = cli.invoke(admin, ["create-key", "acme", "--name", "a\x1bb"])
     assert bad.exit_code != 0 and "control characters" in bad.output
+
+
+# bidirectional overrides and isolates make "lpx-gnp.exe" read as "lpx-exe.png"; zero-width characters and the
+# byte order mark make two names that look the same differ
+INVISIBLE = ("evil\u202egnp.exe", "a\u202ab", "a\u2066b\u2069", "a\u200bb", "a\u200db", "a\ufeff", "a\u2060b")
+
+
+def test_key_and_tenant_names_with_invisible_characters_are_refused(client, admin_key, make_tenant, app):
+    from console_helpers import Console
+
+    tenant = make_tenant("acme")
+    for name in INVISIBLE:
+        r = client.post(f"/admin/api/tenants/{tenant.tenant_id}/keys", headers=_admin(admin_key), json={"name": name})
+        assert r.status_code == 400, (name, r.text)
+        assert "bidirectional overrides or zero-width characters (found U+" in r.json()["error"]["message"]
+        r = client.post("/admin/api/tenants", headers=_admin(admin_key), json={"name": f"t{name}"})
+        assert r.status_code == 400, (name, r.text)
+    console = Console(client=client, app=app, admin_key=admin_key)
+    console.sign_in()
+    for name in INVISIBLE[:2]:
+        r = console.post(f"/console/tenants/{tenant.tenant_id}/keys", {"name": name})
+        page = client.get(r.headers["location"]).text
+        assert "No key created" in page and "zero-width characters" in page, name
+        r = console.post("/console/tenants", {"name": name})
+        assert "Could not create the tenant" in client.get(r.headers["location"]).text
+    keys = client.get(f"/admin/api/tenants/{tenant.tenant_id}/keys", headers=_admin(admin_key))
+    assert keys.status_code == 200 and len(keys.json()) == 1  # only the fixture's own key
+
+
+def test_the_cli_refuses_invisible_characters_in_key_and_tenant_names(elsewhere):
+    cli = CliRunner()
+    assert cli.invoke(admin, ["create-tenant", "acme"]).exit_code == 0
+    for name in INVISIBLE:
+        for args in (["create-key", "acme", "--name", name], ["create-admin-key", "--name", name],
+                     ["create-tenant", f"t{name}"]):
+            r = cli.invoke(admin, args)
+            assert r.exit_code != 0 and "Traceback" not in r.output, (args, r.output)
+            if args[0] != "create-tenant":
+                assert "zero-width characters (found U+" in r.output, (args, r.output)

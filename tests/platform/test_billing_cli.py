@@ -117,3 +117,39 @@ def test_no_statement_for_a_month_before_the_tenant_existed_or_not_begun(tmp_pat
     assert _run(["billing", "statement", "acme", this_month], env).exit_code == 0
     listed = _run(["list-tenants"], env).output
     assert "monthly_tokens=" in listed
+
+
+def test_prices_are_plain_decimal_numbers_on_the_command_line(tmp_path):
+    """An exponent made Decimal overflow (a traceback); NaN, signs and other spellings are refused by name."""
+    env = {"LORAPLEX_DATA_DIR": str(tmp_path), "LORAPLEX_ENVIRONMENT": "test"}
+    assert _run(["create-tenant", "acme"], env).exit_code == 0
+    for value in ("1e999999", "1E5", "NaN", "Infinity", "-0", "-1", "1_000", "9" * 200):
+        for args in (["set-price", "--prompt", value, "--completion", "1"],
+                     ["set-price", "--prompt", "1", "--completion", "1", "--surcharge", value],
+                     ["set-tenant-price", "acme", "--completion", value]):
+            r = _run(["billing", *args], env)
+            assert r.exit_code == 2, (args, r.output)
+            assert "plain decimal number" in r.output or "without a sign" in r.output or "too long" in r.output, \
+                (args, r.output)
+            assert "Traceback" not in r.output
+    ok = _run(["billing", "set-price", "--prompt", "0.25", "--completion", "1.", "--surcharge", ".5"], env)
+    assert ok.exit_code == 0, ok.output
+
+
+def test_report_and_rollup_days_are_yyyy_mm_dd_only(tmp_path):
+    env = {"LORAPLEX_DATA_DIR": str(tmp_path), "LORAPLEX_ENVIRONMENT": "test"}
+    for value in ("2026-1-1", "20260101", "1767225600", "2026-01-01T00:00:00", "2026-01-01 00:00"):
+        for args in (["report", "--start", value], ["report", "--end", value], ["rollup", value]):
+            r = _run(["billing", *args], env)
+            assert r.exit_code == 2 and "YYYY-MM-DD" in r.output, (args, r.output)
+    r = _run(["billing", "report", "--start", "2026-02-01", "--end", "2026-01-01"], env)
+    assert r.exit_code == 2 and "2026-02-01 is after end 2026-01-01" in r.output, r.output
+    r = _run(["billing", "report", "--group-by", "tenant,tenant", "--start", "2026-01-01", "--end", "2026-01-02"], env)
+    assert r.exit_code == 0 and r.stdout.splitlines()[0].split(",")[:3] == ["tenant_id", "tenant", "requests"], r.output
+    r = _run(["billing", "report", "--group-by", "tenant,weekday"], env)
+    assert r.exit_code == 2 and "weekday" in r.output, r.output
+    r = _run(["billing", "report", "--adapter", "nope"], env)
+    assert r.exit_code == 1 and "There is no adapter 'nope'" in r.output, r.output
+    r = _run(["billing", "report", "--adapter", "nope@xyz"], env)
+    assert r.exit_code == 2 and "hex digits" in r.output, r.output
+    assert _run(["billing", "report", "--adapter", ""], env).exit_code == 0

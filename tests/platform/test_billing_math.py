@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from decimal import Decimal
 from fractions import Fraction
 
 import pytest
@@ -34,7 +35,8 @@ def test_line_amount_matches_exact_rational_rounding_for_random_inputs():
 
 @pytest.mark.parametrize(
     ("text", "micros"),
-    [("0", 0), ("0.25", 250_000), ("12.000001", 12_000_001), (" 3 ", 3_000_000), (7, 7_000_000)],
+    [("0", 0), ("0.25", 250_000), ("12.000001", 12_000_001), (" 3 ", 3_000_000), (7, 7_000_000),
+     ("1.", 1_000_000), (".5", 500_000), ("0.2500000000", 250_000), ("1000000000", 10**15)],
 )
 def test_parse_money(text, micros):
     assert parse_money(text) == micros
@@ -44,6 +46,21 @@ def test_parse_money(text, micros):
 def test_parse_money_refuses_bad_amounts(text):
     with pytest.raises(ValueError):
         parse_money(text)
+
+
+@pytest.mark.parametrize(("text", "words"), [
+    ("1e999999", "plain decimal number"),  # Decimal reads it; scaling it to micro-units overflowed
+    ("1E-2", "plain decimal number"), ("1e3", "plain decimal number"), ("nan", "plain decimal number"),
+    ("-Infinity", "plain decimal number"), ("sNaN", "plain decimal number"), ("-0", "without a sign"),
+    ("+1", "without a sign"), ("1_000", "plain decimal number"), ("1,000", "plain decimal number"),
+    ("\u0661\u0662", "plain decimal number"), ("1.2.3", "plain decimal number"), (".", "plain decimal number"),
+    ("0x10", "plain decimal number"), ("1000000001", "implausibly large"), ("9" * 5000, "too long"),
+    (-1, "negative"), (10**30, "implausibly large"), (Decimal("1e999999"), "finite"), (Decimal("-0"), "finite"),
+])
+def test_parse_money_takes_only_plain_decimals(text, words):
+    with pytest.raises(ValueError, match=words) as caught:
+        parse_money(text)
+    assert len(str(caught.value)) < 200  # the value is quoted back cut short, never whole
 
 
 def test_format_micros():

@@ -273,8 +273,14 @@ def test_exports_refuse_what_they_cannot_read(console, make_tenant):
         ("/console/usage/export?tenant_id=abc", "tenant_id must be"),
         ("/console/usage/export?tenant_id=0", "tenant_id must be"),
         ("/console/usage/export?tenant_id=99999999999999999999999", "tenant_id must be"),
-        ("/console/usage/export?start=2026-13-01", "start must be a date like 2026-12-01, got '2026-13-01'"),
+        ("/console/usage/export?start=2026-13-01", "start must be a day of the calendar written YYYY-MM-DD, got "
+                                                   "'2026-13-01'"),
+        ("/console/usage/export?start=20260101", "start must be a date written YYYY-MM-DD"),
+        ("/console/usage/export?end=2026-01-01T00:00:00%2B02:00", "no time or time zone offset"),
+        ("/console/usage/export?start=2026-02-01&end=2026-01-01", "start 2026-02-01 is after end 2026-01-01"),
+        ("/console/usage/export?group_by=day,day,nonsense", "group_by takes some of"),
         ("/console/billing/export?format=pdf", "format must be csv or json"),
+        ("/console/billing/export?period=2026-01%0A", "period must look like 2026-01"),
         (f"/console/billing/statements/{tk.tenant_id}/2026-11?format=xml", "format must be csv or json"),
     ]:
         r = get(url)
@@ -370,3 +376,31 @@ def test_filters_naming_nothing_say_so_and_the_selects_show_what_is_shown(consol
     assert "There is no tenant 999" in page
     billing = console.client.get("/console/billing?period=2030-01").text
     assert "<option selected>2030-01</option>" in billing, "the select shows another period"
+
+
+def test_the_usage_page_says_amounts_are_at_each_months_prices_and_computes_them_so(console, make_tenant):
+    """A range over a price change: last month's tokens at last month's price, this month's at this month's
+    (3.00 here, where "current prices" would make it 4.00), and the page says so."""
+    import uuid
+    from datetime import UTC, datetime, timedelta
+
+    from loraplex.platform.billing.periods import period_of
+
+    tk = make_tenant("acme")
+    now = datetime.now(UTC)
+    last_month = now.replace(day=1) - timedelta(days=1)
+    with console.sessions() as s:
+        for at in (last_month, now):
+            s.add(UsageRecord(request_id=uuid.uuid4().hex, tenant_id=tk.tenant_id, api_key_id=tk.key_id, model="base",
+                              endpoint="chat", prompt_tokens=1_000_000, completion_tokens=0, ttft_ms=1, latency_ms=1,
+                              status="ok", created_at=at))
+        s.commit()
+    for period, price in ((period_of(last_month.date()), "1"), (period_of(now.date()), "2")):
+        r = console.post("/console/billing/prices", {"prompt": price, "completion": "0", "adapter_surcharge": "0",
+                                                     "currency": "USD", "period": period})
+        assert "Prices saved" in console.client.get(r.headers["location"]).text
+    page = console.client.get(f"/console/usage?start={last_month.date().replace(day=1)}&end={now.date()}").text
+    assert "at each month&#39;s prices" in page or "at each month's prices" in page
+    assert "current prices" not in page
+    total = re.search(r'<div class="label">Estimated amount</div><div class="value">([^<]*)<', page).group(1)
+    assert total.strip() == "3.000000 USD", total

@@ -159,6 +159,40 @@ def test_a_pin_can_be_undone(client, admin_key, make_tenant, peft_adapter_zip, f
     assert [p for _h, p in fake_engine.prefetched[-3:]] == [True, False, None]
 
 
+def test_a_pin_flag_is_true_false_1_or_0_in_the_admin_api_and_the_console(client, app, admin_key, make_tenant,
+                                                                          peft_adapter_zip, fake_engine):
+    """The same four spellings everywhere a pin is taken; anything else is refused by name, never read as
+    "leave the pin as it is" (the console read "true" so, and prefetched without pinning)."""
+    from console_helpers import Console
+    from platform_helpers import upload
+
+    tenant = make_tenant()
+    version = upload(client, tenant, "bot", [("adapter.zip", peft_adapter_zip.read_bytes())]).json()
+    path = f"/admin/api/adapter-versions/{version['id']}/prefetch"
+    for value, pinned in ((1, True), (0, False), ("true", True), ("0", False), (True, True), (False, False)):
+        r = client.post(path, headers=_admin(admin_key), json={"pin": value})
+        assert r.status_code == 200 and r.json()["pinned"] is pinned, (value, r.text)
+        assert fake_engine.prefetched[-1][1] is pinned
+    for value in (2, -1, 1.5, "yes", "", "on", [True], {"x": 1}):
+        r = client.post(path, headers=_admin(admin_key), json={"pin": value})
+        assert r.status_code == 400, (value, r.text)
+        error = r.json()["error"]
+        assert error["param"] == "pin" and "must be true, false, 1 or 0" in error["message"], (value, error)
+    console = Console(client=client, app=app, admin_key=admin_key)
+    console.sign_in()
+    page = f"/console/tenants/{tenant.tenant_id}/versions/{version['id']}/prefetch"
+    for value, pinned in (("true", True), ("false", False), ("1", True), ("0", False)):
+        r = console.post(page, {"pin": value})
+        assert r.status_code == 303 and fake_engine.prefetched[-1][1] is pinned, value
+    count = len(fake_engine.prefetched)
+    for value in ("yes", "2", "pin"):
+        r = console.post(page, {"pin": value})
+        assert r.status_code == 303
+        assert "must be true, false, 1 or 0" in client.get(r.headers["location"]).text, value
+    assert len(fake_engine.prefetched) == count  # nothing was prefetched for a pin it could not read
+    assert console.post(page).status_code == 303 and fake_engine.prefetched[-1][1] is None  # Prefetch alone
+
+
 def test_a_unique_constraint_lost_to_a_concurrent_change_is_a_409(client, admin_key, monkeypatch):
     """Whatever route loses such a race (the database keeps the other request's row) answers 409, not 500."""
     from sqlalchemy.exc import IntegrityError
@@ -291,10 +325,11 @@ def test_console_plan_and_key_errors_are_in_words(console, make_tenant):
 
 def test_console_dates_that_cannot_be_read_are_said_so(console):
     page = console.client.get("/console/usage?start=garbage").text
-    assert "start must be a date like 2026-12-01, got &#39;garbage&#39;" in page
+    assert "start must be a date written YYYY-MM-DD, like 2026-12-01; got &#39;garbage&#39;" in page
     assert "isoformat" not in page
     r = console.client.get("/console/usage/export?end=2026-02-30")
-    assert r.status_code == 400 and r.text == "end must be a date like 2026-12-01, got '2026-02-30'\n"
+    assert r.status_code == 400
+    assert r.text == "end must be a day of the calendar written YYYY-MM-DD, got '2026-02-30'\n"
 
 
 def test_admin_api_says_a_pattern_as_its_rule(client, admin_key):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from datetime import date
 from typing import Annotated
 
 from fastapi import APIRouter, Query
@@ -11,7 +10,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 from sqlalchemy import select
 
 from loraplex.platform.billing.export import statement_dict, statements_summary_csv
-from loraplex.platform.billing.periods import checked_period, days_in, parse_period, resolve_rollup_range
+from loraplex.platform.billing.periods import Day, checked_period, days_in, parse_period, resolve_rollup_range
 from loraplex.platform.billing.prices import (
     CurrencyConflict,
     price_lists,
@@ -22,10 +21,12 @@ from loraplex.platform.billing.prices import (
 from loraplex.platform.billing.pricing import Price, PriceOverride, known_currency
 from loraplex.platform.billing.reports import usage_report
 from loraplex.platform.billing.responses import (
+    AdapterQuery,
     EndQuery,
     FormatQuery,
     GroupByQuery,
     StartQuery,
+    adapter_filter,
     date_range,
     dimensions,
     report_response,
@@ -83,8 +84,8 @@ class PeriodBody(BaseModel):
 
 class RollupBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    start: date
-    end: date | None = None
+    start: Day
+    end: Day | None = None
 
 
 def _price_json(price: Price | None) -> dict | None:
@@ -156,14 +157,15 @@ def put_override(*, _admin: AdminDep, session: SessionDep, tenant_id: IdPath, bo
 def report(
     *, _admin: AdminDep, session: SessionDep, start: StartQuery = None, end: EndQuery = None,
     tenant_id: Annotated[list[RowId] | None, Query(description="repeat to select several tenants")] = None,
-    group_by: GroupByQuery = "tenant", adapter: Annotated[str | None, Query()] = None,
+    group_by: GroupByQuery = "tenant", adapter: AdapterQuery = None,
     api_key_id: Annotated[RowId | None, Query()] = None, format: FormatQuery = "json",
 ) -> Response:
     start, end = date_range(start, end)
     dims = dimensions(group_by)
     if tenant_id:
         _tenants(session, tenant_id)  # unknown ids are a 404, not an empty report
-    rows = usage_report(session, start, end, group_by=dims, tenant_ids=tenant_id, adapter=adapter,
+    wanted = adapter_filter(session, adapter, tenant_id or None)
+    rows = usage_report(session, start, end, group_by=dims, tenant_ids=tenant_id, adapter=wanted,
                         api_key_id=api_key_id)
     return report_response(rows, dims, start, end, format, "usage-all-tenants")
 

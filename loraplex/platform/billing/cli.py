@@ -34,6 +34,25 @@ def _check_period(period: str | None) -> str | None:
     return period
 
 
+class Day(click.ParamType):
+    """A UTC day written YYYY-MM-DD, as the API and the console take it (click.DateTime would also read
+    2026-1-1 and hand back a datetime)."""
+
+    name = "YYYY-MM-DD"
+
+    def convert(self, value, param, ctx):
+        from datetime import date
+
+        from loraplex.platform.billing.periods import parse_day
+
+        if isinstance(value, date):
+            return value
+        try:
+            return parse_day(value)
+        except ValueError as exc:
+            self.fail(str(exc), param, ctx)
+
+
 @click.group()
 def billing():
     """Prices, usage reports and monthly statements (amounts are decimal currency units)."""
@@ -95,29 +114,42 @@ def set_tenant_price_cmd(tenant, prompt, completion, surcharge, period):
 
 
 @billing.command("report")
-@click.option("--start", type=click.DateTime(["%Y-%m-%d"]), default=None, help="first UTC day (default: 1st)")
-@click.option("--end", type=click.DateTime(["%Y-%m-%d"]), default=None, help="last UTC day (default: today)")
+@click.option("--start", type=Day(), default=None, help="first UTC day, YYYY-MM-DD (default: 1st)")
+@click.option("--end", type=Day(), default=None, help="last UTC day, YYYY-MM-DD (default: today)")
 @click.option("--tenant", "tenants", multiple=True, help="repeat for several; default: all")
 @click.option("--group-by", default="tenant", show_default=True, help="comma-separated: day,tenant,key,adapter")
+@click.option("--adapter", default=None, help='only this adapter: NAME, NAME@VERSION, or "" for the base model')
 @click.option("--format", "fmt", type=click.Choice(["csv", "json"]), default="csv", show_default=True)
-def report_cmd(start, end, tenants, group_by, fmt):
+def report_cmd(start, end, tenants, group_by, adapter, fmt):
     """Usage and estimated amounts across tenants."""
+    from loraplex.platform.billing.adapter_filter import UnknownAdapter, check_known, parse_adapter_filter
     from loraplex.platform.billing.export import rows_to_csv, to_json, with_decimal_amounts
     from loraplex.platform.billing.periods import resolve_range
-    from loraplex.platform.billing.reports import usage_report
+    from loraplex.platform.billing.reports import parse_group_by, usage_report
     from loraplex.platform.tenants import get_tenant
 
-    dims = tuple(d.strip() for d in group_by.split(",") if d.strip())
     try:
-        lo, hi = resolve_range(start.date() if start else None, end.date() if end else None)
+        dims = parse_group_by(group_by)
     except ValueError as exc:
-        raise click.BadParameter(str(exc)) from exc
+        raise click.BadParameter(str(exc), param_hint="--group-by") from exc
+    try:
+        lo, hi = resolve_range(start, end)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--start/--end") from exc
+    try:
+        wanted = None if adapter is None else parse_adapter_filter(adapter)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--adapter") from exc
     with _session() as (session, _):
         ids = [get_tenant(session, t).id for t in tenants] or None
-        try:
-            rows = [r.as_dict(dims) for r in usage_report(session, lo, hi, group_by=dims, tenant_ids=ids)]
-        except ValueError as exc:
-            raise click.BadParameter(str(exc), param_hint="--group-by") from exc
+        if wanted is not None:
+            try:
+                check_known(session, wanted, ids)
+            except UnknownAdapter as exc:
+                raise click.ClickException(str(exc)) from exc
+            except ValueError as exc:  # a version prefix that fits several
+                raise click.BadParameter(str(exc), param_hint="--adapter") from exc
+        rows = [r.as_dict(dims) for r in usage_report(session, lo, hi, group_by=dims, tenant_ids=ids, adapter=wanted)]
     from loraplex.platform.billing.reports import ReportRow
 
     click.echo(rows_to_csv(rows, ReportRow.columns(dims)) if fmt == "csv"
@@ -159,15 +191,15 @@ def finalize_cmd(period):
 
 
 @billing.command("rollup")
-@click.argument("day", type=click.DateTime(["%Y-%m-%d"]))
-@click.option("--end", type=click.DateTime(["%Y-%m-%d"]), default=None, help="last day of a range")
+@click.argument("day", type=Day())
+@click.option("--end", type=Day(), default=None, help="last day of a range, YYYY-MM-DD")
 def rollup_cmd(day, end):
     """Rebuild the daily usage rollups of DAY (or DAY..END); idempotent."""
     from loraplex.platform.billing.periods import days_in, resolve_rollup_range
     from loraplex.platform.billing.rollups import rollup_day
 
     try:
-        lo, hi = resolve_rollup_range(day.date(), end.date() if end else None)
+        lo, hi = resolve_rollup_range(day, end)
     except ValueError as exc:
         raise click.BadParameter(str(exc)) from exc
     with _session() as (session, _):

@@ -11,7 +11,8 @@ it from the token counts and unit prices printed on it.
 
 from __future__ import annotations
 
-from decimal import Decimal, InvalidOperation
+import re
+from decimal import Decimal
 
 MICROS_PER_UNIT = 1_000_000
 TOKENS_PER_PRICE_UNIT = 1_000_000
@@ -30,25 +31,47 @@ def exact_amount_numerator(tokens: int, price_micros_per_million: int) -> int:
     return tokens * price_micros_per_million
 
 
+# A price as people write it: digits with at most one decimal point. Python's Decimal also reads exponents
+# ("1e999999", whose scaling overflows), "NaN", "Infinity", signs, "_" separators and other scripts' digits;
+# none of those is how an amount is written, so none reaches Decimal.
+_PLAIN_DECIMAL = re.compile(r"(?=\.?[0-9])([0-9]*)(?:\.([0-9]*))?")
+MAX_AMOUNT_CHARS = 40  # far more than a price of 10 integer digits and 6 decimals, with trailing zeros
+
+
 def parse_money(text: str | int | Decimal) -> int:
-    """"0.25" -> 250000 micro-units. Refuses floats' cousins: more than 6 decimals, negatives, junk."""
+    """"0.25" -> 250000 micro-units. Only plain decimal numbers: no sign, exponent, NaN or infinity, at most
+    6 decimals, at most MAX_PRICE_MICROS."""
     if isinstance(text, bool):
         raise ValueError("not an amount")
     if isinstance(text, int):
-        value = Decimal(text)
-    else:
-        try:
-            value = Decimal(str(text).strip())
-        except InvalidOperation as exc:
-            raise ValueError(f"not an amount: {text!r}") from exc
-    if not value.is_finite() or value < 0:
-        raise ValueError(f"amount must be a finite, non-negative number: {text!r}")
-    micros = value * MICROS_PER_UNIT
-    if micros != micros.to_integral_value():
-        raise ValueError(f"amount has more than 6 decimals: {text!r}")
-    result = int(micros)
+        if text < 0:
+            raise ValueError(f"amount must not be negative, got {text}")
+        if text > MAX_PRICE_MICROS // MICROS_PER_UNIT:
+            raise ValueError(f"amount is implausibly large: {text} (at most {MAX_PRICE_MICROS // MICROS_PER_UNIT})")
+        return text * MICROS_PER_UNIT
+    if isinstance(text, Decimal):
+        if not text.is_finite() or text.is_signed() or text.adjusted() > 20:
+            raise ValueError(f"amount must be a finite, non-negative number of plausible size: {text!r}")
+        text = format(text, "f")
+    value = str(text).strip()
+    shown = value if len(value) <= MAX_AMOUNT_CHARS else value[:MAX_AMOUNT_CHARS] + "..."
+    if len(value) > MAX_AMOUNT_CHARS:
+        raise ValueError(f"amount is too long ({len(value)} characters): {shown!r}")
+    match = _PLAIN_DECIMAL.fullmatch(value) if value.isascii() else None
+    if match is None:
+        if value[:1] in "-+" and _PLAIN_DECIMAL.fullmatch(value[1:]):
+            raise ValueError(f"amount must be a number without a sign (prices are never negative), got {shown!r}")
+        raise ValueError(f"amount must be a plain decimal number such as 0.25 (digits and at most one decimal "
+                         f"point; no sign, exponent or separators), got {shown!r}")
+    units, frac = match.group(1) or "0", (match.group(2) or "").rstrip("0")
+    if len(frac) > 6:
+        raise ValueError(f"amount has more than 6 decimals: {shown!r}")
+    units = units.lstrip("0") or "0"
+    if len(units) > len(str(MAX_PRICE_MICROS // MICROS_PER_UNIT)):
+        raise ValueError(f"amount is implausibly large: {shown!r}")
+    result = int(units) * MICROS_PER_UNIT + int(frac.ljust(6, "0"))
     if result > MAX_PRICE_MICROS:
-        raise ValueError(f"amount is implausibly large: {text!r}")
+        raise ValueError(f"amount is implausibly large: {shown!r}")
     return result
 
 

@@ -4,9 +4,43 @@ from __future__ import annotations
 
 import re
 from datetime import UTC, date, datetime, time, timedelta
+from typing import Annotated
 
-_PERIOD = re.compile(r"^([0-9]{4})-([0-9]{2})$")
+from pydantic import BeforeValidator
+
+_PERIOD = re.compile(r"([0-9]{4})-([0-9]{2})")
+_DAY = re.compile(r"[0-9]{4}-[0-9]{2}-[0-9]{2}")
 MAX_REPORT_DAYS = 731
+
+
+def parse_day(value: object) -> date:
+    """A UTC day as reports take it: YYYY-MM-DD and nothing else. date.fromisoformat and pydantic would also
+    read "20260101", "2026-W01-1", a midnight with an offset or a Unix timestamp, each a different question
+    than the one asked. The message starts with "must", for callers to put the parameter's name before it."""
+    text = value.strip() if isinstance(value, str) else value
+    if isinstance(text, str) and _DAY.fullmatch(text):
+        try:
+            return date.fromisoformat(text)
+        except ValueError:
+            raise ValueError(f"must be a day of the calendar written YYYY-MM-DD, got {text!r}") from None
+    shown = repr(text if not isinstance(text, str) or len(text) <= 40 else text[:40] + "...")
+    if isinstance(text, bool) or not isinstance(text, str | int | float):
+        why = ""
+    elif isinstance(text, int | float) or text.isdigit():
+        why = " (with its dashes: not a number or a Unix timestamp)"
+    elif "T" in text or ":" in text or " " in text:
+        why = " (a day alone: no time or time zone offset)"
+    else:
+        why = ""
+    raise ValueError(f"must be a date written YYYY-MM-DD, like 2026-12-01{why}; got {shown}")
+
+
+def _day_input(value: object) -> date:
+    return value if type(value) is date else parse_day(value)
+
+
+# a day in a query or a JSON body: YYYY-MM-DD only (see parse_day)
+Day = Annotated[date, BeforeValidator(_day_input)]
 
 
 def day_start(day: date) -> datetime:
@@ -18,7 +52,7 @@ def day_range(day: date) -> tuple[datetime, datetime]:
 
 
 def parse_period(period: str) -> tuple[int, int]:
-    match = _PERIOD.match(period or "")
+    match = _PERIOD.fullmatch(period or "")
     if not match or not 1 <= int(match.group(2)) <= 12:
         raise ValueError(f"period must look like 2026-01, got {period!r}")
     year = int(match.group(1))

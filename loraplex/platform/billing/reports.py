@@ -17,6 +17,7 @@ from datetime import date, timedelta
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from loraplex.platform.billing.adapter_filter import AdapterFilter, parse_adapter_filter
 from loraplex.platform.billing.aggregate import UsageTotals, adapter_label, aggregate_records
 from loraplex.platform.billing.lines import BASE_MODEL, UsageGroup, build_lines, total_amount
 from loraplex.platform.billing.models import BASE_ADAPTER, NO_KEY, UsageRollup
@@ -27,6 +28,16 @@ from loraplex.platform.billing.rollups import rolled_up_days
 from loraplex.platform.models import ApiKey, Tenant
 
 DIMENSIONS = ("day", "tenant", "key", "adapter")
+
+
+def parse_group_by(text: str, allowed: tuple[str, ...] = DIMENSIONS) -> tuple[str, ...]:
+    """"day,adapter" -> ("day", "adapter"): each name once, in the order given; ValueError naming any other."""
+    dims = tuple(dict.fromkeys(d.strip() for d in text.split(",") if d.strip()))
+    unknown = [d for d in dims if d not in allowed]
+    if unknown:
+        shown = [d if len(d) <= 40 else d[:40] + "..." for d in unknown[:5]]
+        raise ValueError(f"cannot group by {shown}; choose from {list(allowed)}")
+    return dims
 
 
 @dataclass
@@ -124,21 +135,23 @@ def usage_report(
     group_by: Iterable[str] = ("day",),
     tenant_ids: list[int] | None = None,
     api_key_id: int | None = None,
-    adapter: str | None = None,
+    adapter: str | AdapterFilter | None = None,
 ) -> list[ReportRow]:
     """Rows for [start, end] (inclusive, UTC days) grouped by `group_by` (a subset of DIMENSIONS).
 
-    `adapter` filters by adapter name ("" for the base model); `api_key_id` by key.
+    `adapter` filters by adapter: `name`, `name@version` or "" for the base model; `api_key_id` by key.
     """
-    dims = tuple(group_by)
+    dims = tuple(dict.fromkeys(group_by))
     unknown = set(dims) - set(DIMENSIONS)
     if unknown:
         raise ValueError(f"cannot group by {sorted(unknown)}; choose from {list(DIMENSIONS)}")
+    if isinstance(adapter, str):
+        adapter = parse_adapter_filter(adapter)
     totals = _daily_totals(session, start, end, tenant_ids)
     if api_key_id is not None:
         totals = [(d, t) for d, t in totals if t.api_key_id == api_key_id]
     if adapter is not None:
-        totals = [(d, t) for d, t in totals if t.adapter_name == adapter]
+        totals = [(d, t) for d, t in totals if adapter.matches(t.adapter_name, t.adapter_version)]
     tenant_rows = {t.tenant_id for _, t in totals}
     tenants = {t.id: t for t in session.scalars(select(Tenant).where(Tenant.id.in_(tenant_rows)))} if tenant_rows else {}
     prices: dict[tuple[int, str], Price] = {}

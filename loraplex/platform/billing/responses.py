@@ -7,18 +7,27 @@ from typing import Annotated, Literal
 
 from fastapi import Query
 from fastapi.responses import JSONResponse, Response
+from sqlalchemy.orm import Session
 
+from loraplex.platform.billing.adapter_filter import (
+    AdapterFilter,
+    UnknownAdapter,
+    check_known,
+    parse_adapter_filter,
+)
 from loraplex.platform.billing.export import rows_to_csv, statement_csv, statement_dict, with_decimal_amounts
-from loraplex.platform.billing.periods import resolve_range
-from loraplex.platform.billing.reports import DIMENSIONS, ReportRow
+from loraplex.platform.billing.periods import Day, resolve_range
+from loraplex.platform.billing.reports import DIMENSIONS, ReportRow, parse_group_by
 from loraplex.platform.billing.schemas import ReportRowPublic, StatementPublic, UsageReportPublic
 from loraplex.platform.billing.statements import StatementView
-from loraplex.platform.errors import bad_request
+from loraplex.platform.errors import bad_request, not_found
 
 Format = Literal["json", "csv"]
-StartQuery = Annotated[date | None, Query(description="first UTC day, inclusive (default: first of this month)")]
-EndQuery = Annotated[date | None, Query(description="last UTC day, inclusive (default: today)")]
+StartQuery = Annotated[Day | None, Query(description="first UTC day, YYYY-MM-DD, inclusive (default: first of this month)")]
+EndQuery = Annotated[Day | None, Query(description="last UTC day, YYYY-MM-DD, inclusive (default: today)")]
 GroupByQuery = Annotated[str, Query(description=f"comma-separated subset of {', '.join(DIMENSIONS)}")]
+AdapterQuery = Annotated[str | None, Query(
+    description="only this adapter: its name, name@version, or empty for the base model alone")]
 FormatQuery = Annotated[Format, Query(description="json or csv")]
 
 
@@ -30,11 +39,24 @@ def date_range(start: date | None, end: date | None) -> tuple[date, date]:
 
 
 def dimensions(group_by: str, allowed: tuple[str, ...] = DIMENSIONS) -> tuple[str, ...]:
-    dims = tuple(d.strip() for d in group_by.split(",") if d.strip())
-    unknown = [d for d in dims if d not in allowed]
-    if unknown:
-        raise bad_request(f"cannot group by {unknown}; choose from {list(allowed)}", param="group_by")
-    return dims
+    try:
+        return parse_group_by(group_by, allowed)
+    except ValueError as exc:
+        raise bad_request(str(exc), param="group_by") from exc
+
+
+def adapter_filter(session: Session, adapter: str | None, tenant_ids: list[int] | None) -> AdapterFilter | None:
+    """The report's `adapter` filter, or a 400 (malformed) or 404 (naming no adapter of theirs) that says so."""
+    if adapter is None:
+        return None
+    try:
+        wanted = parse_adapter_filter(adapter)
+        check_known(session, wanted, tenant_ids)
+    except UnknownAdapter as exc:
+        raise not_found(str(exc), param="adapter", code="adapter_not_found") from exc
+    except ValueError as exc:
+        raise bad_request(f"Invalid value for 'adapter': {exc}", param="adapter") from exc
+    return wanted
 
 
 def _attachment(filename: str) -> dict[str, str]:

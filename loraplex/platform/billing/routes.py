@@ -11,10 +11,12 @@ from loraplex.platform.billing.export import statement_dict
 from loraplex.platform.billing.periods import period_of, previous_period, today_utc
 from loraplex.platform.billing.reports import usage_report
 from loraplex.platform.billing.responses import (
+    AdapterQuery,
     EndQuery,
     FormatQuery,
     GroupByQuery,
     StartQuery,
+    adapter_filter,
     date_range,
     dimensions,
     report_response,
@@ -49,8 +51,9 @@ def tenant_usage(
     """One tenant's usage, filtered and grouped (there is no tenant dimension to group by)."""
     start, end = date_range(start, end)
     dims = dimensions(group_by, TENANT_DIMENSIONS)
+    wanted = adapter_filter(session, adapter, [tenant_id])
     rows = usage_report(session, start, end, group_by=dims, tenant_ids=[tenant_id],
-                        adapter=adapter, api_key_id=api_key_id)
+                        adapter=wanted, api_key_id=api_key_id)
     return report_response(rows, dims, start, end, fmt, "usage")
 
 
@@ -58,7 +61,7 @@ def tenant_usage(
             responses={200: {"model": UsageReportPublic, **CSV_OR_JSON}})
 def usage_report_route(
     *, caller: UsageKeyDep, session: SessionDep, start: StartQuery = None, end: EndQuery = None,
-    group_by: GroupByQuery = "day,adapter", adapter: Annotated[str | None, Query()] = None,
+    group_by: GroupByQuery = "day,adapter", adapter: AdapterQuery = None,
     api_key_id: Annotated[RowId | None, Query()] = None, format: FormatQuery = "json",
 ) -> Response:
     return tenant_usage(session, caller.tenant_id, start=start, end=end, group_by=group_by, adapter=adapter,

@@ -25,6 +25,7 @@ from loraplex.platform.errors import APIError
 from loraplex.platform.metrics import get_metrics
 from loraplex.platform.models import Adapter, AdapterVersion, Tenant, VersionStatus
 from loraplex.platform.routes.adapters import MULTIPART_OVERHEAD, drop_versions, register_with_retry
+from loraplex.platform.schemas.adapters import parse_pin
 from loraplex.platform.scoping import TenantScope
 from loraplex.platform.strict_json import StrictJsonRoute
 from loraplex.platform.tenants import TenantError, get_tenant
@@ -122,8 +123,12 @@ async def delete(request: Request, _context: ConsolePostDep, services: ServicesD
 async def prefetch(request: Request, _context: ConsolePostDep, services: ServicesDep, tenant_id: IdPath,
                    version_id: IdPath) -> RedirectResponse:
     form = await request.form()
-    pin = {"1": True, "0": False}.get(form.get("pin"))
     back = f"/console/adapters?tenant_id={tenant_id}"
+    raw_pin = form.get("pin")
+    try:  # no pin field (the Prefetch button) leaves the pin as it is; a value it cannot read is refused
+        pin = parse_pin(raw_pin if raw_pin != "" else None)
+    except ValueError as exc:
+        return redirect(request, back, error=f"Nothing prefetched: pin {exc}.")
     with services.sessions() as session:
         version = TenantScope(session, tenant_id).one_or_none(AdapterVersion, AdapterVersion.id == version_id)
         if version is None or version.status != VersionStatus.ready.value:

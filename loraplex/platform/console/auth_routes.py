@@ -5,7 +5,13 @@ from __future__ import annotations
 from fastapi import APIRouter, HTTPException, Request
 from fastapi.responses import HTMLResponse, RedirectResponse
 
-from loraplex.platform.console.deps import CSRF_FIELD, SIGN_IN_REASONS, ConsolePostDep, same_origin
+from loraplex.platform.console.deps import (
+    CSRF_FIELD,
+    SIGN_IN_REASONS,
+    UNSAVED_REASONS,
+    ConsolePostDep,
+    same_origin,
+)
 from loraplex.platform.console.session import (
     LOGIN_COOKIE,
     LOGIN_TTL,
@@ -14,6 +20,7 @@ from loraplex.platform.console.session import (
     check_login_token,
     cookie_secure,
     end_session,
+    is_revoked_admin_credential,
     load_session,
     new_login_token,
     start_session,
@@ -71,14 +78,17 @@ async def login(request: Request, services: ServicesDep):
     with services.sessions() as session:
         key = verify_admin_credential(session, services.settings, credential)
         if key is None:
-            return _login_page(request, services, error="That is not a valid admin key.", status_code=401,
+            error = ("That admin key has been revoked; sign in with another one."
+                     if is_revoked_admin_credential(session, services.settings, credential)
+                     else "That is not a valid admin key.")
+            return _login_page(request, services, error=error, status_code=401,
                                next_url=str(form.get("next") or ""), reason=_reason(form.get("reason")))
         cookie = start_session(session, services.settings, key)
         session.commit()
     target = _safe_next(str(form.get("next") or ""))
     # back on the page whose form was refused, which shows the stored values: say again that the change is not
     # among them
-    unsaved = UNSAVED_AFTER_SIGN_IN if _reason(form.get("reason")) == "unsaved" else None
+    unsaved = UNSAVED_AFTER_SIGN_IN if _reason(form.get("reason")) in UNSAVED_REASONS else None
     response = redirect(request, target, error=unsaved)
     response.set_cookie(SESSION_COOKIE, cookie, max_age=int(SESSION_TTL.total_seconds()), httponly=True,
                         samesite="strict", secure=cookie_secure(services.settings), path="/console")

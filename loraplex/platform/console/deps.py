@@ -7,7 +7,13 @@ from urllib.parse import quote, urlsplit
 
 from fastapi import Depends, HTTPException, Request
 
-from loraplex.platform.console.session import SESSION_COOKIE, ConsoleContext, csrf_matches, load_session
+from loraplex.platform.console.session import (
+    SESSION_COOKIE,
+    ConsoleContext,
+    csrf_matches,
+    load_session,
+    revoked_key_prefix,
+)
 from loraplex.platform.deps import ServicesDep
 
 CSRF_HEADER = "x-csrf-token"
@@ -33,26 +39,40 @@ SIGN_IN_REASONS = {
     "expired": "Your session has expired; sign in again to continue.",
     "unsaved": "Your session has expired, so the change you submitted was not saved. "
                "Sign in, then make it again.",
+    "revoked": "The admin key this session was signed in with has been revoked; sign in with another admin key "
+               "to continue.",
+    "revoked_unsaved": "The admin key this session was signed in with has been revoked, so the change you "
+                       "submitted was not saved. Sign in with another admin key, then make it again.",
 }
+# the reasons whose post lost a change, which the page after signing in says again
+UNSAVED_REASONS = ("unsaved", "revoked_unsaved")
 
 
-def _sign_in_reason(request: Request) -> str | None:
+def _sign_in_reason(request: Request, revoked: bool) -> str | None:
     """A refused post lost the operator's change: say so. A page asked for with a session cookie that no longer
-    names a session: the session expired (or ended elsewhere). A first visit, with no cookie, needs no notice."""
+    names a session: the session expired (or ended elsewhere), or its admin key was revoked. A first visit,
+    with no cookie, needs no notice."""
     if request.method != "GET":
-        return "unsaved"
+        return "revoked_unsaved" if revoked else "unsaved"
+    if revoked:
+        return "revoked"
     return "expired" if request.cookies.get(SESSION_COOKIE) else None
 
 
 def get_console(request: Request, services: ServicesDep) -> ConsoleContext:
+    cookie = request.cookies.get(SESSION_COOKIE)
     with services.sessions() as session:
-        context = load_session(session, services.settings, request.cookies.get(SESSION_COOKIE))
+        context = load_session(session, services.settings, cookie)
+        revoked = None if context is not None else revoked_key_prefix(session, services.settings, cookie)
     if context is None:
         target = _page_after_sign_in(request)
         if target is not None:  # nothing a signed-out post asked for is done: it is sent to sign in
-            reason = _sign_in_reason(request)
+            reason = _sign_in_reason(request, revoked is not None)
             location = f"/console/login?next={quote(target)}" + (f"&reason={reason}" if reason else "")
             raise HTTPException(303, "sign in first", headers={"Location": location})
+        if revoked is not None:
+            raise HTTPException(401, f"The admin key {revoked}... this session was signed in with has been "
+                                     "revoked; sign in with another admin key.")
         raise HTTPException(401, "Sign in to the console first.")
     return context
 

@@ -52,6 +52,15 @@ def verify_admin_credential(session: Session, settings: Settings, credential: st
     return key
 
 
+def is_revoked_admin_credential(session: Session, settings: Settings, credential: str) -> bool:
+    """Whether `credential` is an admin key that was valid once and has been revoked."""
+    credential = (credential or "").strip()
+    if not credential.startswith(ADMIN_KEY_PREFIX):
+        return False
+    key = session.scalar(select(AdminKey).where(AdminKey.key_hash == hash_key(settings.secret_key, credential)))
+    return key is not None and key.revoked_at is not None
+
+
 def start_session(session: Session, settings: Settings, admin_key: AdminKey) -> str:
     """Create a session row (and clear out dead ones); returns the signed cookie value."""
     now = utcnow()
@@ -67,20 +76,35 @@ def start_session(session: Session, settings: Settings, admin_key: AdminKey) -> 
     return _serializer(settings, "session").dumps(sid)
 
 
-def load_session(session: Session, settings: Settings, cookie: str | None) -> ConsoleContext | None:
+def _session_row(session: Session, settings: Settings, cookie: str | None) -> ConsoleSession | None:
     if not cookie:
         return None
     try:
         sid = _serializer(settings, "session").loads(cookie, max_age=int(SESSION_TTL.total_seconds()))
     except BadSignature:
         return None
-    row = session.scalar(select(ConsoleSession).where(ConsoleSession.sid_hash == _sid_hash(str(sid))))
+    return session.scalar(select(ConsoleSession).where(ConsoleSession.sid_hash == _sid_hash(str(sid))))
+
+
+def load_session(session: Session, settings: Settings, cookie: str | None) -> ConsoleContext | None:
+    row = _session_row(session, settings, cookie)
     if row is None or row.ended_at is not None or row.expires_at <= utcnow():
         return None
     key = session.get(AdminKey, row.admin_key_id)
     if key is None or key.revoked_at is not None:  # revoking the admin key signs its sessions out
         return None
     return ConsoleContext(session_id=row.id, admin_key_id=row.admin_key_id, csrf_token=row.csrf_token)
+
+
+def revoked_key_prefix(session: Session, settings: Settings, cookie: str | None) -> str | None:
+    """The display prefix of the admin key a signed-out session was made with, where that key has been revoked
+    (and the session was not ended by signing out): the operator is told the key was revoked, not that the
+    session expired."""
+    row = _session_row(session, settings, cookie)
+    if row is None or row.ended_at is not None:
+        return None
+    key = session.get(AdminKey, row.admin_key_id)
+    return key.prefix if key is not None and key.revoked_at is not None else None
 
 
 def end_session(session: Session, session_id: int) -> None:

@@ -13,6 +13,7 @@ from sqlalchemy import select
 from loraplex.platform.billing.export import statement_dict, statements_summary_csv
 from loraplex.platform.billing.periods import (
     days_in,
+    parse_day,
     parse_period,
     period_of,
     previous_period,
@@ -22,7 +23,7 @@ from loraplex.platform.billing.periods import (
 )
 from loraplex.platform.billing.prices import price_lists, set_plan_price
 from loraplex.platform.billing.pricing import Price, known_currency
-from loraplex.platform.billing.reports import DIMENSIONS, usage_report
+from loraplex.platform.billing.reports import DIMENSIONS, parse_group_by, usage_report
 from loraplex.platform.billing.responses import Format, report_response, statement_response
 from loraplex.platform.billing.statements import (
     NoStatement,
@@ -50,10 +51,9 @@ def _parse_date(q, name: str) -> date | None:
     if not value:
         return None
     try:
-        return date.fromisoformat(value)
-    except ValueError:
-        shown = value if len(value) <= 40 else value[:40] + "..."
-        raise ValueError(f"{name} must be a date like 2026-12-01, got {shown!r}") from None
+        return parse_day(value)
+    except ValueError as exc:
+        raise ValueError(f"{name} {exc}") from None
 
 
 def _filters(request: Request) -> tuple[date, date, int | None]:
@@ -126,10 +126,14 @@ def usage_export(request: Request, _context: ConsoleDep, services: ServicesDep) 
     try:
         start, end, tenant_id = _filters(request)
         fmt = _export_format(request)
-        dims = tuple(d.strip() for d in (q.get("group_by") or "day,tenant,adapter").split(",") if d.strip())
-        unknown = [d for d in dims if d not in DIMENSIONS]
-        if unknown or not dims:
-            raise ValueError(f"group_by takes some of {', '.join(DIMENSIONS)}, got {q.get('group_by')!r}")
+        group_by = q.get("group_by") or "day,tenant,adapter"
+        try:
+            dims = parse_group_by(group_by)
+        except ValueError:
+            dims = ()
+        if not dims:
+            shown = group_by if len(group_by) <= 40 else group_by[:40] + "..."
+            raise ValueError(f"group_by takes some of {', '.join(DIMENSIONS)}, got {shown!r}")
     except ValueError as exc:
         return Response(f"{exc}\n", status_code=400, media_type="text/plain; charset=utf-8")
     with services.sessions() as session:

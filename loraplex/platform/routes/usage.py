@@ -8,6 +8,8 @@ from typing import Literal
 from fastapi import APIRouter, Query
 from fastapi.responses import Response
 
+from loraplex.platform.billing.periods import Day
+from loraplex.platform.billing.responses import AdapterQuery, adapter_filter
 from loraplex.platform.deps import RowId, SessionDep, UsageKeyDep
 from loraplex.platform.errors import bad_request
 from loraplex.platform.schemas.usage import UsageBucket, UsageReport
@@ -20,9 +22,10 @@ MAX_DAYS = 366
 
 @router.get("/usage", response_model=UsageReport, responses={200: {"content": {"text/csv": {}}}})
 def read_usage(*, tenant: UsageKeyDep, session: SessionDep,
-               start: date | None = Query(default=None, description="first UTC day (default: 30 days ago)"),
-               end: date | None = Query(default=None, description="last UTC day, inclusive (default: today)"),
-               adapter: str | None = Query(default=None, description="only this adapter (by name)"),
+               start: Day | None = Query(default=None, description="first UTC day, YYYY-MM-DD (default: 30 days ago)"),
+               end: Day | None = Query(default=None,
+                                       description="last UTC day, YYYY-MM-DD, inclusive (default: today)"),
+               adapter: AdapterQuery = None,
                api_key_id: RowId | None = Query(default=None, description="only requests made with this key"),
                format: Literal["json", "csv"] = Query(default="json"),
                ) -> UsageReport | Response:
@@ -31,10 +34,11 @@ def read_usage(*, tenant: UsageKeyDep, session: SessionDep,
     if end >= date.max - timedelta(days=1):
         raise bad_request("end is out of range", param="end")
     if start > end:
-        raise bad_request("start must not be after end", param="start")
+        raise bad_request(f"start {start} is after end {end}: start must not be after end", param="start")
     if (end - start).days >= MAX_DAYS:
         raise bad_request(f"the range may span at most {MAX_DAYS} days", param="start")
-    data = usage_by_day(session, tenant.tenant_id, start, end, adapter=adapter, api_key_id=api_key_id)
+    wanted = adapter_filter(session, adapter, [tenant.tenant_id])
+    data = usage_by_day(session, tenant.tenant_id, start, end, adapter=wanted, api_key_id=api_key_id)
     if format == "csv":
         from loraplex.platform.billing.export import rows_to_csv
 

@@ -1,9 +1,27 @@
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+
+_FLAGS = {"true": True, "1": True, "false": False, "0": False}
+
+
+def parse_pin(value: object) -> bool | None:
+    """A pin flag, the same wherever one is taken (the admin API's JSON, the console's form): true, false, 1 or
+    0 (as JSON values or text), None for none. Anything else is refused, never read as "leave the pin"."""
+    if value is None or isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str) and value.strip().lower() in _FLAGS:
+        return _FLAGS[value.strip().lower()]
+    shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:40] + "..."
+    raise ValueError(f"must be true, false, 1 or 0 (or left out to leave the pin as it is), got {shown}")
+
+
+Pin = Annotated[bool | None, BeforeValidator(parse_pin)]
 
 
 class AdapterVersionPublic(BaseModel):
@@ -59,4 +77,4 @@ class AdapterVersionDeleted(BaseModel):
 
 class PrefetchRequest(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
-    pin: bool | None = None  # true pins, false unpins, left out (or null) leaves the pin as it is
+    pin: Pin = None  # true (1) pins, false (0) unpins, left out (or null) leaves the pin as it is

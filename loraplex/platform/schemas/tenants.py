@@ -12,12 +12,23 @@ from loraplex.platform.schemas.text import DbText
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
 
 
+def _character(c: str) -> str:
+    return f"U+{ord(c):04X}" + (f" {unicodedata.name(c)}" if unicodedata.name(c, "") else "")
+
+
 def refuse_control_characters(value: str) -> str:
-    """A free-text name (a key's) is printed by the CLI and in CSV exports: no newline, tab or terminal
-    escape may ride in it."""
-    bad = next((c for c in value if unicodedata.category(c) == "Cc"), None)
-    if bad is not None:
-        raise ValueError(f"must not contain control characters (found U+{ord(bad):04X})")
+    """A free-text name (a key's) is printed by the CLI, in the console and in CSV exports: no newline, tab or
+    terminal escape may ride in it, nor an invisible format character (category Cf: the bidirectional
+    overrides and isolates U+202A-U+202E and U+2066-U+2069, which make "lpx-gnp.exe" read as "lpx-exe.png",
+    the zero-width space and joiners, the byte order mark), nor a line or paragraph separator, which make
+    two names that look the same differ."""
+    for c in value:
+        category = unicodedata.category(c)
+        if category in ("Cc", "Zl", "Zp"):
+            raise ValueError(f"must not contain control characters or line breaks (found {_character(c)})")
+        if category == "Cf":
+            raise ValueError(f"must not contain invisible characters such as bidirectional overrides or "
+                             f"zero-width characters (found {_character(c)})")
     return value
 
 

@@ -7,7 +7,9 @@ from datetime import UTC, date, datetime, time, timedelta
 from sqlalchemy import case, func
 from sqlalchemy.orm import Session
 
+from loraplex.platform.billing.adapter_filter import AdapterFilter
 from loraplex.platform.billing.aggregate import FAILED_STATUSES
+from loraplex.platform.billing.models import BASE_ADAPTER
 from loraplex.platform.models import UsageRecord
 from loraplex.platform.schemas.usage import UsageBucket
 from loraplex.platform.scoping import TenantScope
@@ -19,11 +21,22 @@ def _day(session: Session):
     return func.date(UsageRecord.created_at)
 
 
-def usage_by_day(session: Session, tenant_id: int, start: date, end: date, *, adapter: str | None = None,
-                 api_key_id: int | None = None) -> list[UsageBucket]:
-    """Inclusive date range, UTC days; optionally only one adapter (by name) or one API key. Tokens are
-    counted as billed: a request that failed on the server's side counts as a (failed) request, its tokens
-    do not."""
+def _adapter_conditions(adapter: AdapterFilter | None) -> list:
+    if adapter is None:
+        return []
+    if adapter.name == BASE_ADAPTER:
+        return [UsageRecord.adapter_name.is_(None)]
+    conditions = [UsageRecord.adapter_name == adapter.name]
+    if adapter.version is not None:
+        conditions.append(UsageRecord.adapter_version.startswith(adapter.version, autoescape=True))
+    return conditions
+
+
+def usage_by_day(session: Session, tenant_id: int, start: date, end: date, *,
+                 adapter: AdapterFilter | None = None, api_key_id: int | None = None) -> list[UsageBucket]:
+    """Inclusive date range, UTC days; optionally only one adapter (`name`, `name@version`, or the base model)
+    or one API key. Tokens are counted as billed: a request that failed on the server's side counts as a
+    (failed) request, its tokens do not."""
     lo = datetime.combine(start, time.min, tzinfo=UTC)
     hi = datetime.combine(end + timedelta(days=1), time.min, tzinfo=UTC)
     day = _day(session).label("day")
@@ -35,7 +48,7 @@ def usage_by_day(session: Session, tenant_id: int, start: date, end: date, *, ad
         .with_only_columns(day, UsageRecord.adapter_name, UsageRecord.adapter_version, func.count(), failed,
                            func.sum(case((failed_row, 0), else_=UsageRecord.prompt_tokens)),
                            func.sum(case((failed_row, 0), else_=UsageRecord.completion_tokens)))
-        .where(*([UsageRecord.adapter_name == adapter] if adapter is not None else []),
+        .where(*_adapter_conditions(adapter),
                *([UsageRecord.api_key_id == api_key_id] if api_key_id is not None else []))
         .group_by(day, UsageRecord.adapter_name, UsageRecord.adapter_version)
         .order_by(day, UsageRecord.adapter_name, UsageRecord.adapter_version)
