@@ -28,9 +28,9 @@ def build_services(settings: Settings, *, engine: EngineClient | None = None,
     db = make_engine(url)
     redis = None
     if settings.redis_url:
-        import redis.asyncio as aioredis
+        from loraplex.platform.redis_clients import async_redis
 
-        redis = aioredis.from_url(settings.redis_url)
+        redis = async_redis(settings)
     if limiter is None:
         if redis is not None:
             from loraplex.platform.quotas.redis import RedisQuotaLimiter

@@ -250,7 +250,6 @@ async def _heartbeat(redis, settings: Settings, engine: EngineClient, engine_id:
 
 
 def run_engine_server(settings: Settings, *, host: str, port: int, advertise: str | None = None) -> None:
-    import redis.asyncio as aioredis
     import uvicorn
 
     from loraplex.platform.engine_factory import build_engine
@@ -260,7 +259,9 @@ def run_engine_server(settings: Settings, *, host: str, port: int, advertise: st
         reachable = socket.gethostname() if host in ("0.0.0.0", "::", "") else host
         advertise = f"http://{reachable}:{port}"
     engine = build_engine(settings)
-    redis = aioredis.from_url(settings.redis_url)
+    from loraplex.platform.redis_clients import async_redis
+
+    redis = async_redis(settings)
     draining = threading.Event()
     app = build_engine_app(settings, engine, advertise=advertise, redis=redis, draining=draining)
 
