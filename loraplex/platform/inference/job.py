@@ -118,7 +118,15 @@ class InferenceJob:
             raise
 
     async def run(self) -> AsyncIterator[tuple[int, RequestOutput]]:
-        engine = self.services.require_engine()
+        try:
+            engine = self.services.require_engine()
+        except APIError:
+            # the engine went away since the request was admitted (its last engine process found down): a
+            # failure of the server's, settled here, as nothing below runs to settle it
+            self.failed = True
+            with anyio.CancelScope(shield=True):
+                await self.finish("error")
+            raise
         streams = [engine.generate(p, self.params, self.engine_request_id(i), adapter=self.target.adapter,
                                    tenant=str(self.tenant.tenant_id)) for i, p in enumerate(self.prompts)]
         self._consumer = asyncio.current_task()
