@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
@@ -25,7 +26,9 @@ from loraplex.platform.remote.protocol import (
     output_from_json,
     params_to_json,
 )
-from loraplex.platform.remote.server import STREAM_READ_TIMEOUT
+from loraplex.platform.remote.server import ABORT_REQUEST_SECONDS, STREAM_READ_TIMEOUT
+
+log = logging.getLogger(__name__)
 
 
 class RemoteEngine:
@@ -84,7 +87,11 @@ class RemoteEngine:
         known: an engine process of an older version (its answer has no count), or one that did not answer."""
         try:
             r = await self._http.post(f"{self.url}/engine/abort", json={"request_id": request_id},
-                                      headers=self._headers)
+                                      headers=self._headers, timeout=ABORT_REQUEST_SECONDS)
+        except httpx.TimeoutException:
+            log.warning("abort of request %s: engine %s did not answer within ABORT_REQUEST_SECONDS=%g s", request_id,
+                        self.url, ABORT_REQUEST_SECONDS)
+            return None
         except httpx.TransportError:
             return None  # a closed stream already aborted it, or the engine is gone with it
         return _prompt_tokens_processed(r)

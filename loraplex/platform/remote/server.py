@@ -37,6 +37,11 @@ REGISTRATION_TTL = 10
 # engine that sends nothing for STREAM_READ_TIMEOUT (frozen, or cut off without the connection closing).
 STREAM_HEARTBEAT_SECONDS = 5.0
 STREAM_READ_TIMEOUT = 60.0
+# how long the engine process waits for its step thread to confirm an abort (busy in a long step, or stopping)
+# before it answers without the count; the API process waits ABORT_REQUEST_SECONDS for that answer, both well
+# inside the ABORT_TIMEOUT_SECONDS a request's settlement waits for its aborts
+ENGINE_ABORT_SECONDS = 5.0
+ABORT_REQUEST_SECONDS = 8.0
 
 
 def registry_key(prefix: str, engine_id: str = "*") -> str:
@@ -181,7 +186,12 @@ def build_engine_app(settings: Settings, engine: EngineClient, *, advertise: str
     async def abort(body: dict) -> dict:
         # the API process bills a dropped request for the prompt tokens this engine processed; one of an
         # older version, which reads only "ok", bills as it did
-        processed = await engine.abort(body["request_id"])
+        try:
+            processed = await asyncio.wait_for(engine.abort(body["request_id"]), ENGINE_ABORT_SECONDS)
+        except TimeoutError:
+            log.warning("abort of request %s: the engine did not confirm it within ENGINE_ABORT_SECONDS=%g s; "
+                        "answered without its prompt count", body["request_id"], ENGINE_ABORT_SECONDS)
+            processed = None
         return {"ok": True, "prompt_tokens_processed": processed}
 
     @app.post("/engine/prefetch")
