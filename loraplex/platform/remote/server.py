@@ -48,6 +48,14 @@ def registry_key(prefix: str, engine_id: str = "*") -> str:
     return f"{prefix}:engines:{engine_id}"
 
 
+def served_name(model: str) -> str:
+    """A base model's name as API and engine processes compare it: a served name or Hub id as it is, a local
+    path by its folder (or file) name, since each machine may keep the model under another directory."""
+    if model.startswith(("/", "./", "../", "~")) or "\\" in model:
+        return model.rstrip("/\\").replace("\\", "/").rsplit("/", 1)[-1]
+    return model
+
+
 class _NDJSONStream(StreamingResponse):
     media_type = "application/x-ndjson"
 
@@ -241,6 +249,8 @@ async def _heartbeat(redis, settings: Settings, engine: EngineClient, engine_id:
         try:
             s = engine.stats()
             record = {"engine_id": engine_id, "url": advertise, "model_name": engine.model_name,
+                      # the name clients use for its base model: API processes route only to engines serving theirs
+                      "served_model_name": served_name(settings.served_model_name or engine.model_name),
                       "max_model_len": engine.max_model_len, "running": s.num_running, "waiting": s.num_waiting,
                       "max_num_seqs": settings.max_num_seqs, "resident": list(s.lora_resident),
                       "host_cached": list(s.lora_host_cached), "updated": time.time(),
