@@ -70,7 +70,10 @@ def _refuse_unreachable_redis(settings) -> None:
         finally:
             client.close()
     except (redis.RedisError, OSError, ValueError) as exc:
-        raise click.ClickException(f"cannot reach Redis at {masked_url(url)} (LORAPLEX_REDIS_URL): {exc}") from exc
+        from loraplex.platform.outage import error_text
+
+        raise click.ClickException(f"cannot reach Redis at {masked_url(url)} (LORAPLEX_REDIS_URL): "
+                                   f"{error_text(exc)}") from exc
 
 
 @click.command()

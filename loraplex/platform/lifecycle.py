@@ -176,7 +176,8 @@ async def shutdown_services(services: Services) -> None:
     # requests the server ended (or cancelled) settle in shielded code that may still be running: their
     # quota and usage record need Redis and the journal, closed below
     if not await services.requests_settled(SETTLE_TIMEOUT):
-        log.warning("%d requests had not settled their usage when the server stopped", len(services.running))
+        log.warning("%d requests had not settled their usage within SETTLE_TIMEOUT=%g s when the server stopped",
+                    len(services.running), SETTLE_TIMEOUT)
     for hook in reversed(services.shutdown_hooks):
         try:
             await hook(services)

@@ -8,7 +8,7 @@ import logging
 import math
 import time
 
-from loraplex.platform.outage import OutageLog, every
+from loraplex.platform.outage import OutageLog, error_text, every
 from loraplex.platform.quotas.base import (
     WINDOW_SECONDS,
     MonthSeed,
@@ -250,8 +250,10 @@ class RedisQuotaLimiter:
         try:
             await asyncio.wait_for(self._settle(keys=keys, args=args), SETTLE_SECONDS)
         except Exception as exc:  # noqa: BLE001 - Redis away or slow: retried below, never the request's error
-            log.warning("settling request %s's quota failed (%r); retried every %s s until Redis takes it",
-                        reservation.request_id, exc, KEEP_ALIVE_SECONDS)
+            why = (f"no answer within SETTLE_SECONDS={SETTLE_SECONDS:g} s" if type(exc) is TimeoutError
+                   else error_text(exc))
+            log.warning("settling request %s's quota failed (%s); retried every %s s until Redis takes it",
+                        reservation.request_id, why, KEEP_ALIVE_SECONDS)
             self._unsettled.append((keys, args, time.monotonic()))
 
     async def _retry_settlements(self) -> None:

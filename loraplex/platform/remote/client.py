@@ -29,6 +29,7 @@ from loraplex.platform.remote.protocol import (
 from loraplex.platform.remote.server import ABORT_REQUEST_SECONDS, STREAM_READ_TIMEOUT
 
 log = logging.getLogger(__name__)
+HTTP_TIMEOUT = 10.0  # seconds to connect to an engine, send it a request, or wait for a pooled connection
 
 
 class RemoteEngine:
@@ -39,7 +40,7 @@ class RemoteEngine:
         self.max_model_len = max_model_len
         self.tokenizer = tokenizer
         # an engine stream sends a blank line at least every STREAM_HEARTBEAT_SECONDS while it works
-        self._http = http or httpx.AsyncClient(timeout=httpx.Timeout(10.0, read=STREAM_READ_TIMEOUT))
+        self._http = http or httpx.AsyncClient(timeout=httpx.Timeout(HTTP_TIMEOUT, read=STREAM_READ_TIMEOUT))
         self._headers = {SECRET_HEADER: engine_token(secret_key)}
         self.inflight = 0  # requests this API process has on the engine now
 
@@ -155,5 +156,14 @@ def _prompt_tokens_processed(response: httpx.Response) -> int | None:
 
 
 def _why(exc: BaseException) -> str:
-    """What went wrong, never empty: httpx's timeouts carry no message of their own."""
-    return str(exc) or type(exc).__name__
+    """What went wrong, never empty: httpx's timeouts carry no message of their own; they are named by the
+    timeout that ran out."""
+    text = str(exc) or type(exc).__name__
+    if isinstance(exc, httpx.ReadTimeout):
+        return f"{text} (nothing read within STREAM_READ_TIMEOUT={STREAM_READ_TIMEOUT:g} s)"
+    if isinstance(exc, httpx.TimeoutException):  # connect, write, pool
+        return f"{text} (its {_TIMEOUT_KIND.get(type(exc), 'HTTP')} timeout, HTTP_TIMEOUT={HTTP_TIMEOUT:g} s)"
+    return text
+
+
+_TIMEOUT_KIND = {httpx.ConnectTimeout: "connect", httpx.WriteTimeout: "write", httpx.PoolTimeout: "pool"}

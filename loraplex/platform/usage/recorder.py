@@ -13,7 +13,7 @@ import time
 
 from sqlalchemy.orm import Session, sessionmaker
 
-from loraplex.platform.outage import OutageLog, every
+from loraplex.platform.outage import OutageLog, error_text, every
 from loraplex.platform.usage.event import UsageEvent
 from loraplex.platform.usage.file_journal import FileJournal
 from loraplex.platform.usage.redis_journal import RedisJournal
@@ -53,8 +53,10 @@ class UsageRecorder:
                 self._spooling = False
             return
         if not self._spooling:
-            log.warning("the Redis usage journal did not take request %s's record (%r); records go to the "
-                        "local spool until it does, and from there to the database", event.request_id, error)
+            why = (f"no answer within APPEND_SECONDS={self.append_seconds:g} s" if type(error) is TimeoutError
+                   else error_text(error))
+            log.warning("the Redis usage journal did not take request %s's record (%s); records go to the "
+                        "local spool until it does, and from there to the database", event.request_id, why)
             self._spooling = True
         try:
             if self.spool is None:
