@@ -8,6 +8,7 @@ that finished is never turned into an error by its record, nor left unbilled.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 
@@ -133,7 +134,14 @@ class UsageRecorder:
         except BaseException:
             await journal.release(receipt)
             raise
-        await journal.ack(receipt)
+        try:
+            await journal.ack(receipt)
+        except BaseException:
+            # the batch stays in the journal (re-inserted, harmlessly, by the next flush); the lock is given back
+            # now where Redis answers, rather than held until it lapses
+            with contextlib.suppress(Exception):
+                await journal.release(receipt)
+            raise
         return inserted, len(events) >= self.batch_size
 
     async def run(self) -> None:
