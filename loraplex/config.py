@@ -60,6 +60,12 @@ class Settings(BaseSettings):
     engine_queue: str = Field(default="engine", description="Celery queue the engine process consumes")
     task_queue: str = "loraplex"  # Celery queue of the background workers
     redis_prefix: str = "lpx"  # namespace of every Redis key (quotas, usage journal, locks)
+    # seconds a Redis connect, and a Redis reply, may take before the command fails (and is retried)
+    redis_connect_timeout: float = Field(default=3.0, gt=0)
+    redis_socket_timeout: float = Field(default=5.0, gt=0)
+    # times a Redis command cut by a dropped connection or a timeout is sent again (exponential backoff from
+    # 50 ms, at most 2 s apart): a Redis restart of a few seconds is waited out rather than failing requests
+    redis_retries: int = Field(default=6, ge=0)
     auto_migrate: bool = True  # run `alembic upgrade head` when the API starts
     embedded_engine: bool = True  # build the engine inside the API process (AsyncEngine)
     usage_flush_interval: float = 1.0  # seconds between batched usage inserts

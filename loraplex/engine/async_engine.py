@@ -73,6 +73,9 @@ class AsyncEngine:
         self._wake.set()
         await asyncio.to_thread(self._thread.join)
         self._thread = None
+        # commands sent after the step thread's last look at its queue (an abort of a request the shutdown
+        # ends, a late add) would wait for an answer for ever: answered here, as a stopped engine answers them
+        self._refuse_commands()
         for request_id, stream in list(self._streams.items()):
             stream.put(EngineOverloadedError("the engine is shutting down"))
             self._streams.pop(request_id, None)
@@ -258,7 +261,8 @@ class AsyncEngine:
             if future is None or not future.set_running_or_notify_cancel():
                 continue
             if command[0] == "add":
-                future.set_exception(EngineError(f"the engine stopped: {self.failure}"))
+                future.set_exception(EngineError(f"the engine stopped: {self.failure}") if self.failure
+                                     else EngineOverloadedError("the engine is shutting down"))
             else:
                 future.set_result(None)
 

@@ -55,19 +55,25 @@ def _refuse_busy_port(host: str, port: int) -> None:
                                    "pass --port (or --host), or stop what holds it") from exc
 
 
-def _refuse_unreachable_redis(url: str) -> None:
+def _refuse_unreachable_redis(settings) -> None:
     """Quotas, tasks and the engine registry all live in Redis: a server that cannot reach it would fail its
     startup with a connection traceback (the API) or serve without being found (an engine)."""
     import redis
 
+    from loraplex.platform.redis_clients import sync_redis
+
+    url = settings.redis_url
     try:
-        client = redis.Redis.from_url(url, socket_connect_timeout=3, socket_timeout=3)
+        client = sync_redis(settings, retries=0)  # a probe: one try, within the connect timeout
         try:
             client.ping()
         finally:
             client.close()
     except (redis.RedisError, OSError, ValueError) as exc:
-        raise click.ClickException(f"cannot reach Redis at {masked_url(url)} (LORAPLEX_REDIS_URL): {exc}") from exc
+        from loraplex.platform.outage import error_text
+
+        raise click.ClickException(f"cannot reach Redis at {masked_url(url)} (LORAPLEX_REDIS_URL): "
+                                   f"{error_text(exc)}") from exc
 
 
 @click.command()
@@ -92,7 +98,7 @@ def serve(model, host, port, data_dir, no_engine):
         raise click.ClickException("--no-engine needs LORAPLEX_REDIS_URL: engines register themselves in Redis")
     _refuse_busy_port(settings.host, settings.port)
     if settings.redis_url:
-        _refuse_unreachable_redis(settings.redis_url)
+        _refuse_unreachable_redis(settings)
     try:
         prepare_database(settings)
     except Exception as exc:
@@ -205,7 +211,7 @@ def engine(model, host, port, advertise):
     settings = _settings(model=model)
     if not settings.redis_url:
         raise click.ClickException("`loraplex engine` needs LORAPLEX_REDIS_URL to register itself with the API")
-    _refuse_unreachable_redis(settings.redis_url)
+    _refuse_unreachable_redis(settings)
     # its pin sync reads the platform's tables: on a database without them (the SQLite file an unset
     # LORAPLEX_DATABASE_URL falls back to) the engine would serve without ever getting its pins
     _refuse_unreachable_database(settings, tables=("adapter_versions",),

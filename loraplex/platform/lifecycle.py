@@ -28,9 +28,9 @@ def build_services(settings: Settings, *, engine: EngineClient | None = None,
     db = make_engine(url)
     redis = None
     if settings.redis_url:
-        import redis.asyncio as aioredis
+        from loraplex.platform.redis_clients import async_redis
 
-        redis = aioredis.from_url(settings.redis_url)
+        redis = async_redis(settings)
     if limiter is None:
         if redis is not None:
             from loraplex.platform.quotas.redis import RedisQuotaLimiter
@@ -176,7 +176,8 @@ async def shutdown_services(services: Services) -> None:
     # requests the server ended (or cancelled) settle in shielded code that may still be running: their
     # quota and usage record need Redis and the journal, closed below
     if not await services.requests_settled(SETTLE_TIMEOUT):
-        log.warning("%d requests had not settled their usage when the server stopped", len(services.running))
+        log.warning("%d requests had not settled their usage within SETTLE_TIMEOUT=%g s when the server stopped",
+                    len(services.running), SETTLE_TIMEOUT)
     for hook in reversed(services.shutdown_hooks):
         try:
             await hook(services)

@@ -19,7 +19,7 @@ class OutageLog:
     def failed(self, exc: BaseException) -> None:
         if not self.failing:
             self.logger.warning("%s failed%s (retrying every %s s): %s", self.what, self.consequence,
-                                self.retry_seconds, exc)
+                                self.retry_seconds, error_text(exc))
             self.failing = True
         self.logger.debug("%s failed", self.what, exc_info=exc)
 
@@ -27,6 +27,15 @@ class OutageLog:
         if self.failing:
             self.logger.warning("%s restored", self.what)
             self.failing = False
+
+
+def error_text(exc: BaseException) -> str:
+    """An error for a log line, never empty; a timeout names which one it was (its setting and value)."""
+    from loraplex.platform.redis_clients import describe_timeout
+
+    text = str(exc) or type(exc).__name__
+    which = describe_timeout(exc)
+    return f"{text} ({which})" if which else text
 
 
 async def every(seconds: float, work: Callable[[], Awaitable[object]], outage: OutageLog, *,

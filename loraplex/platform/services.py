@@ -106,7 +106,8 @@ class Services:
         if failure:
             return f"The inference engine stopped: {failure}."
         if not getattr(self.engine, "available", True):
-            return "No engine process is serving right now; retry shortly."
+            return (getattr(self.engine, "unavailable_reason", None)
+                    or "No engine process is serving right now; retry shortly.")
         return None
 
     def require_engine(self) -> EngineClient:

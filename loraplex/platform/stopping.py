@@ -22,7 +22,8 @@ class StoppingServer(uvicorn.Server):
     async def shutdown(self, sockets=None) -> None:
         def stop() -> None:
             if count := self.services.stop_requests():
-                log.warning("stopped %d requests still running %.0f s after the shutdown began", count, self.grace)
+                log.warning("stopped %d requests still running %g s after the shutdown began "
+                            "(LORAPLEX_SHUTDOWN_TIMEOUT=%g s)", count, self.grace, self.grace)
 
         timer = asyncio.get_running_loop().call_later(self.grace, stop)
         try:

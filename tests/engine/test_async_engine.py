@@ -272,3 +272,20 @@ async def test_abort_reports_how_far_a_chunked_prefill_ran(tiny_llama_dir):
         for _ in range(10):
             gate.release()
         await eng.shutdown()
+
+
+async def test_an_abort_sent_as_the_engine_shuts_down_is_answered(tiny_llama_dir):
+    """An abort (or a request) sent after the step thread's last look at its commands, as the server's
+    shutdown ends the requests still running, is answered by the shutdown rather than left waiting for ever."""
+    eng = AsyncEngine(EngineConfig(str(tiny_llama_dir), num_kv_blocks=64))
+    await eng.start()
+    eng._stopping = True  # the shutdown has begun: the step thread leaves its loop
+    eng._wake.set()
+    await asyncio.to_thread(eng._thread.join)
+    abort = asyncio.create_task(eng.abort("late"))
+    await asyncio.sleep(0)  # its command is queued, and it waits on the answer
+    assert not abort.done()
+    await eng.shutdown()
+    for _ in range(3):
+        await asyncio.sleep(0)
+    assert abort.done() and abort.result() is None

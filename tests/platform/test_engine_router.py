@@ -17,7 +17,7 @@ ADAPTER = LoRARequest(name="a", content_hash="ab" * 32, path="/x")
 def _router(records: dict[str, dict]) -> EngineRouter:
     from loraplex.platform.remote.client import RemoteEngine
 
-    router = EngineRouter(Settings(environment="test"), redis=None, tokenizer=None, max_model_len=64)
+    router = EngineRouter(Settings(environment="test", model="m"), redis=None, tokenizer=None, max_model_len=64)
     for engine_id, rec in records.items():
         router.records[engine_id] = {"engine_id": engine_id, "url": f"http://{engine_id}", "model_name": "m",
                                      "max_model_len": 64, "running": 0, "waiting": 0, "max_num_seqs": 4,
@@ -382,3 +382,78 @@ def test_an_abort_after_the_stream_closed_still_asks_the_engine_that_had_it():
         return await router.abort("r1"), await router.abort("never-sent")
 
     assert asyncio.run(run()) == (4, 0)
+
+
+class _Registry:
+    """Redis as the router's refresh() reads it: these registration records."""
+
+    def __init__(self, *records):
+        self.records = records
+
+    async def scan_iter(self, pattern):
+        for i in range(len(self.records)):
+            yield f"k{i}"
+
+    async def mget(self, keys):
+        import json
+
+        return [json.dumps(r) for r in self.records]
+
+
+def _record(engine_id: str, model_name: str, **extra) -> dict:
+    return {"engine_id": engine_id, "url": f"http://{engine_id}", "model_name": model_name, "max_model_len": 64,
+            "running": 0, "waiting": 0, "max_num_seqs": 4, "resident": [], "host_cached": [],
+            "updated": time.time(), **extra}
+
+
+def test_an_engine_serving_another_base_model_is_never_chosen(caplog):
+    """An engine process started with another LORAPLEX_MODEL (or left from before a model change) registers in
+    the same Redis: this API process tokenizes for its own model and answers in its name, so it sends it
+    nothing, says so once in its log, and routes to the engines that serve its model, wherever their copy of
+    the model lies on their machine."""
+    import asyncio
+    import logging
+
+    router = EngineRouter(Settings(environment="test", model="/srv/models/base-7b"), redis=None, tokenizer=None,
+                          max_model_len=64)
+    router.redis = _Registry(_record("other", "/srv/models/other-7b"),  # less loaded, but another model
+                             _record("ours", "/mnt/cache/base-7b", running=3))
+    with caplog.at_level(logging.WARNING, logger="loraplex.platform.remote.router"):
+        asyncio.run(router.refresh())
+        asyncio.run(router.refresh())
+    assert set(router.records) == {"ours"} and router.foreign == {"other": "other-7b"}
+    assert router.choose(None).url == "http://ours"
+    assert router.stats().extra["engines"] == 1
+    assert len([r for r in caplog.records if "'other-7b'" in r.getMessage()]) == 1
+
+
+def test_engines_that_all_serve_another_model_are_a_503_that_says_so():
+    import asyncio
+
+    from loraplex.platform.remote.server import served_name
+
+    router = EngineRouter(Settings(environment="test", model="base-7b", served_model_name="support-base"),
+                          redis=_Registry(_record("e1", "base-7b", served_model_name=served_name("base-7b"))),
+                          tokenizer=None, max_model_len=64)
+    asyncio.run(router.refresh())
+    assert not router.available
+    assert "'support-base'" in router.unavailable_reason and "base-7b" in router.unavailable_reason
+    with pytest.raises(EngineOverloadedError):
+        router.choose(None)
+    # the engine's registration names what clients call its model: the served name where one is set
+    router.redis = _Registry(_record("e1", "base-7b", served_model_name="support-base"))
+    asyncio.run(router.refresh())
+    assert router.available and router.choose(None).url == "http://e1"
+
+
+def test_no_engine_of_the_model_is_what_the_503_and_readiness_say(client, app, make_tenant, monkeypatch):
+    from loraplex.platform.services import Services
+
+    class OnlyForeign:
+        available = False
+        unavailable_reason = "No engine process serves the model 'fake-base' (the registered ones serve other)."
+
+    monkeypatch.setattr(app.state.services, "engine", OnlyForeign())
+    assert Services.engine_problem(app.state.services) == OnlyForeign.unavailable_reason
+    r = client.get("/readyz")
+    assert r.status_code == 503 and "serves the model 'fake-base'" in r.text

@@ -150,3 +150,113 @@ def test_a_flush_cancelled_mid_batch_leaves_no_lock_held_and_close_moves_everyth
 
     pending, stored, locked = asyncio.run(scenario())
     assert (pending, stored, locked) == (0, 3, False)
+
+
+def _redis_journal_scenario(settings, body):
+    """Run `body(redis, journal, sessions, tenant_id)` against the real Redis under a key prefix of its own."""
+    import uuid
+
+    from loraplex.platform.redis_clients import async_redis
+    from loraplex.platform.usage.redis_journal import RedisJournal
+
+    sessions, tenant_id = _sessions(settings)
+
+    async def scenario():
+        redis = async_redis(settings, url=REDIS_URL)
+        try:
+            await redis.ping()
+        except Exception:
+            await redis.aclose()
+            pytest.skip("no Redis on this machine")
+        journal = RedisJournal(redis, f"lpxtest-journal-{uuid.uuid4().hex[:8]}")
+        try:
+            return await body(redis, journal, sessions, tenant_id)
+        finally:
+            await redis.delete(journal.key, journal.lock_key)
+            await redis.aclose()
+
+    return asyncio.run(scenario()), sessions
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("fails_at", ["insert", "ack"])
+def test_a_flush_that_fails_mid_way_loses_and_doubles_nothing(settings, monkeypatch, fails_at):
+    """Five records moved two at a time; the second batch fails (its insert, or its trim after the insert when
+    Redis drops the connection): the first stays moved, nothing is lost, and the next flush, at once (the lock
+    was given back), moves the rest with no record twice."""
+    from loraplex.platform.usage import recorder as recorder_module
+
+    calls = []
+    real_insert = recorder_module.insert_events
+
+    def insert(sessions, events):
+        calls.append(len(events))
+        if fails_at == "insert" and len(calls) == 2:
+            raise ConnectionError("database went away mid-flush")
+        return real_insert(sessions, events)
+
+    monkeypatch.setattr(recorder_module, "insert_events", insert)
+
+    async def body(redis, journal, sessions, tenant_id):
+        real_ack, acks = journal.ack, []
+
+        async def ack(receipt):
+            acks.append(receipt)
+            if fails_at == "ack" and len(acks) == 2:
+                import redis.exceptions
+
+                raise redis.exceptions.ConnectionError("Connection closed by server.")
+            return await real_ack(receipt)
+
+        journal.ack = ack
+        recorder = UsageRecorder(sessions, journal, batch_size=2)
+        for i in range(5):
+            await recorder.record(_event(tenant_id, i))
+        with pytest.raises(Exception, match="went away|closed"):
+            await recorder.flush()
+        assert not await redis.exists(journal.lock_key)  # given back, not held until it lapses
+        await recorder.flush()
+        return await journal.pending()
+
+    pending, sessions = _redis_journal_scenario(settings, body)
+    assert pending == 0
+    assert _count(sessions) == (5, 0 + 1 + 2 + 3 + 4)
+
+
+@pytest.mark.integration
+def test_a_lock_left_by_a_dead_flusher_holds_flushing_only_until_it_lapses(settings):
+    async def body(redis, journal, sessions, tenant_id):
+        recorder = UsageRecorder(sessions, journal)
+        for i in range(3):
+            await recorder.record(_event(tenant_id, i))
+        await redis.set(journal.lock_key, "a-flusher-that-died", px=300)
+        moved_while_held = await recorder.flush()
+        while await redis.exists(journal.lock_key):  # its expiry, set by the dead process
+            await asyncio.sleep(0.05)
+        return moved_while_held, await recorder.flush(), await journal.pending()
+
+    (while_held, after, pending), sessions = _redis_journal_scenario(settings, body)
+    assert (while_held, after, pending) == (0, 3, 0)
+
+
+@pytest.mark.integration
+def test_a_lock_taken_again_after_a_lost_reply_is_still_ours(settings):
+    """The client sends the lock's SET again when the connection dropped before its reply: the second SET
+    finds the key the first one made. That lock is this flusher's, not another's to wait a minute for."""
+
+    async def body(redis, journal, sessions, tenant_id):
+        recorder = UsageRecorder(sessions, journal)
+        for i in range(2):
+            await recorder.record(_event(tenant_id, i))
+        real_set = redis.set
+
+        async def set_sent_twice(*args, **kwargs):
+            await real_set(*args, **kwargs)  # ran; its reply lost
+            return await real_set(*args, **kwargs)  # the resend's reply: NX finds the key
+
+        redis.set = set_sent_twice
+        moved = await recorder.flush()
+        return moved, await journal.pending(), bool(await redis.exists(journal.lock_key))
+
+    (moved, pending, locked), _ = _redis_journal_scenario(settings, body)
+    assert (moved, pending, locked) == (2, 0, False)

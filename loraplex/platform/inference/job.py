@@ -32,6 +32,10 @@ from loraplex.platform.services import Services
 from loraplex.platform.usage import UsageEvent
 
 log = logging.getLogger(__name__)
+# how long a request that ends unfinished (its client left, the server stops) waits for the engine to confirm
+# its aborts: an engine that does not answer (hung, or going away) must not hold the request's settlement,
+# nor the server's shutdown, which waits for every settlement
+ABORT_TIMEOUT_SECONDS = 10.0
 
 
 @dataclass
@@ -118,7 +122,15 @@ class InferenceJob:
             raise
 
     async def run(self) -> AsyncIterator[tuple[int, RequestOutput]]:
-        engine = self.services.require_engine()
+        try:
+            engine = self.services.require_engine()
+        except APIError:
+            # the engine went away since the request was admitted (its last engine process found down): a
+            # failure of the server's, settled here, as nothing below runs to settle it
+            self.failed = True
+            with anyio.CancelScope(shield=True):
+                await self.finish("error")
+            raise
         streams = [engine.generate(p, self.params, self.engine_request_id(i), adapter=self.target.adapter,
                                    tenant=str(self.tenant.tenant_id)) for i, p in enumerate(self.prompts)]
         self._consumer = asyncio.current_task()
@@ -194,24 +206,41 @@ class InferenceJob:
         if self._closed:
             return
         self._closed = True
-        engine = self.services.engine
         for i, stream in enumerate(streams):
             try:
                 await stream.aclose()
             except Exception:
                 log.exception("closing engine stream %s failed", self.engine_request_id(i))
-            if self.finished_ok:
-                continue
-            processed = None
-            if engine is not None:
-                try:
-                    processed = await engine.abort(self.engine_request_id(i))
-                except Exception:
-                    log.exception("abort of %s failed", self.engine_request_id(i))
+        if not self.finished_ok:
+            processed = await self._abort(len(streams))
             if not (self.failed or self.stopped):
-                self.prefilled[i] = processed  # a dropped request: billed the prompt tokens the engine processed
+                self.prefilled.update(processed)  # a dropped request: billed the prompt tokens the engine processed
         status = "ok" if self.finished_ok else ("error" if self.failed or self.stopped else "cancelled")
         await self.finish(status)
+
+    async def _abort(self, count: int) -> dict[int, int | None]:
+        """Abort the request's engine requests, all at once and for ABORT_TIMEOUT_SECONDS at most; the prompt
+        tokens the engine says it processed of each, None where it could not say (or did not in time)."""
+        engine = self.services.engine
+        if engine is None or not count:
+            return dict.fromkeys(range(count))
+
+        async def one(index: int) -> int | None:
+            try:
+                return await engine.abort(self.engine_request_id(index))
+            except Exception:
+                log.exception("abort of %s failed", self.engine_request_id(index))
+                return None
+
+        tasks = [asyncio.ensure_future(one(i)) for i in range(count)]
+        done, pending = await asyncio.wait(tasks, timeout=ABORT_TIMEOUT_SECONDS)
+        for task in pending:
+            task.cancel()  # not awaited: an engine call that ignores its cancellation must not hold us either
+        if pending:
+            log.warning("request %s: the engine did not confirm %d of its aborts within ABORT_TIMEOUT_SECONDS=%g s; "
+                        "settling without them (prompts it could not report on are billed whole)",
+                        self.request_id, len(pending), ABORT_TIMEOUT_SECONDS)
+        return {i: task.result() if task in done else None for i, task in enumerate(tasks)}
 
     async def _release(self) -> None:
         """A refused request's end: its reservation given back in full, its place in the per-minute request

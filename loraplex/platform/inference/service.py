@@ -72,23 +72,25 @@ async def _used_now(services: Services, tenant: TenantContext, params) -> tuple[
 
 
 async def _require_engine(services: Services, tenant: TenantContext, request: Request, endpoint: str,
-                          body) -> EngineClient:
+                          body, target: ModelTarget) -> EngineClient:
     """The engine, or the 503 that says none serves; such a refusal is the server's failure, counted in the
-    metrics (status "unavailable") and as a failed request of the tenant's usage, with no tokens."""
+    metrics (status "unavailable") and as a failed request of the tenant's usage, with no tokens and nothing
+    taken from its quotas (it is refused before them)."""
     try:
         return services.require_engine()
     except APIError:
         hook = services.on_request_finished
         if hook is not None:
             try:
-                hook(endpoint=endpoint, status="unavailable", tenant=tenant.tenant_name, adapter=None,
+                hook(endpoint=endpoint, status="unavailable", tenant=tenant.tenant_name, adapter=target.adapter_name,
                      prompt_tokens=0, completion_tokens=0, ttft_s=None, e2e_s=0.0)
             except Exception:
                 log.exception("metrics hook failed")
         if services.usage is not None:
             await services.usage.record(UsageEvent(
                 request_id=request.state.request_id, tenant_id=tenant.tenant_id, api_key_id=tenant.key_id,
-                model=str(body.model)[:200], adapter_name=None, adapter_version=None, endpoint=endpoint,
+                model=target.model, adapter_name=target.adapter_name,
+                adapter_version=target.adapter.content_hash if target.adapter else None, endpoint=endpoint,
                 prompt_tokens=0, completion_tokens=0, ttft_ms=None, latency_ms=0, status="error",
                 end_user=body.user, created_at=UsageEvent.now_iso()))
         raise
@@ -96,9 +98,11 @@ async def _require_engine(services: Services, tenant: TenantContext, request: Re
 
 async def chat_completion(services: Services, tenant: TenantContext, request: Request,
                           body: ChatCompletionRequest) -> Response:
-    engine = await _require_engine(services, tenant, request, "chat.completions", body)
+    # the client's errors first (a field refused: 400; a model it has not: 404), whether an engine serves or not:
+    # they are neither the server's failure nor usage
     params = chat_sampling(body)
     target = await resolve_target(services, tenant, body.model)
+    engine = await _require_engine(services, tenant, request, "chat.completions", body, target)
     prompt = await _tokenize(request, encode_chat, engine, body)
     max_new = check_context(engine, len(prompt), params, "messages",
                             "max_completion_tokens" if body.max_completion_tokens else "max_tokens")
@@ -128,9 +132,9 @@ async def chat_completion(services: Services, tenant: TenantContext, request: Re
 
 async def text_completion(services: Services, tenant: TenantContext, request: Request,
                           body: CompletionRequest) -> Response:
-    engine = await _require_engine(services, tenant, request, "completions", body)
-    params = completion_sampling(body)
+    params = completion_sampling(body)  # the client's errors first, as for chat completions
     target = await resolve_target(services, tenant, body.model)
+    engine = await _require_engine(services, tenant, request, "completions", body, target)
     prompts = await _tokenize(request, completion_prompts, engine, body)
     max_new = min(check_context(engine, len(p), params, "prompt") for p in prompts)
     max_new, params = fit_unset_max_tokens(

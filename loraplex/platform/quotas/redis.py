@@ -8,7 +8,7 @@ import logging
 import math
 import time
 
-from loraplex.platform.outage import OutageLog, every
+from loraplex.platform.outage import OutageLog, error_text, every
 from loraplex.platform.quotas.base import (
     WINDOW_SECONDS,
     MonthSeed,
@@ -26,6 +26,8 @@ from loraplex.platform.quotas.base import (
 #       has no counter yet, so that the caller seeds it first
 # An in-flight entry past its expiry belongs to a process that died mid-request (live ones are kept alive by
 # their process, `keep_alive`): its slot is freed and its token reservation taken back off its month.
+# A request id already in flight was admitted by this very call sent before (the client retries a command
+# whose reply a dropped connection lost): it is answered as admitted again, counting nothing twice.
 _ACQUIRE = """
 local now = tonumber(ARGV[1])
 for _, id in ipairs(redis.call('ZRANGEBYSCORE', KEYS[4], '-inf', now)) do
@@ -45,11 +47,12 @@ for _, id in ipairs(redis.call('ZRANGEBYSCORE', KEYS[4], '-inf', now)) do
   end
 end
 redis.call('ZREMRANGEBYSCORE', KEYS[4], '-inf', now)
-if ARGV[13] == '1' and redis.call('EXISTS', KEYS[3]) == 0 then return {5, 0, 0, 0} end
-local inflight = redis.call('ZCARD', KEYS[4])
 local reqs = tonumber(redis.call('GET', KEYS[1]) or '0')
 local toks = tonumber(redis.call('GET', KEYS[2]) or '0')
 local spent = tonumber(redis.call('GET', KEYS[3]) or '0')
+if redis.call('ZSCORE', KEYS[4], ARGV[7]) then return {0, reqs, toks, spent} end
+if ARGV[13] == '1' and redis.call('EXISTS', KEYS[3]) == 0 then return {5, 0, 0, 0} end
+local inflight = redis.call('ZCARD', KEYS[4])
 local reserve = tonumber(ARGV[6])
 local held = tonumber(redis.call('GET', KEYS[6]) or '0')
 if inflight >= tonumber(ARGV[4]) then return {1, reqs, toks, spent, held} end
@@ -247,8 +250,10 @@ class RedisQuotaLimiter:
         try:
             await asyncio.wait_for(self._settle(keys=keys, args=args), SETTLE_SECONDS)
         except Exception as exc:  # noqa: BLE001 - Redis away or slow: retried below, never the request's error
-            log.warning("settling request %s's quota failed (%r); retried every %s s until Redis takes it",
-                        reservation.request_id, exc, KEEP_ALIVE_SECONDS)
+            why = (f"no answer within SETTLE_SECONDS={SETTLE_SECONDS:g} s" if type(exc) is TimeoutError
+                   else error_text(exc))
+            log.warning("settling request %s's quota failed (%s); retried every %s s until Redis takes it",
+                        reservation.request_id, why, KEEP_ALIVE_SECONDS)
             self._unsettled.append((keys, args, time.monotonic()))
 
     async def _retry_settlements(self) -> None:

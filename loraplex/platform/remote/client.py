@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
@@ -25,7 +26,10 @@ from loraplex.platform.remote.protocol import (
     output_from_json,
     params_to_json,
 )
-from loraplex.platform.remote.server import STREAM_READ_TIMEOUT
+from loraplex.platform.remote.server import ABORT_REQUEST_SECONDS, STREAM_READ_TIMEOUT
+
+log = logging.getLogger(__name__)
+HTTP_TIMEOUT = 10.0  # seconds to connect to an engine, send it a request, or wait for a pooled connection
 
 
 class RemoteEngine:
@@ -36,7 +40,7 @@ class RemoteEngine:
         self.max_model_len = max_model_len
         self.tokenizer = tokenizer
         # an engine stream sends a blank line at least every STREAM_HEARTBEAT_SECONDS while it works
-        self._http = http or httpx.AsyncClient(timeout=httpx.Timeout(10.0, read=STREAM_READ_TIMEOUT))
+        self._http = http or httpx.AsyncClient(timeout=httpx.Timeout(HTTP_TIMEOUT, read=STREAM_READ_TIMEOUT))
         self._headers = {SECRET_HEADER: engine_token(secret_key)}
         self.inflight = 0  # requests this API process has on the engine now
 
@@ -84,7 +88,11 @@ class RemoteEngine:
         known: an engine process of an older version (its answer has no count), or one that did not answer."""
         try:
             r = await self._http.post(f"{self.url}/engine/abort", json={"request_id": request_id},
-                                      headers=self._headers)
+                                      headers=self._headers, timeout=ABORT_REQUEST_SECONDS)
+        except httpx.TimeoutException:
+            log.warning("abort of request %s: engine %s did not answer within ABORT_REQUEST_SECONDS=%g s", request_id,
+                        self.url, ABORT_REQUEST_SECONDS)
+            return None
         except httpx.TransportError:
             return None  # a closed stream already aborted it, or the engine is gone with it
         return _prompt_tokens_processed(r)
@@ -148,5 +156,14 @@ def _prompt_tokens_processed(response: httpx.Response) -> int | None:
 
 
 def _why(exc: BaseException) -> str:
-    """What went wrong, never empty: httpx's timeouts carry no message of their own."""
-    return str(exc) or type(exc).__name__
+    """What went wrong, never empty: httpx's timeouts carry no message of their own; they are named by the
+    timeout that ran out."""
+    text = str(exc) or type(exc).__name__
+    if isinstance(exc, httpx.ReadTimeout):
+        return f"{text} (nothing read within STREAM_READ_TIMEOUT={STREAM_READ_TIMEOUT:g} s)"
+    if isinstance(exc, httpx.TimeoutException):  # connect, write, pool
+        return f"{text} (its {_TIMEOUT_KIND.get(type(exc), 'HTTP')} timeout, HTTP_TIMEOUT={HTTP_TIMEOUT:g} s)"
+    return text
+
+
+_TIMEOUT_KIND = {httpx.ConnectTimeout: "connect", httpx.WriteTimeout: "write", httpx.PoolTimeout: "pool"}

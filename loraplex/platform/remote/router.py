@@ -24,7 +24,7 @@ from loraplex.engine.sampling_params import SamplingParams
 from loraplex.platform.outage import OutageLog, every
 from loraplex.platform.remote.client import RemoteEngine
 from loraplex.platform.remote.protocol import add_stats
-from loraplex.platform.remote.server import REGISTRATION_TTL, registry_key
+from loraplex.platform.remote.server import REGISTRATION_TTL, registry_key, served_name
 
 log = logging.getLogger(__name__)
 REFRESH_SECONDS = 1.0
@@ -42,6 +42,10 @@ class EngineRouter:
         self.max_model_len = max_model_len or 0
         self.engines: dict[str, RemoteEngine] = {}
         self.records: dict[str, dict] = {}
+        # registered engines that serve another base model (a process started with another LORAPLEX_MODEL, or
+        # left from before a model change): never routed to, as this process tokenizes for its own model and
+        # answers in its name -> the model they serve
+        self.foreign: dict[str, str] = {}
         self._refresher: asyncio.Task | None = None
         self._owner: dict[str, RemoteEngine] = {}  # request id -> engine serving it
         self._ended: OrderedDict[str, RemoteEngine] = OrderedDict()  # request id -> engine that served it
@@ -76,16 +80,40 @@ class EngineRouter:
         # the engines known from the last reading keep serving while Redis is away
         await every(REFRESH_SECONDS, self.refresh, OutageLog(log, "reading the engine registry", REFRESH_SECONDS))
 
+    @property
+    def unavailable_reason(self) -> str | None:
+        """Why no engine serves, where registered engines all serve another base model; else None."""
+        if self.records or not self.foreign:
+            return None
+        return (f"No engine process serves the model {served_name(self.model_name)!r} (the registered ones serve "
+                f"{', '.join(sorted(set(self.foreign.values())))}).")
+
+    def serves_our_model(self, rec: dict) -> bool:
+        """Whether a registration's engine serves this process's base model (an engine of an older version,
+        whose record names only its model, by that)."""
+        return (rec.get("served_model_name") or served_name(str(rec.get("model_name", "")))) == served_name(
+            self.model_name)
+
     async def refresh(self) -> None:
         keys = [k async for k in self.redis.scan_iter(registry_key(self.settings.redis_prefix))]
         values = await self.redis.mget(keys) if keys else []
-        records = {}
+        records, foreign = {}, {}
         for raw in values:
             if not raw:
                 continue
             rec = json.loads(raw)
-            if time.time() - rec.get("updated", 0) <= REGISTRATION_TTL:
+            if time.time() - rec.get("updated", 0) > REGISTRATION_TTL:
+                continue
+            if self.serves_our_model(rec):
                 records[rec["engine_id"]] = rec
+                continue
+            theirs = rec.get("served_model_name") or served_name(str(rec.get("model_name", "")))
+            foreign[rec["engine_id"]] = theirs
+            if rec["engine_id"] not in self.foreign:
+                log.warning("engine %s at %s serves the model %r, not this API process's %r: no request is sent "
+                            "to it (give every process the same LORAPLEX_MODEL, or LORAPLEX_SERVED_MODEL_NAME)",
+                            rec["engine_id"], rec.get("url"), theirs, served_name(self.model_name))
+        self.foreign = foreign
         for engine_id, rec in records.items():
             if engine_id in self._down_at and rec.get("updated", 0.0) > self._down_at[engine_id]:
                 self._down.pop(engine_id, None)  # it beat since it failed us: alive again

@@ -37,10 +37,23 @@ REGISTRATION_TTL = 10
 # engine that sends nothing for STREAM_READ_TIMEOUT (frozen, or cut off without the connection closing).
 STREAM_HEARTBEAT_SECONDS = 5.0
 STREAM_READ_TIMEOUT = 60.0
+# how long the engine process waits for its step thread to confirm an abort (busy in a long step, or stopping)
+# before it answers without the count; the API process waits ABORT_REQUEST_SECONDS for that answer, both well
+# inside the ABORT_TIMEOUT_SECONDS a request's settlement waits for its aborts
+ENGINE_ABORT_SECONDS = 5.0
+ABORT_REQUEST_SECONDS = 8.0
 
 
 def registry_key(prefix: str, engine_id: str = "*") -> str:
     return f"{prefix}:engines:{engine_id}"
+
+
+def served_name(model: str) -> str:
+    """A base model's name as API and engine processes compare it: a served name or Hub id as it is, a local
+    path by its folder (or file) name, since each machine may keep the model under another directory."""
+    if model.startswith(("/", "./", "../", "~")) or "\\" in model:
+        return model.rstrip("/\\").replace("\\", "/").rsplit("/", 1)[-1]
+    return model
 
 
 class _NDJSONStream(StreamingResponse):
@@ -181,7 +194,12 @@ def build_engine_app(settings: Settings, engine: EngineClient, *, advertise: str
     async def abort(body: dict) -> dict:
         # the API process bills a dropped request for the prompt tokens this engine processed; one of an
         # older version, which reads only "ok", bills as it did
-        processed = await engine.abort(body["request_id"])
+        try:
+            processed = await asyncio.wait_for(engine.abort(body["request_id"]), ENGINE_ABORT_SECONDS)
+        except TimeoutError:
+            log.warning("abort of request %s: the engine did not confirm it within ENGINE_ABORT_SECONDS=%g s; "
+                        "answered without its prompt count", body["request_id"], ENGINE_ABORT_SECONDS)
+            processed = None
         return {"ok": True, "prompt_tokens_processed": processed}
 
     @app.post("/engine/prefetch")
@@ -231,6 +249,8 @@ async def _heartbeat(redis, settings: Settings, engine: EngineClient, engine_id:
         try:
             s = engine.stats()
             record = {"engine_id": engine_id, "url": advertise, "model_name": engine.model_name,
+                      # the name clients use for its base model: API processes route only to engines serving theirs
+                      "served_model_name": served_name(settings.served_model_name or engine.model_name),
                       "max_model_len": engine.max_model_len, "running": s.num_running, "waiting": s.num_waiting,
                       "max_num_seqs": settings.max_num_seqs, "resident": list(s.lora_resident),
                       "host_cached": list(s.lora_host_cached), "updated": time.time(),
@@ -250,7 +270,6 @@ async def _heartbeat(redis, settings: Settings, engine: EngineClient, engine_id:
 
 
 def run_engine_server(settings: Settings, *, host: str, port: int, advertise: str | None = None) -> None:
-    import redis.asyncio as aioredis
     import uvicorn
 
     from loraplex.platform.engine_factory import build_engine
@@ -260,7 +279,9 @@ def run_engine_server(settings: Settings, *, host: str, port: int, advertise: st
         reachable = socket.gethostname() if host in ("0.0.0.0", "::", "") else host
         advertise = f"http://{reachable}:{port}"
     engine = build_engine(settings)
-    redis = aioredis.from_url(settings.redis_url)
+    from loraplex.platform.redis_clients import async_redis
+
+    redis = async_redis(settings)
     draining = threading.Event()
     app = build_engine_app(settings, engine, advertise=advertise, redis=redis, draining=draining)
 

@@ -101,10 +101,11 @@ class BeatLeader:
 
 
 def start_beat(app, settings, schedule_filename: str) -> BeatLeader:
-    import redis
     from celery.beat import Service
 
-    leader = BeatLeader(redis.Redis.from_url(settings.redis_url), settings.redis_prefix,
+    from loraplex.platform.redis_clients import sync_redis
+
+    leader = BeatLeader(sync_redis(settings), settings.redis_prefix,
                         lambda: Service(app, schedule_filename=schedule_filename))
     leader.start()
     return leader

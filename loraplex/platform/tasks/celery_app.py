@@ -35,7 +35,11 @@ def configure(settings: Settings) -> Celery:
         },
         # every key the broker makes (queues, bindings, unacked messages) under the deployment's namespace,
         # like the quota and usage keys: two deployments sharing a Redis database never share queues
-        broker_transport_options={"visibility_timeout": 3600, "global_keyprefix": f"{settings.redis_prefix}:"},
+        # and the broker's connections bounded as the service's own Redis clients are (redis_clients): a
+        # publish on a connection a Redis restart left half-open fails and reconnects rather than hanging
+        broker_transport_options={"visibility_timeout": 3600, "global_keyprefix": f"{settings.redis_prefix}:",
+                                  "socket_connect_timeout": settings.redis_connect_timeout,
+                                  "socket_timeout": settings.redis_socket_timeout, "socket_keepalive": True},
         broker_connection_retry_on_startup=True,
         worker_hijack_root_logger=False,
         beat_schedule={

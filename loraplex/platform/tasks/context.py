@@ -40,7 +40,12 @@ class TaskContext:
         if self.engine is None or self.loop is None:
             return None
         future = asyncio.run_coroutine_threadsafe(coro_factory(self.engine), self.loop)
-        return future.result(timeout=ENGINE_CALL_TIMEOUT)
+        try:
+            return future.result(timeout=ENGINE_CALL_TIMEOUT)
+        except TimeoutError:
+            future.cancel()
+            raise TimeoutError(f"the engine did not answer within ENGINE_CALL_TIMEOUT={ENGINE_CALL_TIMEOUT:g} s") from None
+
 
 
 _lock = threading.Lock()

@@ -8,12 +8,13 @@ that finished is never turned into an error by its record, nor left unbilled.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 
 from sqlalchemy.orm import Session, sessionmaker
 
-from loraplex.platform.outage import OutageLog, every
+from loraplex.platform.outage import OutageLog, error_text, every
 from loraplex.platform.usage.event import UsageEvent
 from loraplex.platform.usage.file_journal import FileJournal
 from loraplex.platform.usage.redis_journal import RedisJournal
@@ -53,8 +54,10 @@ class UsageRecorder:
                 self._spooling = False
             return
         if not self._spooling:
-            log.warning("the Redis usage journal did not take request %s's record (%r); records go to the "
-                        "local spool until it does, and from there to the database", event.request_id, error)
+            why = (f"no answer within APPEND_SECONDS={self.append_seconds:g} s" if type(error) is TimeoutError
+                   else error_text(error))
+            log.warning("the Redis usage journal did not take request %s's record (%s); records go to the "
+                        "local spool until it does, and from there to the database", event.request_id, why)
             self._spooling = True
         try:
             if self.spool is None:
@@ -131,7 +134,14 @@ class UsageRecorder:
         except BaseException:
             await journal.release(receipt)
             raise
-        await journal.ack(receipt)
+        try:
+            await journal.ack(receipt)
+        except BaseException:
+            # the batch stays in the journal (re-inserted, harmlessly, by the next flush); the lock is given back
+            # now where Redis answers, rather than held until it lapses
+            with contextlib.suppress(Exception):
+                await journal.release(receipt)
+            raise
         return inserted, len(events) >= self.batch_size
 
     async def run(self) -> None:
