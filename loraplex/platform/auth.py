@@ -49,7 +49,11 @@ def authenticate_tenant(session: Session, settings: Settings, token: str | None)
     if token is None:
         raise unauthorized("You didn't provide an API key. Pass it in the Authorization header as "
                            "'Authorization: Bearer lpx_...'.")
-    if not token.startswith(KEY_PREFIX) or token.startswith(ADMIN_KEY_PREFIX):
+    if token.startswith(ADMIN_KEY_PREFIX):
+        # the admin key reaches the admin API only; said so, as the admin API says it of a tenant key
+        raise unauthorized("This endpoint needs a tenant's API key, not the admin key: create one with "
+                           "'loraplex admin create-key TENANT' or POST /admin/api/tenants/{id}/keys.")
+    if not token.startswith(KEY_PREFIX):
         raise unauthorized(f"Incorrect API key provided: {_masked(token)}.")
     key = session.scalar(select(ApiKey).where(ApiKey.key_hash == hash_key(settings.secret_key, token)))
     if key is None:

@@ -173,9 +173,9 @@ def server_error_page(scope: dict[str, Any], message: str) -> Response | None:
 
 
 def _plain_msg(error: dict[str, Any]) -> str:
-    """Pydantic's message, but a pattern said as the rule it stands for (never a regex) and a custom check's
-    message without pydantic's "Value error," prefix."""
-    if error.get("type") in ("string_pattern_mismatch", "value_error"):
+    """Pydantic's message, but a pattern said as the rule it stands for (never a regex), a custom check's
+    message without pydantic's "Value error," prefix, and a lone surrogate named as such."""
+    if error.get("type") in ("string_pattern_mismatch", "value_error", "string_unicode"):
         from loraplex.platform.schemas.messages import plain_rule
 
         return plain_rule(error)

@@ -11,6 +11,7 @@ request and answered once the dependencies (authentication among them) have pass
 
 from __future__ import annotations
 
+import codecs
 import json
 import math
 import sys
@@ -48,23 +49,45 @@ def _finite_float(text: str) -> float:
     return value
 
 
-def loads(text: str | bytes) -> Any:
-    """json.loads without NaN and the infinities; a JSONDecodeError says what is wrong and, where it helps,
-    where."""
+def _utf8_text(body: bytes) -> str:
+    """A body as UTF-8 text (a UTF-8 byte order mark allowed, as RFC 8259 lets parsers allow it). json.loads
+    given bytes would guess UTF-16 or UTF-32 from a body's NUL bytes and read it; JSON exchanged between
+    systems is UTF-8, and no JSON text holds a NUL byte, so one is refused where it stands. Offsets count
+    from the body's first byte."""
+    skipped = len(codecs.BOM_UTF8) if body.startswith(codecs.BOM_UTF8) else 0
     try:
+        text = body[skipped:].decode("utf-8")
+        bad_byte = None
+    except UnicodeDecodeError as exc:
+        text, bad_byte = "", skipped + exc.start
+    nul = body.find(b"\x00", skipped, bad_byte)
+    if nul >= 0:
+        raise NotJsonError(f"the body is not UTF-8 JSON text: byte 0x00 at byte offset {nul} is a NUL, which JSON "
+                           "text never holds (a body in UTF-16 or UTF-32 has them; send JSON encoded as UTF-8)")
+    if bad_byte is not None:
+        # the position is a byte offset, which no line and column of the text stand for
+        raise NotJsonError(f"the body is not UTF-8 text: byte 0x{body[bad_byte]:02x} at byte offset {bad_byte} is "
+                           "not valid UTF-8 (send JSON encoded as UTF-8)")
+    return text
+
+
+def loads(text: str | bytes) -> Any:
+    """json.loads without NaN and the infinities, of UTF-8 text only; a JSONDecodeError says what is wrong and,
+    where it helps, where."""
+    try:
+        if isinstance(text, bytes):
+            text = _utf8_text(text)
         return json.loads(text, parse_constant=_refuse_constant, parse_float=_finite_float)
+    except NotJsonError:
+        raise
     except json.JSONDecodeError as exc:
         raise NotJsonError(f"{exc.msg} (line {exc.lineno} column {exc.colno})", exc.doc, exc.pos) from None
     except _ConstantError as exc:
         token = str(exc)
-        doc = text.decode("utf-8", "replace") if isinstance(text, bytes) else text
+        doc = text if isinstance(text, str) else ""
         what = ("JSON has no NaN or Infinity; send a number" if token in ("NaN", "Infinity", "-Infinity")
                 else "the number is too large for a 64-bit float")
         raise NotJsonError(f"{token} is not valid JSON ({what})", doc, max(doc.find(token), 0)) from None
-    except UnicodeDecodeError as exc:
-        # the position is a byte offset, which no line and column of the text stand for
-        raise NotJsonError(f"the body is not UTF-8 text: byte 0x{exc.object[exc.start]:02x} at byte offset "
-                           f"{exc.start} is not valid UTF-8 (send JSON encoded as UTF-8)") from None
     except RecursionError:
         raise NotJsonError("its arrays and objects are nested too deeply") from None
     except ValueError as exc:

@@ -21,6 +21,8 @@ from loraplex.platform.errors import APIError, bad_request
 
 MAX_FIELD_BYTES = 64 * 1024
 MAX_PARTS = 16
+# RFC 2046: a boundary is 1 to 70 characters (the parser itself refuses more than 256, as an error of its own)
+MAX_BOUNDARY_CHARS = 70
 _SAFE_NAME = re.compile(r"[^A-Za-z0-9._-]")
 
 
@@ -61,6 +63,10 @@ async def parse_upload(stream: AsyncIterator[bytes], content_type: str, director
     ctype, params = parse_options_header(content_type)
     if ctype != b"multipart/form-data" or b"boundary" not in params:
         raise bad_request("Uploads must be multipart/form-data.", param="file")
+    boundary = params[b"boundary"]
+    if not 1 <= len(boundary) <= MAX_BOUNDARY_CHARS:
+        raise bad_request(f"The multipart boundary in the Content-Type header must be 1 to {MAX_BOUNDARY_CHARS} "
+                          f"characters long (RFC 2046); this one has {len(boundary)}.", param="file")
     directory.mkdir(parents=True, exist_ok=False)
     upload = ParsedUpload(directory)
     state = _PartState()
@@ -123,7 +129,7 @@ async def parse_upload(stream: AsyncIterator[bytes], content_type: str, director
     def on_end() -> None:
         state.ended = True
 
-    parser = python_multipart.MultipartParser(params[b"boundary"], {
+    parser = python_multipart.MultipartParser(boundary, {
         "on_part_begin": on_part_begin, "on_part_data": on_part_data, "on_part_end": on_part_end,
         "on_header_field": on_header_field, "on_header_value": on_header_value,
         "on_header_end": on_header_end, "on_headers_finished": on_headers_finished, "on_end": on_end,

@@ -518,6 +518,24 @@ def test_a_cut_or_ambiguous_multipart_body_is_refused_as_such(app, client, make_
     _nothing_stored(app, client, tenant)
 
 
+@pytest.mark.parametrize("boundary", ["", "b" * 71, "b" * 5000])
+def test_a_boundary_of_the_wrong_length_is_refused_by_name(app, client, make_tenant, peft_adapter_zip, boundary):
+    """RFC 2046 boundaries are 1-70 characters; a longer one made the multipart parser raise where no handler
+    caught it (a 500), and an empty one was read as if it were a boundary."""
+    tenant = make_tenant()
+    b = boundary.encode()
+    body = (b"--" + b + b'\r\nContent-Disposition: form-data; name="name"\r\n\r\nfoo\r\n--' + b +
+            b'\r\nContent-Disposition: form-data; name="file"; filename="a.zip"\r\n\r\n' +
+            peft_adapter_zip.read_bytes() + b"\r\n--" + b + b"--\r\n")
+    r = client.post("/v1/adapters", params={"wait": "true"}, content=body,
+                    headers={**tenant.headers, "content-type": f"multipart/form-data; boundary={boundary}"})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert "boundary" in error["message"] and f"has {len(boundary)}" in error["message"]
+    assert error["param"] == "file"
+    _nothing_stored(app, client, tenant)
+
+
 def test_one_version_can_be_deleted_and_the_last_takes_the_adapter(app, client, make_tenant, peft_adapter_zip,
                                                                    peft_adapter_dir, tmp_path, fake_engine):
     """A refused upload or an unwanted version goes alone; the adapter then serves its newest remaining

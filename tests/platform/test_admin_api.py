@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 
 def _admin(key: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"}
@@ -16,6 +18,19 @@ def test_admin_api_needs_the_admin_key(client, make_tenant):
     r = client.get("/admin/api/tenants", headers=tenant.headers)
     assert r.status_code == 401
     assert "admin key" in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize(("method", "path"), [("post", "/v1/chat/completions"), ("get", "/v1/models"),
+                                            ("get", "/v1/adapters"), ("get", "/v1/usage")])
+def test_tenant_routes_tell_the_admin_key_it_is_the_wrong_key(client, admin_key, method, path):
+    """The other way round from the admin API's refusal of a tenant key: not "Incorrect API key", which reads as
+    a typo in a key that is in fact right for the admin API."""
+    r = getattr(client, method)(path, headers=_admin(admin_key))
+    assert r.status_code == 401, r.text
+    error = r.json()["error"]
+    assert error["type"] == "authentication_error" and error["code"] == "invalid_api_key"
+    assert "needs a tenant's API key, not the admin key" in error["message"], error
+    assert admin_key[12:] not in error["message"]
 
 
 def test_create_tenant_plan_and_key(client, admin_key):

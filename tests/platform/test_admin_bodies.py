@@ -49,6 +49,22 @@ def test_nothing_is_created_by_a_refused_body(client, admin_key):
     assert r.status_code == 201 and r.json()["plan"] == "gold"
 
 
+@pytest.mark.parametrize(("path", "body"), [
+    ("/admin/api/tenants", '{"name": "acme\\ud800"}'),
+    ("/admin/api/plans", '{"name": "\\udfff", "requests_per_minute": 1, "tokens_per_minute": 1, '
+                         '"max_concurrent": 1, "monthly_token_budget": 1}'),
+])
+def test_a_lone_surrogate_is_named_as_such(client, admin_key, path, body):
+    """A JSON escape of half a surrogate pair, in a field with a pattern or a length bound, is refused in words
+    (pydantic says "unable to parse raw data as a unicode string")."""
+    r = client.post(path, headers={**_admin(admin_key), "content-type": "application/json"}, content=body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "name"
+    assert err["message"].startswith("Invalid value for 'name': is not valid Unicode text: it holds a lone "
+                                     "surrogate (U+D"), err
+
+
 def test_a_missing_field_is_named_as_missing(client, admin_key, make_tenant):
     r = client.post("/admin/api/plans", headers=_admin(admin_key), json={"name": "p"})
     err = r.json()["error"]

@@ -4,6 +4,7 @@ boolean is asked for is a 400 naming the field, not read as something else ("str
 
 from __future__ import annotations
 
+import codecs
 import gzip
 import json
 
@@ -179,6 +180,12 @@ NOT_UTF8 = b'{"model": "fake-base", "prompt": "caf\xe9", "max_tokens": 3}'
 
 @pytest.mark.parametrize(("body", "words"), [
     (NOT_UTF8, "not UTF-8 text: byte 0xe9 at byte offset 37"),
+    (codecs.BOM_UTF8 + NOT_UTF8, "not UTF-8 text: byte 0xe9 at byte offset 40"),
+    # json.loads would guess these from their NUL bytes and read them
+    (json.dumps(COMPLETION).encode("utf-16-le"), "byte 0x00 at byte offset 1 is a NUL"),
+    (json.dumps(COMPLETION).encode("utf-16-be"), "byte 0x00 at byte offset 0 is a NUL"),
+    (json.dumps(COMPLETION).encode("utf-16"), "byte 0xff at byte offset 0 is not valid UTF-8"),
+    (json.dumps(COMPLETION).encode("utf-32-le"), "byte 0x00 at byte offset 1 is a NUL"),
     (gzip.compress(json.dumps(COMPLETION).encode()), "byte 0x8b at byte offset 1"),
     (b'{"model": "fake-base", "prompt": "hi", "seed": ' + b"7" * 5000 + b"}", "more than 4300 digits"),
     (b'{"model": "fake-base", "prompt": "hi", "temperature": 1e999}', "1e999 is not valid JSON (the number is too"),
@@ -193,6 +200,12 @@ def test_each_way_a_body_is_not_json_has_its_own_message(client, make_tenant, fa
     assert error["message"].startswith("We could not parse the JSON body of your request: "), error
     assert words in error["message"] and "NaN" not in error["message"], error
     assert not fake_engine.requests
+
+
+def test_a_utf8_body_may_start_with_a_byte_order_mark(client, make_tenant):
+    r = client.post("/v1/completions", headers={**make_tenant().headers, **JSON},
+                    content=codecs.BOM_UTF8 + json.dumps(COMPLETION).encode())
+    assert r.status_code == 200, r.text
 
 
 @pytest.mark.parametrize("encoding", ["gzip", "br", "deflate, gzip"])

@@ -33,6 +33,7 @@ from loraplex.platform.billing.responses import (
     statement_response,
 )
 from loraplex.platform.billing.rollups import rollup_day
+from loraplex.platform.billing.schemas import CSV_OR_JSON
 from loraplex.platform.billing.statements import (
     NoStatement,
     finalize_period,
@@ -153,7 +154,7 @@ def put_override(*, _admin: AdminDep, session: SessionDep, tenant_id: IdPath, bo
     return JSONResponse({"tenant_id": tenant.id, **body.model_dump()})
 
 
-@router.get("/report")
+@router.get("/report", responses={200: CSV_OR_JSON})
 def report(
     *, _admin: AdminDep, session: SessionDep, start: StartQuery = None, end: EndQuery = None,
     tenant_id: Annotated[list[RowId] | None, Query(description="repeat to select several tenants")] = None,
@@ -170,7 +171,7 @@ def report(
     return report_response(rows, dims, start, end, format, "usage-all-tenants")
 
 
-@router.get("/statements")
+@router.get("/statements", responses={200: CSV_OR_JSON})
 def statements(
     *, _admin: AdminDep, session: SessionDep, period: Annotated[str | None, Query()] = None,
     tenant_id: Annotated[list[RowId] | None, Query()] = None, format: FormatQuery = "json",
@@ -191,7 +192,7 @@ def statements(
     return JSONResponse({"object": "list", "data": [statement_dict(v) for v in views]})
 
 
-@router.get("/statements/{tenant_id}/{period}")
+@router.get("/statements/{tenant_id}/{period}", responses={200: CSV_OR_JSON})
 def statement(*, _admin: AdminDep, session: SessionDep, tenant_id: IdPath, period: str,
               format: FormatQuery = "json") -> Response:
     _check_period(period)

@@ -12,14 +12,17 @@ from loraplex.platform.strict_json import StrictJsonRoute
 
 router = APIRouter(route_class=StrictJsonRoute, prefix="/v1", tags=["openai"])
 
+# with "stream": true the answer is server-sent events, ending in `data: [DONE]`
+JSON_OR_EVENTS = {200: {"content": {"application/json": {}, "text/event-stream": {"schema": {"type": "string"}}}}}
 
-@router.post("/chat/completions", response_model=None)
+
+@router.post("/chat/completions", response_model=None, responses=JSON_OR_EVENTS)
 async def create_chat_completion(*, tenant: InferenceKeyDep, services: ServicesDep, request: Request,
                                  body: ChatCompletionRequest) -> Response:
     return await chat_completion(services, tenant, request, body)
 
 
-@router.post("/completions", response_model=None)
+@router.post("/completions", response_model=None, responses=JSON_OR_EVENTS)
 async def create_completion(*, tenant: InferenceKeyDep, services: ServicesDep, request: Request,
                             body: CompletionRequest) -> Response:
     return await text_completion(services, tenant, request, body)

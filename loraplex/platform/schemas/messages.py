@@ -49,6 +49,12 @@ def plain_rule(error: dict[str, Any]) -> str:
         return "is required"
     if kind == "extra_forbidden":
         return "is not a field here"
+    if kind == "string_unicode":
+        # a JSON escape "\ud800" decodes to a lone surrogate, which a constrained string field cannot take;
+        # worded as the unconstrained fields' own check words it (loraplex.platform.schemas.text)
+        value = error.get("input")
+        lone = next((c for c in value if 0xD800 <= ord(c) <= 0xDFFF), None) if isinstance(value, str) else None
+        return "is not valid Unicode text: it holds a lone surrogate" + (f" (U+{ord(lone):04X})" if lone else "")
     if kind == "string_too_long":
         length = len(error["input"]) if isinstance(error.get("input"), str) else None
         got = f" (this one has {length})" if length is not None else ""
