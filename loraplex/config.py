@@ -38,6 +38,9 @@ class Settings(BaseSettings):
 
     # request bodies other than uploads (JSON): larger ones get 413 before they are read
     max_request_bytes: int = Field(default=16 * 1024 * 1024, ge=1024)
+    # a request body (uploads included) must keep arriving: at most this many seconds between its parts,
+    # else 408 and the connection closed (0: no limit)
+    request_body_timeout: float = Field(default=60.0, ge=0)
     # uploads
     max_upload_bytes: int = 512 * 1024 * 1024
     max_adapter_members: int = 64

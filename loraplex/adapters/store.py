@@ -52,7 +52,7 @@ class LocalAdapterStore:
         self.root.mkdir(parents=True, exist_ok=True)
 
     def path(self, content_hash: str) -> Path:
-        if not HASH_RE.match(content_hash or ""):
+        if not HASH_RE.fullmatch(content_hash or ""):
             raise ValueError(f"not a content hash: {content_hash!r} (expected 64 lowercase hex digits)")
         return self.root / f"{content_hash}{SUFFIX}"
 
@@ -95,7 +95,7 @@ class LocalAdapterStore:
         return True
 
     def list(self) -> list[str]:
-        return sorted(p.name[: -len(SUFFIX)] for p in self.root.glob(f"*{SUFFIX}") if HASH_RE.match(p.stem))
+        return sorted(p.name[: -len(SUFFIX)] for p in self.root.glob(f"*{SUFFIX}") if HASH_RE.fullmatch(p.stem))
 
 
 def read_entry(path: str | Path, *, verify: bool = False) -> CanonicalAdapter:

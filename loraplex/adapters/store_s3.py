@@ -32,7 +32,7 @@ class S3AdapterStore:
         self.cache = LocalAdapterStore(cache_dir) if cache_dir is not None else None
 
     def key(self, content_hash: str) -> str:
-        if not HASH_RE.match(content_hash or ""):
+        if not HASH_RE.fullmatch(content_hash or ""):
             raise ValueError(f"not a content hash: {content_hash!r} (expected 64 lowercase hex digits)")
         return f"{self.prefix}{content_hash}{SUFFIX}"
 
@@ -86,7 +86,7 @@ class S3AdapterStore:
         for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=self.prefix):
             for obj in page.get("Contents", ()):
                 name = obj["Key"][len(self.prefix):]
-                if name.endswith(SUFFIX) and HASH_RE.match(name[: -len(SUFFIX)]):
+                if name.endswith(SUFFIX) and HASH_RE.fullmatch(name[: -len(SUFFIX)]):
                     hashes.append(name[: -len(SUFFIX)])
         return sorted(hashes)
 

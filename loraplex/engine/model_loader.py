@@ -47,7 +47,7 @@ def resolve_model_dir(model: str | Path, *, cache_dir: Path | None = None, progr
         return _converted_gguf_dir(path, cache_dir, progress)
     if name in DEMO_MODELS:
         return fetch_demo_model(name, cache_dir=cache_dir, progress=progress)
-    if _HUB_ID.match(name) and not name.startswith((".", "/", "~")):
+    if _HUB_ID.fullmatch(name) and not name.startswith((".", "/", "~")):
         return _download_from_hub(name, cache_dir)
     known = ", ".join(sorted(DEMO_MODELS))
     raise ModelLoadError(

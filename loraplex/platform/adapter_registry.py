@@ -51,7 +51,7 @@ def check_form(upload: ParsedUpload) -> tuple[str, str | None, str, str]:
     name = upload.fields.get("name", "").strip()
     if not name:
         raise bad_request("The form field 'name' is required.", param="name")
-    if not ADAPTER_NAME.match(name):
+    if not ADAPTER_NAME.fullmatch(name):
         raise bad_request("An adapter name is 1-64 letters, digits, '.', '_' or '-' (no '@'), starting with a "
                           "letter or digit.", param="name")
     description = upload.fields.get("description", "").strip() or None

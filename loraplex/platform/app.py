@@ -10,7 +10,7 @@ from fastapi import FastAPI
 
 from loraplex.config import Settings, get_settings
 from loraplex.engine.client import EngineClient
-from loraplex.platform.body_limit import BodyLimitMiddleware
+from loraplex.platform.body_limit import BodyLimitMiddleware, BodyTimeoutMiddleware
 from loraplex.platform.errors import APIError, install_error_handlers
 from loraplex.platform.lifecycle import build_services, shutdown_services, start_services
 from loraplex.platform.quotas import QuotaLimiter
@@ -51,6 +51,7 @@ def create_app(settings: Settings | None = None, *, engine: EngineClient | None 
     app.state.settings = settings
     install_error_handlers(app)
     app.add_exception_handler(TenantError, _tenant_error_handler)
+    app.add_middleware(BodyTimeoutMiddleware, seconds=settings.request_body_timeout)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_bytes)
     app.add_middleware(NulInUrlMiddleware)
     app.add_middleware(RequestIdMiddleware)  # outermost: the body limit's refusals carry a request id too

@@ -5,6 +5,7 @@ else is read whole like any other, so it gets this limit too."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 
@@ -82,3 +83,43 @@ class BodyLimitMiddleware:
                     "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                                 (b"connection", b"close")]})
         await send({"type": "http.response.body", "body": body})
+
+
+def _timeout_message(seconds: float) -> str:
+    return (f"The request body stopped arriving: nothing came for {seconds:g} s "
+            "(LORAPLEX_REQUEST_BODY_TIMEOUT). Send the whole body without pausing.")
+
+
+class BodyTimeoutMiddleware:
+    """A client that sends its headers and then stalls, or stops before the Content-Length it declared, would
+    hold its connection and its request's task for as long as it likes (the server has no other timeout on a
+    body being read). Each part of a body must arrive within `seconds` of the one before (of the headers, for
+    the first): a slow upload that keeps sending is never cut, a stalled one gets 408 and its connection
+    closed. Plain ASGI: once the body is in, `receive` is passed through untouched (a streaming response waits
+    on it for the client's hang-up)."""
+
+    def __init__(self, app: ASGIApp, seconds: float):
+        self.app = app
+        self.seconds = seconds
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or self.seconds <= 0:
+            await self.app(scope, receive, send)
+            return
+        body_done = False
+        seconds = self.seconds
+
+        async def timed_receive() -> Message:
+            nonlocal body_done
+            if body_done:
+                return await receive()
+            try:
+                message = await asyncio.wait_for(receive(), seconds)
+            except TimeoutError:
+                body_done = True  # what comes later is the hang-up, if anything
+                raise HTTPException(408, _timeout_message(seconds), headers={"connection": "close"}) from None
+            if message["type"] != "http.request" or not message.get("more_body", False):
+                body_done = True
+            return message
+
+        await self.app(scope, timed_receive, send)

@@ -44,6 +44,7 @@ class APIError(Exception):
 
 
 REQUEST_TOO_LARGE = "request_too_large"
+REQUEST_TIMEOUT = "request_timeout"  # the request's body stopped arriving
 
 # where a route's request keeps the error of a body it could not read (loraplex.platform.strict_json), for the
 # validation handler to answer once the route's dependencies have passed
@@ -237,12 +238,10 @@ async def _http_error_handler(request: Request, exc: StarletteHTTPException) -> 
 
 
 def _http_error_response(exc: StarletteHTTPException) -> JSONResponse:
-    kind = {401: "authentication_error", 403: "permission_error", 404: "invalid_request_error",
-            405: "invalid_request_error", 413: "invalid_request_error"}.get(exc.status_code, "server_error"
-                                                                          if exc.status_code >= 500
-                                                                          else "invalid_request_error")
+    kind = {401: "authentication_error", 403: "permission_error"}.get(
+        exc.status_code, "server_error" if exc.status_code >= 500 else "invalid_request_error")
     detail = exc.detail if isinstance(exc.detail, str) else json.dumps(exc.detail)
-    code = REQUEST_TOO_LARGE if exc.status_code == 413 else None
+    code = {413: REQUEST_TOO_LARGE, 408: REQUEST_TIMEOUT}.get(exc.status_code)
     return JSONResponse(error_body(detail, kind, code=code), status_code=exc.status_code, headers=exc.headers)
 
 

@@ -77,7 +77,7 @@ def sweep(sessions, store_dir: Path, *, grace_seconds: float, leases: ContentLea
     removed = []
     for content_hash in names:
         marker = folder / content_hash
-        if not HASH_RE.match(content_hash):
+        if not HASH_RE.fullmatch(content_hash):
             continue
         try:
             age = time.time() - marker.stat().st_mtime

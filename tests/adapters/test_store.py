@@ -70,7 +70,7 @@ def test_put_is_idempotent_and_delete(llama_adapter_dir, llama_spec, tmp_path):
 
 def test_bad_hashes_never_touch_paths(tmp_path):
     store = LocalAdapterStore(tmp_path / "s")
-    for bad in ["../../etc/passwd", "ABC", "", "g" * 64]:
+    for bad in ["../../etc/passwd", "ABC", "", "g" * 64, "a" * 64 + "\n"]:
         with pytest.raises(ValueError, match="content hash"):
             store.exists(bad)
 
