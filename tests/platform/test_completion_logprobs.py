@@ -59,3 +59,12 @@ def test_two_tokens_of_the_same_text_keep_the_likelier_value():
     a, b = Logprob(1, "a", -0.5), Logprob(2, "a", -2.0)
     out = fmt.completion_logprobs([TokenLogprobs(a, [a, b, Logprob(3, "b", -3.0)])])
     assert out["top_logprobs"] == [{"a": -0.5, "b": -3.0}]
+
+
+def test_the_sampled_token_has_an_entry_even_outside_the_top():
+    """OpenAI's legacy completions (and vLLM) always give the sampled token's logprob among the alternatives:
+    up to `logprobs` + 1 entries, and one (not none) with `logprobs: 0`."""
+    chosen = Logprob(9, "rare", -7.5)
+    out = fmt.completion_logprobs([TokenLogprobs(chosen, [Logprob(1, "a", -0.5), Logprob(2, "b", -1.0)]),
+                                   TokenLogprobs(chosen, [])])
+    assert out["top_logprobs"] == [{"a": -0.5, "b": -1.0, "rare": -7.5}, {"rare": -7.5}]

@@ -63,7 +63,11 @@ def test_completions_with_logprobs_and_stop(client, make_tenant):
                     json={"model": "fake-base", "prompt": "hello", "max_tokens": 6, "logprobs": 2})
     assert r.status_code == 200, r.text
     choice = r.json()["choices"][0]
-    assert len(choice["logprobs"]["tokens"]) == 6 and len(choice["logprobs"]["top_logprobs"][0]) == 2
+    logprobs = choice["logprobs"]
+    assert len(logprobs["tokens"]) == 6 and all(len(top) in (2, 3) for top in logprobs["top_logprobs"])
+    # the two likeliest, and the sampled token (with its own value) where it is not one of them
+    assert all(top[token] == value for token, value, top in
+               zip(logprobs["tokens"], logprobs["token_logprobs"], logprobs["top_logprobs"], strict=True))
     stop = choice["text"][2]
     r = client.post("/v1/completions", headers=tenant.headers,
                     json={"model": "fake-base", "prompt": "hello", "max_tokens": 6, "stop": [stop]})

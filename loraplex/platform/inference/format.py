@@ -79,6 +79,9 @@ def completion_logprobs(entries: list[TokenLogprobs] | None, offset: int = 0) ->
         alternatives: dict[str, float] = {}
         for t in e.top:  # most likely first: two tokens of the same text keep the likelier one's value
             alternatives.setdefault(legacy_token(t), _lp(t.logprob))
+        # the sampled token always has its entry, as OpenAI's legacy API (and vLLM) give it: up to logprobs + 1
+        # entries, one with logprobs 0
+        alternatives.setdefault(legacy_token(e.chosen), _lp(e.chosen.logprob))
         top.append(alternatives)
     return {
         "tokens": [legacy_token(e.chosen) for e in entries],
