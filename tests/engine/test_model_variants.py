@@ -30,8 +30,9 @@ def _hf(model_dir, adapter_dir):
 @pytest.mark.parametrize("arch,config", [
     ("llama", {"attention_bias": True}),  # a bias on q, k, v and o
     ("llama", {"mlp_bias": True}),  # a bias on gate, up and down
-    ("mistral", {"sliding_window": 40}),  # within its window, a sliding window is whole-context attention
-    ("qwen2", {"use_sliding_window": True, "sliding_window": 40, "max_window_layers": 1}),
+    # within its window sliding-window attention is whole-context attention: the prompt and tokens fill it
+    ("mistral", {"sliding_window": 32}),
+    ("qwen2", {"use_sliding_window": True, "sliding_window": 32, "max_window_layers": 1}),
 ], ids=["llama-attention-bias", "llama-mlp-bias", "mistral-window", "qwen2-window"])
 def test_variant_matches_transformers_and_peft(tmp_path, arch, config):
     model_dir = make_tiny_model(tmp_path / "m", arch, **config)
@@ -42,6 +43,7 @@ def test_variant_matches_transformers_and_peft(tmp_path, arch, config):
     for out, adapter_dir in zip(outs, (None, adapter), strict=True):
         expected = hf_greedy(model_dir, PROMPT, MAX_TOKENS, _hf(model_dir, adapter_dir))
         assert out.outputs[0].token_ids == expected, adapter_dir
+    assert len(PROMPT) + MAX_TOKENS <= llm.engine.limits.max_model_len
 
 
 @pytest.mark.parametrize("arch,config", [
