@@ -69,9 +69,11 @@ def make_tiny_model(
     tie_word_embeddings: bool | None = None,
     seed: int = 0,
     vocab_size: int = 384,
+    **config_kwargs,
 ) -> Path:
     """Create a tiny random model directory. arch: "llama", "qwen2", "mistral" or "tied" (llama, tied
-    embeddings like SmolLM2). Returns the directory."""
+    embeddings like SmolLM2). Extra keyword arguments go to the transformers config (attention_bias,
+    sliding_window, head_dim, ...). Returns the directory."""
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig
 
@@ -92,6 +94,8 @@ def make_tiny_model(
         pad_token_id=tokenizer.pad_token_id,
         rms_norm_eps=1e-6,
     )
+    sliding_window = config_kwargs.pop("sliding_window", None)
+    common.update(config_kwargs)
     if arch in ("llama", "tied"):
         from transformers import LlamaConfig
 
@@ -104,13 +108,15 @@ def make_tiny_model(
         from transformers import Qwen2Config
 
         config = Qwen2Config(
-            **common, rope_theta=1000000.0, tie_word_embeddings=bool(tie_word_embeddings)
+            **common, rope_theta=1000000.0, tie_word_embeddings=bool(tie_word_embeddings),
+            sliding_window=sliding_window,
         )
     elif arch == "mistral":
         from transformers import MistralConfig
 
         config = MistralConfig(
-            **common, rope_theta=10000.0, sliding_window=None, tie_word_embeddings=bool(tie_word_embeddings)
+            **common, rope_theta=10000.0, sliding_window=sliding_window,
+            tie_word_embeddings=bool(tie_word_embeddings),
         )
     else:
         raise ValueError(f"unknown tiny arch {arch!r}")

@@ -32,6 +32,7 @@ _LAYER_TENSORS = {
     "attn_k.bias": "self_attn.k_proj.bias",
     "attn_v.bias": "self_attn.v_proj.bias",
     "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_output.bias": "self_attn.o_proj.bias",
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
@@ -43,6 +44,9 @@ _GLOBAL_TENSORS = {
 }
 
 COMPLETE_MARKER = ".loraplex-complete"
+# Part of the conversion cache's key: raised when converting the same file gives another result, so that
+# conversions cached by an older version are made again.
+CONVERSION_VERSION = 2
 
 
 def hf_tensor_name(gguf_name: str) -> str:
@@ -205,6 +209,12 @@ def convert_gguf(
                 bar.update(nbytes)
         if config["tie_word_embeddings"]:
             tensors.pop("lm_head.weight", None)
+        if config.get("attention_bias"):
+            # llama.cpp reads each attention bias as optional; Hugging Face's attention_bias means all four.
+            # A file with q/k/v biases and none on the output gets the zero bias llama.cpp adds there.
+            for layer in range(config["num_hidden_layers"]):
+                tensors.setdefault(f"model.layers.{layer}.self_attn.o_proj.bias",
+                                   torch.zeros(config["hidden_size"], dtype=torch.float32))
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         del tensors
         _save_tokenizer(gguf_path, tmp, model.field("tokenizer.chat_template"))

@@ -70,10 +70,10 @@ def _check_hf_dir(path: Path) -> None:
 
 
 def _converted_gguf_dir(gguf_path: Path, cache_dir: Path, progress: bool) -> Path:
-    from loraplex.engine.gguf import COMPLETE_MARKER, convert_gguf
+    from loraplex.engine.gguf import COMPLETE_MARKER, CONVERSION_VERSION, convert_gguf
 
     stat = gguf_path.stat()
-    key = f"{gguf_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}"
+    key = f"{gguf_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}:v{CONVERSION_VERSION}"
     out = cache_dir / "gguf" / f"{gguf_path.stem}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
     if not (out / COMPLETE_MARKER).is_file():
         convert_gguf(gguf_path, out, progress=progress)

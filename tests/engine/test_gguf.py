@@ -33,6 +33,7 @@ _LAYER = {
     "self_attn.k_proj.bias": "attn_k.bias",
     "self_attn.v_proj.bias": "attn_v.bias",
     "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.o_proj.bias": "attn_output.bias",
     "mlp.gate_proj.weight": "ffn_gate.weight",
     "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight",
@@ -46,7 +47,7 @@ def _gguf_name(hf_name: str) -> str:
     return f"blk.{layer}.{_LAYER[rest]}"
 
 
-def write_gguf(model_dir: Path, out: Path, arch: str = "llama", qtype: Q = Q.F32) -> Path:
+def write_gguf(model_dir: Path, out: Path, arch: str = "llama", qtype: Q = Q.F32, skip: str | None = None) -> Path:
     """Write `model_dir` as GGUF like llama.cpp's convert_hf_to_gguf.py: permuted q/k rows for llama,
     2-D weights quantised to `qtype`, a gpt2-style BPE tokenizer and the chat template in metadata."""
     config = json.loads((model_dir / "config.json").read_text())
@@ -80,6 +81,8 @@ def write_gguf(model_dir: Path, out: Path, arch: str = "llama", qtype: Q = Q.F32
 
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     for name, tensor in iter_weights(model_dir):
+        if skip is not None and name.endswith(skip):
+            continue
         array = tensor.numpy().astype(np.float32)
         if arch == "llama" and name.endswith("q_proj.weight"):
             array = permute_qk(array, heads)
@@ -132,6 +135,37 @@ def test_f32_round_trip_is_exact(request, tmp_path, fixture, arch):
     assert tok.chat_template == ref_tok.chat_template
     messages = [{"role": "user", "content": "Grüße"}]
     assert tok.apply_chat_template(messages) == ref_tok.apply_chat_template(messages)
+
+
+@pytest.mark.parametrize("output_bias", [True, False])
+def test_llama_attention_biases_serve_as_transformers_does(tmp_path, output_bias):
+    # llama.cpp takes each of a Llama's attention biases as optional: the q/k/v ones without an output one are
+    # a zero output bias, which Hugging Face's attention_bias (all four) holds
+    from engine_helpers import hf_greedy
+
+    from loraplex.engine.llm import LLM
+    from loraplex.engine.sampling_params import SamplingParams
+    from loraplex.testing import make_tiny_model
+
+    model_dir = make_tiny_model(tmp_path / "m", "llama", attention_bias=True)
+    weights = {name: tensor.clone() for name, tensor in iter_weights(model_dir)}
+    if not output_bias:
+        from safetensors.torch import save_file
+
+        for name in weights:
+            if name.endswith("o_proj.bias"):
+                weights[name].zero_()
+        save_file(weights, str(model_dir / "model.safetensors"), metadata={"format": "pt"})
+    gguf_path = write_gguf(model_dir, tmp_path / "m.gguf", skip=None if output_bias else "o_proj.bias")
+    converted = resolve_model_dir(str(gguf_path), cache_dir=tmp_path / "cache", progress=False)
+    result = _weights(converted)
+    assert set(result) == set(weights)
+    for name, tensor in weights.items():
+        assert torch.equal(result[name], tensor), name
+    prompt = [5, 17, 33, 80, 101, 7, 250, 31]
+    out = LLM(str(converted), num_kv_blocks=16, max_loras=0).generate(
+        [prompt], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == hf_greedy(model_dir, prompt, 8)
 
 
 def test_tied_embeddings_survive(tiny_tied_dir, tmp_path):

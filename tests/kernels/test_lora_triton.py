@@ -114,3 +114,23 @@ def test_demo_model_shapes(hidden, out_slices):
         slot_ranks={i: [r] * len(out_slices) for i, r in enumerate(ranks)},
         token_slots=token_slots, num_slots=len(ranks),
     )
+
+
+# Shapes the cases above leave out: groups past 64 tokens (the 64-row tiles), K not a multiple of the 128-deep
+# shrink step split over programs, half-precision activations and slots. bf16 is left to GPU runs: the
+# interpreter multiplies bf16 tiles in tl.dot as raw integers (a plain bf16 load and store is exact there).
+@pytest.mark.parametrize("dtype,split_k", [
+    (torch.float32, 1), (torch.float32, 3), (torch.float16, 1), (torch.float16, 2),
+])
+def test_long_groups_uneven_k_and_half_precision(dtype, split_k):
+    gen = torch.Generator().manual_seed(7)
+    token_slots = [0] * 70 + [-1, 2, 1] * 5 + [2] * 66
+    w, _, x, y, batch = random_problem(
+        gen, num_tokens=len(token_slots), in_features=300, out_slices=(130, 17, 40),
+        slot_ranks={0: [64, 1, 0], 1: [3, 3, 3], 2: [0, 0, 33]}, token_slots=token_slots, num_slots=3,
+        dtype=dtype,
+    )
+    x, y = x.to(dtype), y.to(dtype)
+    ref, got = _run_both(w, x, y, batch, split_k)
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got, ref, rtol=tol, atol=tol)

@@ -28,7 +28,9 @@ class ModelArch:
     max_position_embeddings: int
     tie_word_embeddings: bool
     qkv_bias: bool
-    sliding_window: int | None
+    sliding_window: int | None  # the window of the layers that attend over one (Hugging Face's reading)
+    o_bias: bool = False  # Llama's attention_bias: o_proj has a bias too
+    mlp_bias: bool = False  # Llama's mlp_bias: gate, up and down projections have biases
 
     @property
     def q_size(self) -> int:
@@ -64,9 +66,11 @@ class ModelArch:
         theta = cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0
         num_heads = cfg["num_attention_heads"]
         hidden = cfg["hidden_size"]
-        sliding = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
+        model_type = model_type or SUPPORTED_ARCHITECTURES[archs[0]]
+        # Llama's attention_bias puts a bias on q, k, v and o; Qwen2 has one on q, k and v always; Mistral none.
+        attention_bias = model_type == "llama" and bool(cfg.get("attention_bias", False))
         return cls(
-            model_type=model_type or SUPPORTED_ARCHITECTURES[archs[0]],
+            model_type=model_type,
             vocab_size=cfg["vocab_size"],
             hidden_size=hidden,
             intermediate_size=cfg["intermediate_size"],
@@ -79,6 +83,26 @@ class ModelArch:
             rope_scaling=scaling,
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            qkv_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
-            sliding_window=sliding,
+            qkv_bias=model_type == "qwen2" or attention_bias,
+            sliding_window=_sliding_window(cfg, model_type),
+            o_bias=attention_bias,
+            mlp_bias=model_type == "llama" and bool(cfg.get("mlp_bias", False)),
         )
+
+
+def _sliding_window(cfg: dict, model_type: str) -> int | None:
+    """The window of sliding-window attention where transformers applies one: Mistral's `sliding_window` in
+    every layer; Qwen2's in the layers `layer_types` names (by default those from `max_window_layers` on, and
+    only with `use_sliding_window`); Llama never."""
+    window = cfg.get("sliding_window")
+    if not window or model_type == "llama":
+        return None
+    if model_type == "mistral":
+        return int(window)
+    if not cfg.get("use_sliding_window", False):
+        return None
+    layer_types = cfg.get("layer_types")
+    if layer_types is None:
+        layer_types = ["sliding_attention" if i >= cfg.get("max_window_layers", 28) else "full_attention"
+                       for i in range(cfg["num_hidden_layers"])]
+    return int(window) if "sliding_attention" in layer_types else None

@@ -52,7 +52,7 @@ class LlamaAttention(nn.Module):
             layer_idx=layer_idx, module_names=("q_proj", "k_proj", "v_proj"), dtype=dtype,
         )
         self.o_proj = LoraLinear(
-            arch.q_size, (arch.hidden_size,), bias=False, layer_idx=layer_idx, module_names=("o_proj",),
+            arch.q_size, (arch.hidden_size,), bias=arch.o_bias, layer_idx=layer_idx, module_names=("o_proj",),
             dtype=dtype,
         )
         self.attn = PagedAttention(arch.num_heads, arch.num_kv_heads, arch.head_dim)
@@ -73,11 +73,11 @@ class LlamaMLP(nn.Module):
         super().__init__()
         self.intermediate_size = arch.intermediate_size
         self.gate_up_proj = LoraLinear(
-            arch.hidden_size, (arch.intermediate_size, arch.intermediate_size), bias=False,
+            arch.hidden_size, (arch.intermediate_size, arch.intermediate_size), bias=arch.mlp_bias,
             layer_idx=layer_idx, module_names=("gate_proj", "up_proj"), dtype=dtype,
         )
         self.down_proj = LoraLinear(
-            arch.intermediate_size, (arch.hidden_size,), bias=False, layer_idx=layer_idx,
+            arch.intermediate_size, (arch.hidden_size,), bias=arch.mlp_bias, layer_idx=layer_idx,
             module_names=("down_proj",), dtype=dtype,
         )
 
@@ -134,6 +134,10 @@ class DecoderStack:
             return None
         linears = [m for m in model.modules() if isinstance(m, LoraLinear)]
         if not linears or any(m._packed is None or m._packed.kind != "panels" for m in linears):
+            return None
+        # the C++ stack adds the qkv projection's bias only (Qwen2's); Llama's attention_bias and mlp_bias
+        # models take the module path, whose projections add their own
+        if any(m.bias is not None and m.module_names[0] != "q_proj" for m in linears):
             return None
         tensors = [model.embed_tokens.weight, *(m.weight for m in model.modules() if isinstance(m, RMSNorm))]
         if any(t.dtype != torch.float32 or t.device.type != "cpu" for t in tensors):
