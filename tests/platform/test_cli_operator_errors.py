@@ -87,3 +87,11 @@ def test_model_fetch_into_a_cache_under_a_file_fails_before_downloading(env, mon
     (env / "afile").write_text("x")
     result = CliRunner().invoke(main, ["model", "fetch", "--force", "--cache-dir", str(env / "afile" / "models")])
     _one_error_line(result, "cannot use the model cache", "a part of its path is a file")
+
+
+def test_an_expiry_past_the_calendar_is_an_error_line(env, monkeypatch):
+    monkeypatch.setenv("LORAPLEX_DATA_DIR", str(env))
+    assert CliRunner().invoke(main, ["admin", "create-tenant", "acme"]).exit_code == 0
+    for when in ("9999-12-31T23:59:59-05:00", "0001-01-01T00:00:00+05:00"):
+        result = CliRunner().invoke(main, ["admin", "create-key", "acme", "--expires-in", when])
+        _one_error_line(result, "outside the years 1 to 9999 in UTC")
