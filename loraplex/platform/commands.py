@@ -6,6 +6,7 @@ import click
 
 from loraplex.config import masked_url
 from loraplex.platform.admin_cli import admin
+from loraplex.platform.db_errors import database_error
 
 __all__ = ["admin", "engine", "serve", "worker"]
 
@@ -31,16 +32,6 @@ def _setting_error(error: dict) -> str:
     if isinstance(value, str) and name.endswith("_url"):
         value = masked_url(value)
     return f"{name} (LORAPLEX_{name.upper()}): {msg}; got {value!r}"
-
-
-def database_error(exc: BaseException) -> str:
-    """A database failure in one line: the driver's own words (not SQLAlchemy's wrapper, with its statement and
-    its "Background on this error" link), their lines joined (psycopg puts its hint on a second line)."""
-    from sqlalchemy.exc import DBAPIError
-
-    cause = exc.orig if isinstance(exc, DBAPIError) and exc.orig is not None else exc
-    lines = [line.strip() for line in str(cause).splitlines() if line.strip()]
-    return "; ".join(lines) or type(cause).__name__
 
 
 def prepare_database_or_fail(settings) -> None:

@@ -95,3 +95,9 @@ def test_an_expiry_past_the_calendar_is_an_error_line(env, monkeypatch):
     for when in ("9999-12-31T23:59:59-05:00", "0001-01-01T00:00:00+05:00"):
         result = CliRunner().invoke(main, ["admin", "create-key", "acme", "--expires-in", when])
         _one_error_line(result, "outside the years 1 to 9999 in UTC")
+
+
+def test_generate_for_a_tenant_with_an_unreachable_database_is_one_line(env, monkeypatch):
+    monkeypatch.setenv("LORAPLEX_DATABASE_URL", "postgresql://u:s3cret@127.0.0.1:1/db")
+    result = CliRunner().invoke(main, ["generate", "--tenant", "acme", "--adapter", "bot", "hi"])
+    _one_error_line(result, "cannot read the database postgresql://u:***@127.0.0.1:1/db", "Connection refused")
