@@ -21,18 +21,23 @@ def adapter() -> None:
 
 @adapter.command()
 @click.argument("path", type=click.Path(path_type=Path))
-@click.option("--model", "model", required=True,
+@click.option("--model", "model", default=None,
               help="Base model, as `generate` takes it: a folder, a .gguf file, a Hub id or a built-in name "
-                   "(its config decides the shapes an adapter must fit).")
-@click.option("--max-rank", default=AdapterLimits.max_rank, show_default=True, type=click.IntRange(min=1),
-              help="Largest accepted rank.")
+                   "(its config decides the shapes an adapter must fit) [default: LORAPLEX_MODEL, smollm2-135m: "
+                   "what the server's uploads are checked against].")
+@click.option("--max-rank", default=None, type=click.IntRange(1, 4096),
+              help="Largest accepted rank [default: LORAPLEX_MAX_LORA_RANK, 64].")
 @click.option("--store", "store_dir", type=click.Path(file_okay=False, path_type=Path),
               help="Also put the canonical weights into this local store.")
-def validate(path: Path, model: str, max_rank: int, store_dir: Path | None) -> None:
+def validate(path: Path, model: str | None, max_rank: int | None, store_dir: Path | None) -> None:
     """Validate the adapter at PATH (folder, file pair, .zip, .tar.gz); print its version as JSON."""
     from loraplex.engine.errors import ModelLoadError
     from loraplex.engine.model_loader import resolve_model_dir
 
+    if model is None or max_rank is None:  # as the server checks an upload
+        settings = _settings()
+        model = model or settings.model
+        max_rank = max_rank or settings.max_lora_rank
     try:
         model_dir = resolve_model_dir(model)
     except ModelLoadError as exc:
@@ -64,17 +69,23 @@ def validate(path: Path, model: str, max_rank: int, store_dir: Path | None) -> N
     click.echo(json.dumps(report, indent=2))
 
 
-def _settings_store_dir() -> Path:
-    """The store the server uses (LORAPLEX_ADAPTER_STORE_DIR, else $LORAPLEX_DATA_DIR/adapters): where the
-    store options point when not given, so `loraplex adapter list` run beside the server needs no --store."""
+def _settings():
     from pydantic import ValidationError
 
     from loraplex.config import Settings
 
     try:
-        return Settings().resolved_adapter_store_dir
-    except ValidationError as exc:
-        raise click.ClickException(f"cannot read the settings for the adapter store: {exc}") from exc
+        return Settings()
+    except ValidationError as exc:  # said as `loraplex serve` says it, naming each environment variable
+        problems = [(f"LORAPLEX_{str(e['loc'][0]).upper()}: " if e.get("loc") else "")
+                    + e["msg"].removeprefix("Value error, ") for e in exc.errors()]
+        raise click.ClickException(f"cannot read the settings: {'; '.join(problems)}") from exc
+
+
+def _settings_store_dir() -> Path:
+    """The store the server uses (LORAPLEX_ADAPTER_STORE_DIR, else $LORAPLEX_DATA_DIR/adapters): where the
+    store options point when not given, so `loraplex adapter list` run beside the server needs no --store."""
+    return _settings().resolved_adapter_store_dir
 
 
 @adapter.command("list")
@@ -87,6 +98,8 @@ def list_versions(store_dir: Path) -> None:
         hashes = store.list()
     except OSError as exc:
         raise click.ClickException(f"cannot read the adapter store {store_dir}: {exc.strerror or exc}") from exc
+    if not hashes:  # on stderr: stdout stays one hash a line for scripts
+        click.echo(f"the adapter store {store_dir} holds no adapters yet", err=True)
     for content_hash in hashes:
         click.echo(content_hash)
 

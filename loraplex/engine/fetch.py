@@ -43,6 +43,18 @@ def fetch_demo_model(
     out = (Path(cache_dir) if cache_dir is not None else default_cache_dir()) / name
     if (out / COMPLETE_MARKER).is_file() and not force:
         return out
+    try:  # before the download: a cache that cannot be written should not cost one
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        where = out.parent
+        if where.exists() and not where.is_dir():
+            reason = "it is a file, not a folder"
+        elif isinstance(exc, (FileExistsError, NotADirectoryError)):
+            reason = "a part of its path is a file, not a folder"
+        else:
+            reason = exc.strerror or str(exc)
+        raise ModelLoadError(f"cannot use the model cache {where} (--cache-dir or LORAPLEX_MODEL_CACHE): "
+                             f"{reason}") from exc
     with tempfile.TemporaryDirectory(prefix="loraplex-fetch-") as tmp:
         gguf_path = _download_gguf(demo, Path(tmp), progress)
         convert_gguf(gguf_path, out, progress=progress, overwrite=force)
@@ -95,12 +107,19 @@ def measure_load_seconds(model_dir: Path) -> float:
 
 
 @click.command("fetch")
-@click.argument("name", type=click.Choice(sorted(DEMO_MODELS)), default="smollm2-135m")
+@click.argument("name", default="smollm2-135m", metavar="[NAME]")
 @click.option("--cache-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Where converted models live (default: LORAPLEX_MODEL_CACHE or ~/.cache/loraplex/models).")
 @click.option("--force", is_flag=True, help="Download and convert again even if cached.")
 def fetch(name: str, cache_dir: Path | None, force: bool) -> None:
-    """Download a built-in demo model and convert it once into the local cache."""
+    """Download a built-in demo model (NAME: smollm2-135m, the default) and convert it once into the local cache.
+
+    A local model folder, a .gguf file or a Hub id needs no fetch: give it to --model (or LORAPLEX_MODEL)."""
+    if name not in DEMO_MODELS:
+        # click.Choice would say "'./my-model' is not 'smollm2-135m'", as if only a typo were possible
+        raise click.BadParameter(f"{name!r} is not a built-in demo model (known: {', '.join(sorted(DEMO_MODELS))}); "
+                                 "a local folder, a .gguf file or a Hub id needs no fetch: pass it to --model",
+                                 param_hint="NAME")
     try:
         start = time.perf_counter()
         path = fetch_demo_model(name, cache_dir=cache_dir, force=force)
@@ -108,4 +127,7 @@ def fetch(name: str, cache_dir: Path | None, force: bool) -> None:
         load = measure_load_seconds(path)
     except ModelLoadError as exc:
         raise click.ClickException(str(exc)) from exc
+    except OSError as exc:  # the conversion's writes (a full disk)
+        raise click.ClickException(f"cannot convert {name}: {exc.strerror or exc}"
+                                   + (f": {exc.filename}" if exc.filename else "")) from exc
     click.echo(f"{name}: {path} (ready in {fetched:.1f} s; a load takes {load:.2f} s)")

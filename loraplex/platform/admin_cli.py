@@ -39,11 +39,9 @@ class KeyId(click.ParamType):
 def _session():
     from pydantic import ValidationError
     from sqlalchemy.engine import make_url
-    from sqlalchemy.exc import OperationalError
 
-    from loraplex.config import Settings, masked_url
-    from loraplex.platform.bootstrap import prepare_database
-    from loraplex.platform.commands import _setting_error
+    from loraplex.config import Settings
+    from loraplex.platform.commands import _setting_error, prepare_database_or_fail
     from loraplex.platform.db import make_engine, make_session_factory, session_scope
     from loraplex.platform.schemas.messages import plain_errors
     from loraplex.platform.tenants import TenantError
@@ -57,14 +55,7 @@ def _session():
     url = make_url(settings.resolved_database_url)
     sqlite_file = Path(url.database).resolve() if url.get_backend_name() == "sqlite" and url.database else None
     is_new = sqlite_file is not None and not sqlite_file.exists()
-    try:
-        prepare_database(settings)
-    except OperationalError as exc:
-        raise click.ClickException(f"cannot reach the database {masked_url(settings.resolved_database_url)}: "
-                                   f"{exc.orig}") from exc
-    except Exception as exc:  # a migration that failed: said in one line, as `loraplex serve` says it
-        raise click.ClickException(f"cannot prepare the database {masked_url(settings.resolved_database_url)}: "
-                                   f"{exc}") from exc
+    prepare_database_or_fail(settings)
     if is_new:
         click.echo(f"loraplex admin: there was no database at {sqlite_file}, so a new, empty one was created. "
                    "`loraplex serve` uses the one under its data folder (LORAPLEX_DATA_DIR, by default "
@@ -321,7 +312,10 @@ def list_keys_cmd(tenant):
 
     with _session() as (session, _):
         t = get_tenant(session, tenant)
-        for key in session.scalars(select(ApiKey).where(ApiKey.tenant_id == t.id).order_by(ApiKey.id)):
+        keys = session.scalars(select(ApiKey).where(ApiKey.tenant_id == t.id).order_by(ApiKey.id)).all()
+        if not keys:  # on stderr: stdout stays one line per key for scripts
+            click.echo(f"tenant {t.name} has no keys yet; `loraplex admin create-key {t.name}` makes one", err=True)
+        for key in keys:
             used = f"last used {key.last_used_at:%Y-%m-%d %H:%M}" if key.last_used_at else "never used"
             click.echo(f"{key.id}\t{key.prefix}...\t{key.name}\t{key.scopes}\t{key_state(key)}\t{used}")
 
@@ -372,7 +366,11 @@ def list_admin_keys_cmd():
     from loraplex.platform.models import AdminKey
 
     with _session() as (session, _):
-        for key in session.scalars(select(AdminKey).order_by(AdminKey.id)):
+        keys = session.scalars(select(AdminKey).order_by(AdminKey.id)).all()
+        if not keys:  # a database `loraplex serve` has not started on yet (it makes the first one)
+            click.echo("no admin keys yet; `loraplex serve` makes one on its first start, "
+                       "`loraplex admin create-admin-key` makes one now", err=True)
+        for key in keys:
             state = f"revoked {key.revoked_at:%Y-%m-%d %H:%M}" if key.revoked_at else "active"
             click.echo(f"{key.id}\t{key.prefix}...\t{key.name}\t{key.created_at:%Y-%m-%d %H:%M}\t{state}")
 

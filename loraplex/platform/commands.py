@@ -6,6 +6,7 @@ import click
 
 from loraplex.config import masked_url
 from loraplex.platform.admin_cli import admin
+from loraplex.platform.db_errors import database_error
 
 __all__ = ["admin", "engine", "serve", "worker"]
 
@@ -33,6 +34,36 @@ def _setting_error(error: dict) -> str:
     return f"{name} (LORAPLEX_{name.upper()}): {msg}; got {value!r}"
 
 
+def prepare_database_or_fail(settings) -> None:
+    """Create or upgrade the database, or stop with one line saying what stood in the way."""
+    from sqlalchemy.exc import OperationalError
+
+    from loraplex.platform.bootstrap import prepare_database
+
+    url = settings.resolved_database_url
+    if url.startswith("sqlite") and settings.database_url is None:
+        _make_data_dir(settings.data_dir)
+    try:
+        prepare_database(settings)
+    except Exception as exc:  # unreachable, not a database, or a migration that refused: said in one line
+        verb = "reach" if isinstance(exc, OperationalError) else "prepare"
+        raise click.ClickException(f"cannot {verb} the database {masked_url(url)}: {database_error(exc)}") from exc
+
+
+def _make_data_dir(data_dir) -> None:
+    try:
+        data_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        if data_dir.exists() and not data_dir.is_dir():
+            reason = "it is a file, not a folder"
+        elif isinstance(exc, (FileExistsError, NotADirectoryError)):
+            reason = "a part of its path is a file, not a folder"
+        else:
+            reason = exc.strerror or str(exc)
+        raise click.ClickException(f"cannot use the data folder {data_dir} (LORAPLEX_DATA_DIR or --data-dir): "
+                                   f"{reason}") from exc
+
+
 def _print_admin_key(secret: str) -> None:
     bar = "=" * 78
     click.echo(f"\n{bar}\nloraplex created the admin key. It is shown only this once; keep it somewhere safe:\n\n"
@@ -43,6 +74,7 @@ def _print_admin_key(secret: str) -> None:
 def _refuse_busy_port(host: str, port: int) -> None:
     """uvicorn binds only after the database, the one-time admin key and the model are ready, so a busy port
     would show after all of them (and after the key was printed into the failed run's output)."""
+    import errno
     import socket
 
     try:
@@ -51,8 +83,13 @@ def _refuse_busy_port(host: str, port: int) -> None:
             probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does
             probe.bind(address)
     except OSError as exc:
-        raise click.ClickException(f"cannot listen on {host}:{port}: {exc.strerror or exc}; "
-                                   "pass --port (or --host), or stop what holds it") from exc
+        if isinstance(exc, socket.gaierror):  # the host is no address of this machine's, nor a name it knows
+            hint = "pass --host an address of this machine (127.0.0.1, 0.0.0.0)"
+        elif exc.errno == errno.EADDRINUSE:
+            hint = "pass --port (or --host), or stop what holds it"
+        else:
+            hint = "pass another --host or --port"
+        raise click.ClickException(f"cannot listen on {host}:{port}: {exc.strerror or exc}; {hint}") from exc
 
 
 def _refuse_unreachable_redis(settings) -> None:
@@ -90,7 +127,7 @@ def serve(model, host, port, data_dir, no_engine):
     import uvicorn
 
     from loraplex.platform.app import create_app
-    from loraplex.platform.bootstrap import ensure_admin_key, prepare_database
+    from loraplex.platform.bootstrap import ensure_admin_key
 
     settings = _settings(model=model, host=host, port=port, data_dir=data_dir,
                          embedded_engine=False if no_engine else None)
@@ -99,11 +136,7 @@ def serve(model, host, port, data_dir, no_engine):
     _refuse_busy_port(settings.host, settings.port)
     if settings.redis_url:
         _refuse_unreachable_redis(settings)
-    try:
-        prepare_database(settings)
-    except Exception as exc:
-        raise click.ClickException(f"cannot prepare the database {masked_url(settings.resolved_database_url)}: "
-                                   f"{exc}") from exc
+    prepare_database_or_fail(settings)
     if settings.embedded_engine:
         _refuse_bad_model(settings.model)
     secret = ensure_admin_key(settings)
@@ -147,7 +180,7 @@ def _refuse_unreachable_database(settings, *, tables: tuple[str, ...] = (), why:
         finally:
             engine.dispose()
     except Exception as exc:
-        raise click.ClickException(f"cannot reach {where}: {str(exc).splitlines()[0]}{why}") from exc
+        raise click.ClickException(f"cannot reach {where}: {database_error(exc)}{why}") from exc
     if missing:
         raise click.ClickException(f"{where} has no platform tables (no {missing[0]}): not the platform's "
                                    f"database, or one `loraplex serve` has not migrated yet{why}")

@@ -169,8 +169,10 @@ def uploaded_adapter(settings, tenant_ref: str, model: str) -> LoRARequest:
     except ModelNotFound as exc:
         raise LookupError(f"tenant {tenant_ref!r}: {exc}") from exc
     except OperationalError as exc:
+        from loraplex.platform.db_errors import database_error
+
         raise LookupError(f"cannot read the database {masked_url(settings.resolved_database_url)}: "
-                          f"{exc.orig}") from exc
+                          f"{database_error(exc)}") from exc
     finally:
         engine.dispose()
     if target.adapter is None or not Path(target.adapter.path).is_file():

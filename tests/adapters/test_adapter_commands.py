@@ -109,3 +109,24 @@ def test_validate_names_a_base_model_it_cannot_use(llama_adapter_dir, tiny_llama
     result = CliRunner().invoke(main, ["adapter", "validate", str(llama_adapter_dir), "--model", str(model)])
     assert result.exit_code == 1, result.output
     assert "base model" in result.output and "GPT2LMHeadModel" in result.output and "refused" not in result.output
+
+
+def test_validate_defaults_to_what_the_server_checks_uploads_against(llama_adapter_dir, tiny_llama_dir, monkeypatch):
+    """`--model` was required although `generate` (whose model it says it takes) defaults to LORAPLEX_MODEL; the
+    defaults are the server's, so a check here says what an upload there would get."""
+    monkeypatch.setenv("LORAPLEX_MODEL", str(tiny_llama_dir))
+    monkeypatch.setenv("LORAPLEX_MAX_LORA_RANK", "4")
+    refused = CliRunner().invoke(main, ["adapter", "validate", str(llama_adapter_dir)])
+    assert refused.exit_code == 1 and "refused (rank_too_large)" in refused.output, refused.output
+    ok = CliRunner().invoke(main, ["adapter", "validate", str(llama_adapter_dir), "--max-rank", "8"])
+    assert ok.exit_code == 0 and json.loads(ok.output)["rank"] == 8, ok.output
+    monkeypatch.setenv("LORAPLEX_MAX_LORA_RANK", "lots")
+    bad = CliRunner().invoke(main, ["adapter", "validate", str(llama_adapter_dir)])
+    assert bad.exit_code == 1 and "Error: cannot read the settings: LORAPLEX_MAX_LORA_RANK" in bad.output, bad.output
+    assert bad.exception is None or isinstance(bad.exception, SystemExit)
+
+
+def test_an_empty_store_says_so_on_stderr(tmp_path):
+    result = CliRunner().invoke(main, ["adapter", "list", "--store", str(tmp_path)])
+    assert result.exit_code == 0 and result.stdout == ""
+    assert "holds no adapters yet" in result.stderr

@@ -153,3 +153,16 @@ def test_report_and_rollup_days_are_yyyy_mm_dd_only(tmp_path):
     r = _run(["billing", "report", "--adapter", "nope@xyz"], env)
     assert r.exit_code == 2 and "hex digits" in r.output, r.output
     assert _run(["billing", "report", "--adapter", ""], env).exit_code == 0
+
+
+def test_json_output_ends_its_line(tmp_path):
+    """JSON came out without a final line break: the shell's prompt followed on its last line."""
+    env = {"LORAPLEX_DATA_DIR": str(tmp_path), "LORAPLEX_ENVIRONMENT": "test"}
+    assert _run(["create-tenant", "acme"], env).exit_code == 0
+    report = _run(["billing", "report", "--format", "json"], env)
+    assert report.exit_code == 0 and report.stdout == "[]\n", report.output
+    period = f"{datetime.now(UTC):%Y-%m}"
+    statement = _run(["billing", "statement", "acme", period, "--format", "json"], env)
+    assert statement.stdout.endswith("}\n") and not statement.stdout.endswith("\n\n"), statement.output
+    csv_report = _run(["billing", "report"], env)
+    assert not csv_report.stdout.endswith("\n\n")

@@ -50,7 +50,10 @@ def test_a_key_works_until_it_expires_then_says_so(client, app, admin_key, make_
 
     for body, words in (({"expires_at": "2001-01-01T00:00:00Z"}, "has passed"),
                         ({"expires_at": "next tuesday"}, "ISO 8601"),
-                        ({"expires_at": 1900000000}, "ISO 8601")):
+                        ({"expires_at": 1900000000}, "ISO 8601"),
+                        # in year 10000 once in UTC: an OverflowError (a 500) before it was said in words
+                        ({"expires_at": "9999-12-31T23:59:59-05:00"}, "outside the years 1 to 9999 in UTC"),
+                        ({"expires_at": "0001-01-01T00:00:00+05:00"}, "outside the years 1 to 9999 in UTC")):
         r = client.post(url, headers=_admin(admin_key), json=body)
         assert r.status_code == 400 and r.json()["error"]["param"] == "expires_at", r.text
         assert words in r.json()["error"]["message"], r.text

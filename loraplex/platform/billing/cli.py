@@ -152,8 +152,9 @@ def report_cmd(start, end, tenants, group_by, adapter, fmt):
         rows = [r.as_dict(dims) for r in usage_report(session, lo, hi, group_by=dims, tenant_ids=ids, adapter=wanted)]
     from loraplex.platform.billing.reports import ReportRow
 
+    # CSV ends its last row with its own line break; JSON gets one, so a shell prompt does not follow on its line
     click.echo(rows_to_csv(rows, ReportRow.columns(dims)) if fmt == "csv"
-               else to_json([with_decimal_amounts(r) for r in rows]), nl=False)
+               else to_json([with_decimal_amounts(r) for r in rows]) + "\n", nl=False)
 
 
 @billing.command("statement")
@@ -172,7 +173,7 @@ def statement_cmd(tenant, period, fmt):
             view = statement_of(session, get_tenant(session, tenant), period)
         except NoStatement as exc:
             raise click.ClickException(str(exc)) from exc
-    click.echo(statement_csv(view) if fmt == "csv" else to_json(statement_dict(view)), nl=False)
+    click.echo(statement_csv(view) if fmt == "csv" else to_json(statement_dict(view)) + "\n", nl=False)
 
 
 @billing.command("finalize")

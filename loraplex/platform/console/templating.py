@@ -57,12 +57,47 @@ def _flash_signer(request: Request) -> URLSafeTimedSerializer:
     return URLSafeTimedSerializer(request.app.state.settings.secret_key, salt="loraplex.console.flash")
 
 
-def redirect(request: Request, url: str, *, flash: str | None = None, error: str | None = None) -> RedirectResponse:
-    """Post/redirect/get; the message rides along signed, so nobody can put words in the console's mouth."""
+# What a refused form brings back of each of its fields (they ride in the redirect's URL): more than any valid
+# value holds, little enough that the URL stays far under what browsers and servers take.
+KEPT_VALUE_CHARS = 200
+
+
+def redirect(request: Request, url: str, *, flash: str | None = None, error: str | None = None,
+             kept: tuple[str, Any] | None = None) -> RedirectResponse:
+    """Post/redirect/get; the message rides along signed, so nobody can put words in the console's mouth.
+
+    `kept` is a refused form's id (its `id` in the page) and the form data it sent: the page shown after the
+    refusal fills that form in again with what the user typed, not with the stored values."""
     if flash or error:
-        signed = _flash_signer(request).dumps({"ok": flash, "error": error})
+        message: dict[str, Any] = {"ok": flash, "error": error}
+        if error and kept is not None:
+            form_id, form = kept
+            message["form"] = {"id": form_id, "values": {
+                name: [v[:KEPT_VALUE_CHARS] for v in form.getlist(name) if isinstance(v, str)]
+                for name in dict.fromkeys(form.keys()) if name != "csrf_token"
+            }}
+        signed = _flash_signer(request).dumps(message)
         url += ("&" if "?" in url else "?") + "msg=" + signed
     return RedirectResponse(url, status_code=303)
+
+
+class KeptForm:
+    """What the user typed into a form the server refused, for the page to show again (`typed`), or, for
+    another form, the value the page would show anyway (`default`)."""
+
+    def __init__(self, flash: dict):
+        kept = flash.get("form") if isinstance(flash.get("form"), dict) else {}
+        self.form_id = kept.get("id")
+        self.values = kept.get("values") if isinstance(kept.get("values"), dict) else {}
+
+    def value(self, form_id: str, field: str, default: Any = "") -> Any:
+        if form_id != self.form_id:
+            return default
+        values = self.values.get(field) or [""]  # absent: sent empty (an empty select, no checkbox)
+        return values[0]
+
+    def all(self, form_id: str, field: str, default: list) -> list:
+        return list(self.values.get(field) or []) if form_id == self.form_id else default
 
 
 def _flash(request: Request) -> dict:
@@ -78,8 +113,9 @@ def _flash(request: Request) -> dict:
 def render(
     request: Request, template: str, context: ConsoleContext | None, status_code: int = 200, **values: Any
 ) -> HTMLResponse:
+    flash = _flash(request)
     page = environment().get_template(template).render(
         request=request, csrf_token=context.csrf_token if context else "", path=request.url.path,
-        flash=_flash(request), **values,
+        flash=flash, typed=KeptForm(flash), **values,
     )
     return HTMLResponse(page, status_code=status_code, headers=SECURITY_HEADERS)

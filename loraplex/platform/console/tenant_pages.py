@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from datetime import UTC, datetime
+from urllib.parse import quote
 
 from fastapi import APIRouter, Request
 from fastapi.responses import HTMLResponse, RedirectResponse
@@ -88,7 +89,8 @@ async def tenants_create(request: Request, _context: ConsolePostDep, services: S
             session.commit()
             tenant_id = tenant.id
     except (TenantError, ValidationError, forms.FormError) as exc:
-        return redirect(request, "/console/tenants", error=f"Could not create the tenant: {_problem(exc)}")
+        return redirect(request, "/console/tenants", error=f"Could not create the tenant: {_problem(exc)}",
+                        kept=("tenant-create", form))
     return redirect(request, f"/console/tenants/{tenant_id}", flash=f"Tenant {data.name} created.")
 
 
@@ -102,7 +104,8 @@ async def plans_create(request: Request, _context: ConsolePostDep, services: Ser
             create_plan(session, data)
             session.commit()
     except (TenantError, ValidationError, forms.FormError) as exc:
-        return redirect(request, "/console/tenants", error=f"Could not add the plan: {_problem(exc)}")
+        return redirect(request, "/console/tenants", error=f"Could not add the plan: {_problem(exc)}",
+                        kept=("plan-create", form))
     return redirect(request, "/console/tenants", flash=f"Plan {data.name} added.")
 
 
@@ -122,7 +125,8 @@ async def plan_update(request: Request, _context: ConsolePostDep, services: Serv
             name = update_plan(session, get_plan(session, plan_id), data).name
             session.commit()
     except (TenantError, ValidationError, forms.FormError) as exc:
-        return redirect(request, "/console/tenants", error=f"Plan not saved: {_problem(exc)}")
+        return redirect(request, "/console/tenants", error=f"Plan not saved: {_problem(exc)}",
+                        kept=(f"plan-edit-{plan_id}", form))
     return redirect(request, "/console/tenants", flash=f"Plan {name} saved: its tenants have the new quotas.")
 
 
@@ -209,7 +213,7 @@ async def tenant_update(request: Request, _context: ConsolePostDep, services: Se
             update_tenant(session, get_tenant(session, tenant_id), data)
             session.commit()
     except (TenantError, ValidationError, forms.FormError) as exc:
-        return redirect(request, back, error=f"Not saved: {_problem(exc)}")
+        return redirect(request, back, error=f"Not saved: {_problem(exc)}", kept=("tenant-edit", form))
     return redirect(request, back, flash="Plan and quotas saved.")
 
 
@@ -242,7 +246,10 @@ async def tenant_prices(request: Request, _context: ConsolePostDep, services: Se
             set_tenant_override(session, get_tenant(session, tenant_id).id, override, period)
             session.commit()
     except (TenantError, forms.FormError, ValueError) as exc:
-        return redirect(request, back, error=f"Prices not saved: {_problem(exc)}")
+        # back on the period the prices were typed for, so that they are shown under it
+        sent = form.get("period")
+        again = f"{back}?period={quote(sent)}" if isinstance(sent, str) and sent else back
+        return redirect(request, again, error=f"Prices not saved: {_problem(exc)}", kept=("tenant-prices", form))
     return redirect(request, f"{back}?period={period}" if period else back,
                     flash=f"Prices saved, in force from {period or 'this month'} on.")
 
@@ -260,7 +267,7 @@ async def key_create(request: Request, context: ConsolePostDep, services: Servic
             created = create_api_key(session, services.settings, get_tenant(session, tenant_id), data)
             session.commit()
     except (TenantError, ValidationError, forms.FormError) as exc:
-        return redirect(request, back, error=f"No key created: {_problem(exc)}")
+        return redirect(request, back, error=f"No key created: {_problem(exc)}", kept=("key-create", form))
     response = redirect(request, back)
     response.set_cookie(NEW_KEY_COOKIE, _new_key_signer(services, context).dumps(created.model_dump(mode="json")),
                         max_age=NEW_KEY_SECONDS, httponly=True, samesite="strict",

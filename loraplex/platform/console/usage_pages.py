@@ -211,7 +211,10 @@ async def billing_prices(request: Request, _context: ConsolePostDep, services: S
             set_plan_price(session, plan, price, period)
             session.commit()
     except (forms.FormError, ValueError, LookupError) as exc:
-        return redirect(request, "/console/billing", error=f"Prices not saved: {exc}")
+        sent, plan_sent = form.get("period"), form.get("plan_id")
+        again = f"/console/billing?period={quote(sent)}" if isinstance(sent, str) and sent else "/console/billing"
+        return redirect(request, again, error=f"Prices not saved: {exc}",
+                        kept=(f"price-plan-{plan_sent if isinstance(plan_sent, str) else ''}", form))
     return redirect(request, f"/console/billing?period={period}", flash=f"Prices saved, in force from {period} on.")
 
 

@@ -48,10 +48,13 @@ def parse_expiry(text: str) -> datetime:
 
 def future_expiry(value: datetime) -> datetime:
     value = value if value.tzinfo is not None else value.replace(tzinfo=UTC)
-    if value <= datetime.now(UTC):
-        raise ValueError(f"{value.astimezone(UTC):%Y-%m-%d %H:%M:%S} UTC has passed: a key's expiry must be in the "
-                         "future")
-    return value.astimezone(UTC)
+    try:
+        in_utc = value.astimezone(UTC)
+    except OverflowError:  # 9999-12-31T23:00-05:00 is in year 10000 in UTC; 0001-01-01T00:00+05:00 before year 1
+        raise ValueError(f"{value.isoformat()} is outside the years 1 to 9999 in UTC") from None
+    if in_utc <= datetime.now(UTC):
+        raise ValueError(f"{in_utc:%Y-%m-%d %H:%M:%S} UTC has passed: a key's expiry must be in the future")
+    return in_utc
 
 
 # Quotas are stored in INTEGER (32-bit on PostgreSQL) and BIGINT columns: larger numbers are refused here
