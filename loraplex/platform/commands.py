@@ -238,4 +238,9 @@ def engine(model, host, port, advertise):
     # busy port would register another engine's address and take tasks, then hang in its shutdown
     _refuse_busy_port(host, port)
     _refuse_bad_model(settings.model)
-    run_engine_server(settings, host=host, port=port, advertise=advertise)
+    from loraplex.platform.remote.server import EngineStopped
+
+    try:
+        run_engine_server(settings, host=host, port=port, advertise=advertise)
+    except EngineStopped as exc:  # exit status 1: a supervisor that restarts on failure starts a new engine
+        raise click.ClickException(f"{exc}; the server log has the cause") from exc
