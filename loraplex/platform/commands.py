@@ -171,6 +171,10 @@ def _refuse_unreachable_database(settings, *, tables: tuple[str, ...] = (), why:
 
     url = settings.resolved_database_url
     where = f"the database {masked_url(url)} (LORAPLEX_DATABASE_URL)"
+    missing_file = _missing_sqlite_file(url)
+    if missing_file:  # connecting would create it: an empty file left behind in a data directory others share
+        raise click.ClickException(f"{where} does not exist (no file {missing_file}): not the platform's "
+                                   f"database, or one `loraplex serve` has not created yet{why}")
     try:
         engine = make_engine(url, pooled=False)
         try:
@@ -184,6 +188,19 @@ def _refuse_unreachable_database(settings, *, tables: tuple[str, ...] = (), why:
     if missing:
         raise click.ClickException(f"{where} has no platform tables (no {missing[0]}): not the platform's "
                                    f"database, or one `loraplex serve` has not migrated yet{why}")
+
+
+def _missing_sqlite_file(url: str) -> str | None:
+    """The path of a SQLite URL's file when that file does not exist (SQLite creates it on connect)."""
+    from pathlib import Path
+
+    from sqlalchemy.engine import make_url
+
+    parsed = make_url(url)
+    path = parsed.database
+    if parsed.get_backend_name() != "sqlite" or not path or path == ":memory:" or path.startswith("file:"):
+        return None
+    return None if Path(path).exists() else path
 
 
 def _refuse_bad_model(model: str) -> None:
@@ -254,4 +271,9 @@ def engine(model, host, port, advertise):
     # busy port would register another engine's address and take tasks, then hang in its shutdown
     _refuse_busy_port(host, port)
     _refuse_bad_model(settings.model)
-    run_engine_server(settings, host=host, port=port, advertise=advertise)
+    from loraplex.platform.remote.server import EngineStopped
+
+    try:
+        run_engine_server(settings, host=host, port=port, advertise=advertise)
+    except EngineStopped as exc:  # exit status 1: a supervisor that restarts on failure starts a new engine
+        raise click.ClickException(f"{exc}; the server log has the cause") from exc

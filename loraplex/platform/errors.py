@@ -263,7 +263,9 @@ async def _backing_service_handler(request: Request, exc: Exception) -> Response
     """503 with Retry-After, and one log line naming the request, instead of a 500 and a traceback per request
     while Redis or the database is away."""
     request_id = request.scope.get("state", {}).get("request_id", "-")
-    log.warning("request %s not served: %s did not answer: %s", request_id, type(exc).__module__.split(".")[0],
+    source = type(exc).__module__.split(".")[0]
+    log.warning("request %s not served: %s did not answer: %s", request_id,
+                "the database" if source == "sqlalchemy" else source,
                 str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
     return _as_page(request, unavailable("The service is briefly unavailable (its data store did not answer); "
                                          "retry shortly.", retry_after=2).response())

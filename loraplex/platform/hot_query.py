@@ -13,6 +13,7 @@ from weakref import WeakKeyDictionary
 
 from sqlalchemy import Engine, Select
 from sqlalchemy.engine import Dialect
+from sqlalchemy.exc import DBAPIError
 
 
 class _Prepared:
@@ -52,9 +53,15 @@ class HotQuery:
         return prepared
 
     def first(self, db: Engine, **values: Any) -> tuple | None:
+        """Errors are SQLAlchemy's, as an ordinary execute raises them (a database that does not answer is an
+        `sqlalchemy.exc.OperationalError`, which the API answers with a 503), never the driver's own."""
         prepared = self._for(db.dialect)
         params = prepared.params(values)
-        conn = db.raw_connection()  # pooled; returning it rolls back whatever the driver opened
+        driver_error = db.dialect.loaded_dbapi.Error
+        try:
+            conn = db.raw_connection()  # pooled; returning it rolls back whatever the driver opened
+        except driver_error as exc:
+            raise DBAPIError.instance(prepared.sql, params, exc, driver_error) from exc
         try:
             cursor = conn.cursor()
             try:
@@ -62,6 +69,12 @@ class HotQuery:
                 raw = cursor.fetchone()
             finally:
                 cursor.close()
+        except driver_error as exc:
+            disconnected = db.dialect.is_disconnect(exc, conn.dbapi_connection, None)
+            if disconnected:  # not back into the pool for the next request to fail on
+                conn.invalidate(exc)
+            raise DBAPIError.instance(prepared.sql, params, exc, driver_error,
+                                      connection_invalidated=disconnected) from exc
         finally:
             conn.close()
         return None if raw is None else prepared.row(raw)

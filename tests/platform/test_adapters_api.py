@@ -577,7 +577,8 @@ def test_the_admin_api_deletes_a_tenants_version(app, client, admin_key, make_te
 
 
 def test_an_upload_the_worker_cannot_read_is_a_server_error_without_a_path(app, client, make_tenant,
-                                                                           peft_adapter_zip, tmp_path, monkeypatch):
+                                                                           peft_adapter_zip, tmp_path, monkeypatch,
+                                                                           caplog):
     from loraplex.platform import adapter_registry
 
     def on_a_worker_with_another_data_dir(settings, version):
@@ -590,3 +591,8 @@ def test_an_upload_the_worker_cannot_read_is_a_server_error_without_a_path(app, 
     err = r.json()["error"]
     assert err["type"] == "server_error" and err["code"] == "upload_unavailable", err
     assert "a server problem" in err["message"] and str(tmp_path) not in r.text and "uploads" not in r.text
+    # as other server-side failures do, it quotes the request id, and the API's log ties that id to the
+    # version whose validation failed (the worker's log has the cause under the version's id)
+    request_id = r.headers["x-request-id"]
+    assert request_id in err["message"], err
+    assert any(request_id in m and "adapter version" in m for m in caplog.messages), caplog.messages

@@ -232,9 +232,11 @@ def test_an_engine_without_the_platform_database_says_so_before_serving(cli_env,
     def run():
         return CliRunner().invoke(engine, ["--port", str(free_port())])
 
-    for database in ("no data dir", "empty SQLite file", "unreachable PostgreSQL"):
-        if database == "empty SQLite file":
+    for database in ("no data dir", "no SQLite file", "empty SQLite file", "unreachable PostgreSQL"):
+        if database == "no SQLite file":
             cli_env.mkdir()
+        if database == "empty SQLite file":
+            (cli_env / "loraplex.db").touch()
         if database == "unreachable PostgreSQL":
             monkeypatch.setenv("LORAPLEX_DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/loraplex_no_such_db")
         r = run()
@@ -244,6 +246,9 @@ def test_an_engine_without_the_platform_database_says_so_before_serving(cli_env,
         assert "Traceback" not in r.output and len(r.output.strip().splitlines()) == 1, r.output
         if database == "empty SQLite file":
             assert "no platform tables" in r.output, r.output
+        if database == "no SQLite file":  # refused without leaving an empty database file in the data directory
+            assert "does not exist" in r.output, r.output
+            assert not (cli_env / "loraplex.db").exists()
     assert not started
 
     monkeypatch.delenv("LORAPLEX_DATABASE_URL")

@@ -86,8 +86,11 @@ def test_an_engine_whose_step_thread_stopped_withdraws_its_registration(tmp_path
     settings = Settings(data_dir=tmp_path, redis_prefix="hb-test")
     engine = FakeEngine()
 
+    exits = []
+
     async def run():
-        task = asyncio.create_task(server._heartbeat(redis, settings, engine, "e1", "http://e1:1"))
+        task = asyncio.create_task(server._heartbeat(redis, settings, engine, "e1", "http://e1:1",
+                                                     on_engine_failure=lambda: exits.append(list(redis.deleted))))
         while not redis.stored:
             await asyncio.sleep(0)
         engine.failure = "SystemError in its step thread (the server log has the cause)"
@@ -97,3 +100,37 @@ def test_an_engine_whose_step_thread_stopped_withdraws_its_registration(tmp_path
         asyncio.run(run())
     assert redis.deleted == [server.registry_key("hb-test", "e1")] and not redis.stored
     assert any(r.levelno == logging.ERROR and "engine stopped" in r.getMessage() for r in caplog.records)
+    # and then the process is told to exit, its registration already withdrawn
+    assert exits == [[server.registry_key("hb-test", "e1")]]
+
+
+class FailingEngine(FakeEngine):
+    """Its step thread stops on an error once it has served its first heartbeat."""
+
+    def __init__(self):
+        super().__init__()
+        self.failure = None
+
+    def stats(self):
+        snapshot = super().stats()
+        self.failure = "RuntimeError in its step thread (the server log has the cause)"
+        return snapshot
+
+
+def test_an_engine_process_whose_engine_stopped_exits_with_an_error(tmp_path, monkeypatch):
+    """A process left up with a dead engine serves nothing and no supervisor restarts it (compose's
+    `restart: on-failure` needs an exit with an error status): it withdraws its registration and exits."""
+    import pytest
+    from live_server import free_port
+
+    from loraplex.platform import engine_factory, redis_clients
+
+    redis = DeletingRedis(failures=0)
+    engine = FailingEngine()
+    monkeypatch.setattr(server, "HEARTBEAT_SECONDS", 0.05)
+    monkeypatch.setattr(engine_factory, "build_engine", lambda settings: engine)
+    monkeypatch.setattr(redis_clients, "async_redis", lambda settings: redis)
+    settings = Settings(data_dir=tmp_path, redis_prefix="hb-test", shutdown_timeout=1)
+    with pytest.raises(server.EngineStopped, match="the engine stopped: RuntimeError"):
+        server.run_engine_server(settings, host="127.0.0.1", port=free_port())
+    assert len(redis.deleted) >= 1 and not redis.stored

@@ -65,6 +65,27 @@ def test_engine_stats_are_exposed_at_scrape_time():
     assert _samples(m)[("loraplex_engine_queue_depth", ())] == 1
 
 
+def test_an_adapter_held_by_several_engines_is_one_series_counting_them():
+    """API processes sum the stats of every engine process: a version two engines hold is one sample (value 2),
+    not the same series twice (which Prometheus drops as a duplicate)."""
+    from loraplex.platform.remote.protocol import add_stats, stats_to_json
+
+    total = EngineStats()
+    for resident in (["a" * 64, "b" * 64], ["a" * 64]):
+        one = EngineStats(lora_resident=resident, lora_host_cached=resident)
+        one.extra["lora_pinned"] = ["a" * 64]
+        add_stats(total, stats_to_json(one))
+    m = PlatformMetrics()
+    m.bind_engine(lambda: total)
+    body = m.exposition()[0].decode()
+    cached = [line for line in body.splitlines() if line.startswith("loraplex_adapter_cached{")]
+    assert len(cached) == len(set(cached)) == 5, cached
+    s = _samples(m)
+    assert s[("loraplex_adapter_cached", (("level", "device"), ("version", "a" * 12)))] == 2
+    assert s[("loraplex_adapter_cached", (("level", "device"), ("version", "b" * 12)))] == 1
+    assert s[("loraplex_adapter_cached", (("level", "pinned"), ("version", "a" * 12)))] == 2
+
+
 def test_a_failing_engine_does_not_break_the_scrape():
     m = PlatformMetrics()
 

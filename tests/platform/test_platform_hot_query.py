@@ -69,3 +69,57 @@ def test_refuses_binds_that_need_type_processing(db):
     query = HotQuery(select(Tenant.id).where(Tenant.created_at > bindparam("t", type_=DateTime(timezone=True))))
     with pytest.raises(ValueError, match="type processing"):
         query.first(db, t=datetime.now(UTC))
+
+
+def test_a_database_that_does_not_answer_is_sqlalchemys_error_not_the_drivers(db, settings, monkeypatch):
+    """The per-request key lookup runs on the DBAPI connection: a database away (no connection to be had, or one
+    dropped under a query) must still raise SQLAlchemy's OperationalError, which the API answers with a 503,
+    not the driver's own error (a 500 and a traceback per request)."""
+    import sqlite3
+
+    from sqlalchemy.exc import OperationalError
+
+    _, key = _new_key(db, settings)
+    key_hash = hash_key(settings.secret_key, key)
+
+    def unreachable():
+        raise sqlite3.OperationalError("unable to open database file")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(db, "raw_connection", unreachable)
+        with pytest.raises(OperationalError) as info:
+            _TENANT_BY_KEY.first(db, key_hash=key_hash)
+    assert isinstance(info.value.orig, sqlite3.OperationalError)
+
+    class DroppedCursor:
+        def execute(self, *args):
+            raise sqlite3.OperationalError("disk I/O error")
+
+        def close(self):
+            pass
+
+    conn = db.raw_connection()
+    monkeypatch.setattr(type(conn), "cursor", lambda self: DroppedCursor())
+    monkeypatch.setattr(db, "raw_connection", lambda: conn)
+    with pytest.raises(OperationalError):
+        _TENANT_BY_KEY.first(db, key_hash=key_hash)
+
+
+def test_a_database_outage_on_the_key_lookup_is_a_503(client, app, make_tenant, monkeypatch, caplog):
+    import logging
+    import sqlite3
+
+    tenant = make_tenant()
+    services = app.state.services
+
+    def unreachable():
+        raise sqlite3.OperationalError("unable to open database file")
+
+    monkeypatch.setattr(services.db, "raw_connection", unreachable)
+    with caplog.at_level(logging.WARNING):
+        r = client.get("/v1/models", headers=tenant.headers)
+    assert r.status_code == 503 and r.headers["retry-after"] == "2", r.text
+    assert r.json()["error"]["code"] == "service_unavailable"
+    lines = [rec for rec in caplog.records if "did not answer" in rec.getMessage()]
+    assert len(lines) == 1 and lines[0].exc_info is None, [rec.getMessage() for rec in caplog.records]
+    assert "the database did not answer" in lines[0].getMessage()

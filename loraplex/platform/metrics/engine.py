@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Iterator
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -56,15 +57,17 @@ class EngineCollector:
 
 
 def _residency(s: EngineStats) -> GaugeMetricFamily:
-    """One series per cached adapter version: bounded by the cache sizes (max_loras + max_cpu_loras)."""
-    family = GaugeMetricFamily("loraplex_adapter_cached", "Adapter versions held by the engine's caches "
-                               "(version: first 12 hex digits of the content hash)", labels=["version", "level"])
-    pinned = set(s.extra.get("lora_pinned", ()))
-    for level, hashes in (("device", s.lora_resident), ("host", s.lora_host_cached)):
-        for content_hash in hashes:
-            family.add_metric([content_hash[:12], level], 1.0)
-    for content_hash in sorted(pinned):
-        family.add_metric([content_hash[:12], "pinned"], 1.0)
+    """One series per cached adapter version and level: bounded by the cache sizes (max_loras + max_cpu_loras).
+
+    With several engine processes the stats are their sum and a version may be held by more than one: its
+    value is how many hold it (a series repeated with the same labels would be dropped by the scraper)."""
+    family = GaugeMetricFamily("loraplex_adapter_cached", "Adapter versions held by the engines' caches: how "
+                               "many engine processes hold each (version: first 12 hex digits of the content "
+                               "hash)", labels=["version", "level"])
+    levels = (("device", s.lora_resident), ("host", s.lora_host_cached), ("pinned", s.extra.get("lora_pinned", ())))
+    for level, hashes in levels:
+        for version, engines in sorted(Counter(content_hash[:12] for content_hash in hashes).items()):
+            family.add_metric([version, level], float(engines))
     return family
 
 

@@ -9,6 +9,7 @@ import socket
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from contextlib import asynccontextmanager
 from dataclasses import asdict
 
@@ -44,6 +45,10 @@ ENGINE_ABORT_SECONDS = 5.0
 ABORT_REQUEST_SECONDS = 8.0
 
 
+class EngineStopped(RuntimeError):
+    """The engine stopped on an error while its process served: the process exits with an error status."""
+
+
 def registry_key(prefix: str, engine_id: str = "*") -> str:
     return f"{prefix}:engines:{engine_id}"
 
@@ -75,9 +80,11 @@ def _pin(value) -> bool | None:
 
 
 def build_engine_app(settings: Settings, engine: EngineClient, *, advertise: str, redis=None,
-                     engine_id: str | None = None, draining: threading.Event | None = None) -> FastAPI:
+                     engine_id: str | None = None, draining: threading.Event | None = None,
+                     on_engine_failure: Callable[[], None] | None = None) -> FastAPI:
     """`draining`: set when the process is told to stop; the heartbeat then withdraws the registration at
-    once, so API processes stop sending new requests while the running ones finish."""
+    once, so API processes stop sending new requests while the running ones finish. `on_engine_failure`:
+    called once the engine has stopped on an error and its registration is withdrawn (the process exits)."""
     engine_id = engine_id or f"{socket.gethostname()}-{uuid.uuid4().hex[:8]}"
     draining = draining or threading.Event()
     token = engine_token(settings.secret_key)
@@ -101,8 +108,8 @@ def build_engine_app(settings: Settings, engine: EngineClient, *, advertise: str
         consumer = EngineQueueConsumer(settings) if settings.redis_url else None
         if consumer:
             await asyncio.to_thread(consumer.start)
-        beat = (asyncio.create_task(_heartbeat(redis, settings, engine, engine_id, advertise, draining))
-                if redis else None)
+        beat = (asyncio.create_task(_heartbeat(redis, settings, engine, engine_id, advertise, draining,
+                                               on_engine_failure)) if redis else None)
         try:
             yield
         finally:
@@ -231,7 +238,8 @@ DRAIN_POLL_SECONDS = 0.1
 
 
 async def _heartbeat(redis, settings: Settings, engine: EngineClient, engine_id: str, advertise: str,
-                     draining: threading.Event | None = None) -> None:
+                     draining: threading.Event | None = None,
+                     on_engine_failure: Callable[[], None] | None = None) -> None:
     key = registry_key(settings.redis_prefix, engine_id)
     outage = OutageLog(log, "engine heartbeat", HEARTBEAT_SECONDS,
                        ", API processes cannot find this engine until it is restored")
@@ -245,6 +253,8 @@ async def _heartbeat(redis, settings: Settings, engine: EngineClient, engine_id:
                         "%s: registration withdrawn, API processes send it no more requests", why)
             except Exception as exc:  # it lapses after REGISTRATION_TTL anyway
                 log.warning("%s: could not withdraw the registration: %s", why, exc)
+            if failure and on_engine_failure is not None:
+                on_engine_failure()
             return
         try:
             s = engine.stats()
@@ -283,7 +293,18 @@ def run_engine_server(settings: Settings, *, host: str, port: int, advertise: st
 
     redis = async_redis(settings)
     draining = threading.Event()
-    app = build_engine_app(settings, engine, advertise=advertise, redis=redis, draining=draining)
+    servers: list[uvicorn.Server] = []
+
+    def exit_on_engine_failure() -> None:
+        # a process that stays up with a dead engine serves nothing and is restarted by nobody: it exits, with
+        # an error status, so that its supervisor (compose's `restart: on-failure`, systemd, Kubernetes) starts
+        # a fresh one
+        log.critical("the engine stopped; this engine process exits so that its supervisor starts a new one")
+        for running in servers:
+            running.should_exit = True
+
+    app = build_engine_app(settings, engine, advertise=advertise, redis=redis, draining=draining,
+                           on_engine_failure=exit_on_engine_failure)
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame) -> None:
@@ -293,4 +314,8 @@ def run_engine_server(settings: Settings, *, host: str, port: int, advertise: st
     config = uvicorn.Config(app, host=host, port=port, log_level="info",
                             timeout_keep_alive=settings.keep_alive_timeout,
                             timeout_graceful_shutdown=settings.shutdown_timeout)
-    Server(config).run()
+    servers.append(Server(config))
+    servers[0].run()
+    failure = getattr(engine, "failure", None)
+    if failure:
+        raise EngineStopped(f"the engine stopped: {failure}")

@@ -77,8 +77,13 @@ async def handle_upload(services: Services, tenant_id: int, request: Request, wa
         if wait:
             await asyncio.to_thread(_forget_failed, services, version_id)
         if version.error_code == UPLOAD_UNAVAILABLE:  # the server lost the files: not the adapter's fault
-            raise APIError(500, f"The adapter could not be validated: {UPLOAD_UNAVAILABLE_MESSAGE}.",
-                           type="server_error", code=UPLOAD_UNAVAILABLE)
+            # the cause is in the log of the worker that validated it, under the version's id: this log line
+            # ties the request id the tenant quotes to that version
+            request_id = request.scope.get("state", {}).get("request_id", "-")
+            log.error("request %s: adapter version %s could not be validated: the worker could not read its "
+                      "staged upload (the worker's log names the path it looked for)", request_id, version_id)
+            raise APIError(500, f"The adapter could not be validated (request {request_id}): "
+                                f"{UPLOAD_UNAVAILABLE_MESSAGE}.", type="server_error", code=UPLOAD_UNAVAILABLE)
         raise APIError(422, f"The adapter was refused: {version.error}", param="file",
                        code=version.error_code or "invalid_adapter")
     status = 201 if version.status == VersionStatus.ready.value else 202
