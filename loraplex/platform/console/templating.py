@@ -57,8 +57,8 @@ def _flash_signer(request: Request) -> URLSafeTimedSerializer:
     return URLSafeTimedSerializer(request.app.state.settings.secret_key, salt="loraplex.console.flash")
 
 
-# What a refused form brings back of each of its fields (they ride in the redirect's URL): more than any valid
-# value holds, little enough that the URL stays far under what browsers and servers take.
+# The longest value a refused form brings back of each of its fields (they ride in the redirect's URL): more than
+# any valid value holds, little enough that the URL stays far under what browsers and servers take.
 KEPT_VALUE_CHARS = 200
 
 
@@ -72,10 +72,14 @@ def redirect(request: Request, url: str, *, flash: str | None = None, error: str
         message: dict[str, Any] = {"ok": flash, "error": error}
         if error and kept is not None:
             form_id, form = kept
-            message["form"] = {"id": form_id, "values": {
-                name: [v[:KEPT_VALUE_CHARS] for v in form.getlist(name) if isinstance(v, str)]
-                for name in dict.fromkeys(form.keys()) if name != "csrf_token"
-            }}
+            values: dict[str, list[str]] = {}
+            for name in dict.fromkeys(form.keys()):
+                typed = [v for v in form.getlist(name) if isinstance(v, str)]
+                # a value longer than any valid one is not brought back (cut short, it would be one the user
+                # never typed): its field shows what it would show anyway
+                if name != "csrf_token" and all(len(v) <= KEPT_VALUE_CHARS for v in typed):
+                    values[name] = typed
+            message["form"] = {"id": form_id, "values": values}
         signed = _flash_signer(request).dumps(message)
         url += ("&" if "?" in url else "?") + "msg=" + signed
     return RedirectResponse(url, status_code=303)
