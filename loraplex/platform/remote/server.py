@@ -14,7 +14,7 @@ from contextlib import asynccontextmanager
 from dataclasses import asdict
 
 import anyio
-from fastapi import Depends, FastAPI, Header, HTTPException, Request
+from fastapi import APIRouter, Depends, FastAPI, Header, HTTPException, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.requests import ClientDisconnect
 
@@ -87,6 +87,7 @@ def build_engine_app(settings: Settings, engine: EngineClient, *, advertise: str
     called once the engine has stopped on an error and its registration is withdrawn (the process exits)."""
     engine_id = engine_id or f"{socket.gethostname()}-{uuid.uuid4().hex[:8]}"
     draining = draining or threading.Event()
+    running = threading.Event()  # set while the engine runs: between the lifespan's start and its shutdown
     token = engine_token(settings.secret_key)
 
     def check(x_loraplex_engine_token: str | None = Header(default=None, alias=SECRET_HEADER)) -> None:
@@ -101,6 +102,7 @@ def build_engine_app(settings: Settings, engine: EngineClient, *, advertise: str
         from loraplex.platform.tasks.context import TaskContext, set_context
 
         await engine.start()
+        running.set()
         sessions = make_session_factory(make_engine(settings.resolved_database_url))
         context = TaskContext(settings, sessions, engine, asyncio.get_running_loop())
         set_context(context)
@@ -113,6 +115,7 @@ def build_engine_app(settings: Settings, engine: EngineClient, *, advertise: str
         try:
             yield
         finally:
+            running.clear()
             pins.cancel()
             await asyncio.gather(pins, return_exceptions=True)
             if beat:
@@ -123,7 +126,23 @@ def build_engine_app(settings: Settings, engine: EngineClient, *, advertise: str
                 await asyncio.to_thread(consumer.stop)
             await engine.shutdown()
 
-    app = FastAPI(title="loraplex engine", lifespan=lifespan, dependencies=[Depends(check)])
+    # no /docs or /openapi.json: an unauthenticated listing of the internal API is no business of a caller's
+    app = FastAPI(title="loraplex engine", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    # everything but the probes is for API processes only
+    internal = APIRouter(dependencies=[Depends(check)])
+
+    # Probes for an orchestrator (Kubernetes, compose, a load balancer): no token, and nothing in them but
+    # whether this process answers and whether its engine serves.
+    @app.get("/healthz")
+    async def healthz() -> dict:
+        return {"status": "ok"}
+
+    @app.get("/readyz")
+    async def readyz() -> JSONResponse:
+        problem = _engine_problem(engine, running, draining)
+        if problem:
+            return JSONResponse({"status": "not ready", "problems": [f"engine: {problem}"]}, status_code=503)
+        return JSONResponse({"status": "ready"})
 
     @app.exception_handler(ClientDisconnect)
     async def client_left(_request, _exc):  # the API process gave up before its request was read
@@ -134,11 +153,11 @@ def build_engine_app(settings: Settings, engine: EngineClient, *, advertise: str
         return JSONResponse({"error": type(exc).__name__, "message": str(exc),
                              "param": getattr(exc, "param", None)}, status_code=400)
 
-    @app.get("/engine/info")
+    @internal.get("/engine/info")
     async def info() -> dict:
         return {"engine_id": engine_id, "model_name": engine.model_name, "max_model_len": engine.max_model_len}
 
-    @app.post("/engine/generate")
+    @internal.post("/engine/generate")
     async def generate(request: Request):
         body = await request.json()
         stream = engine.generate(body["prompt"], params_from_json(body["params"]), body["request_id"],
@@ -197,7 +216,7 @@ def build_engine_app(settings: Settings, engine: EngineClient, *, advertise: str
 
         return _NDJSONStream(lines())
 
-    @app.post("/engine/abort")
+    @internal.post("/engine/abort")
     async def abort(body: dict) -> dict:
         # the API process bills a dropped request for the prompt tokens this engine processed; one of an
         # older version, which reads only "ok", bills as it did
@@ -209,12 +228,12 @@ def build_engine_app(settings: Settings, engine: EngineClient, *, advertise: str
             processed = None
         return {"ok": True, "prompt_tokens_processed": processed}
 
-    @app.post("/engine/prefetch")
+    @internal.post("/engine/prefetch")
     async def prefetch(body: dict) -> dict:
         await engine.prefetch_adapter(adapter_from_json(body["adapter"]), pin=_pin(body.get("pin")))
         return {"ok": True}
 
-    @app.post("/engine/unpin")
+    @internal.post("/engine/unpin")
     async def unpin(body: dict) -> dict:
         content_hash = body.get("content_hash")
         if not isinstance(content_hash, str) or not content_hash:
@@ -222,16 +241,29 @@ def build_engine_app(settings: Settings, engine: EngineClient, *, advertise: str
         await engine.unpin_adapter(content_hash)
         return {"ok": True}
 
-    @app.post("/engine/remove")
+    @internal.post("/engine/remove")
     async def remove(body: dict) -> dict:
         await engine.remove_adapter(body["content_hash"])
         return {"ok": True}
 
-    @app.get("/engine/stats")
+    @internal.get("/engine/stats")
     async def stats() -> dict:
         return asdict(engine.stats())
 
+    app.include_router(internal)
     return app
+
+
+def _engine_problem(engine: EngineClient, running: threading.Event, draining: threading.Event) -> str | None:
+    """Why this engine process would serve no new request now, or None when it would."""
+    failure = getattr(engine, "failure", None)
+    if failure:
+        return f"the engine stopped: {failure}"
+    if draining.is_set():
+        return "the process is stopping: it takes no new requests"
+    if not running.is_set():
+        return "the engine is not running yet"
+    return None
 
 
 DRAIN_POLL_SECONDS = 0.1
