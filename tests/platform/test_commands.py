@@ -284,5 +284,5 @@ def test_sigterm_stops_serve_after_the_shutdown_timeout_with_a_request_still_run
         if proc.poll() is None:
             proc.kill()
         output = proc.stdout.read()
-    assert code in (0, -signal.SIGTERM), output  # uvicorn re-raises the signal it stopped for
+    assert code == 0, output  # a clean stop, not the signal uvicorn stopped for raised again
     assert "timeout graceful shutdown exceeded" in output and "Application shutdown complete" in output, output

@@ -338,7 +338,9 @@ def run_engine_server(settings: Settings, *, host: str, port: int, advertise: st
     app = build_engine_app(settings, engine, advertise=advertise, redis=redis, draining=draining,
                            on_engine_failure=exit_on_engine_failure)
 
-    class Server(uvicorn.Server):
+    from loraplex.platform.stopping import SignalStopServer
+
+    class Server(SignalStopServer):
         def handle_exit(self, sig, frame) -> None:
             draining.set()  # SIGTERM / Ctrl-C: leave the registry first, then drain
             super().handle_exit(sig, frame)
