@@ -6,7 +6,7 @@ import click
 
 from loraplex.config import masked_url
 from loraplex.platform.admin_cli import admin
-from loraplex.platform.db_errors import database_error
+from loraplex.platform.db_errors import database_error, sqlite_path_problem
 
 __all__ = ["admin", "engine", "serve", "worker"]
 
@@ -47,6 +47,11 @@ def prepare_database_or_fail(settings) -> None:
         prepare_database(settings)
     except Exception as exc:  # unreachable, not a database, or a migration that refused: said in one line
         verb = "reach" if isinstance(exc, OperationalError) else "prepare"
+        # SQLite says only "unable to open database file": say which path, and what is wrong with it
+        problem = sqlite_path_problem(url) if isinstance(exc, OperationalError) else None
+        if problem:
+            where = "LORAPLEX_DATABASE_URL" if settings.database_url else "under LORAPLEX_DATA_DIR"
+            raise click.ClickException(f"cannot open the database {masked_url(url)} ({where}): {problem}") from exc
         raise click.ClickException(f"cannot {verb} the database {masked_url(url)}: {database_error(exc)}") from exc
 
 
@@ -173,7 +178,9 @@ def _refuse_unreachable_database(settings, *, tables: tuple[str, ...] = (), why:
     where = f"the database {masked_url(url)} (LORAPLEX_DATABASE_URL)"
     missing_file = _missing_sqlite_file(url)
     if missing_file:  # connecting would create it: an empty file left behind in a data directory others share
-        raise click.ClickException(f"{where} does not exist (no file {missing_file}): not the platform's "
+        problem = sqlite_path_problem(url)
+        detail = problem if problem and "folder" in problem else f"no file {missing_file}"
+        raise click.ClickException(f"{where} does not exist ({detail}): not the platform's "
                                    f"database, or one `loraplex serve` has not created yet{why}")
     try:
         engine = make_engine(url, pooled=False)
@@ -184,7 +191,8 @@ def _refuse_unreachable_database(settings, *, tables: tuple[str, ...] = (), why:
         finally:
             engine.dispose()
     except Exception as exc:
-        raise click.ClickException(f"cannot reach {where}: {database_error(exc)}{why}") from exc
+        reason = sqlite_path_problem(url) or database_error(exc)
+        raise click.ClickException(f"cannot reach {where}: {reason}{why}") from exc
     if missing:
         raise click.ClickException(f"{where} has no platform tables (no {missing[0]}): not the platform's "
                                    f"database, or one `loraplex serve` has not migrated yet{why}")
