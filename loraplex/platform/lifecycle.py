@@ -106,7 +106,8 @@ def _bind_metrics(services: Services, app: FastAPI) -> None:
     except ImportError:
         return
     metrics = get_metrics(app)
-    metrics.bind_engine(lambda: services.engine.stats() if services.engine is not None else None)
+    metrics.bind_engine(lambda: services.engine.stats() if services.engine is not None else None,
+                        lambda: getattr(services.engine, "stats_by_engine", lambda: None)())
     services.on_request_finished = metrics.record_request
 
 

@@ -153,3 +153,27 @@ def test_recent_window_percentiles_and_throughput():
     assert summary["ttft_p50_s"] == 0.10
     assert summary["ttft_p95_s"] == 0.19
     assert percentile([], 0.5) is None
+
+
+def test_engine_counters_of_engine_processes_are_per_engine_and_do_not_drop_when_one_leaves():
+    """An API process with `loraplex engine`s: each engine's series carries its `engine` label. A sum over the
+    registered engines went down when one left, which Prometheus reads as a counter reset (rate() spikes)."""
+    from loraplex.config import Settings
+    from loraplex.platform.remote.protocol import stats_to_json
+    from loraplex.platform.remote.router import EngineRouter
+
+    router = EngineRouter(Settings(environment="test", model="m"), redis=None, tokenizer=None, max_model_len=64)
+    for engine_id, tokens in (("e1", 100), ("e2", 40)):
+        one = EngineStats(generation_tokens_total=tokens, lora_resident=["a" * 64])
+        router.records[engine_id] = {"engine_id": engine_id, "running": 0, "waiting": 0, "stats": stats_to_json(one)}
+    m = PlatformMetrics()
+    m.bind_engine(router.stats, router.stats_by_engine)
+    s = _samples(m)
+    assert s[("loraplex_engine_generation_tokens_total", (("engine", "e1"),))] == 100
+    assert s[("loraplex_engine_generation_tokens_total", (("engine", "e2"),))] == 40
+    assert ("loraplex_engine_generation_tokens_total", ()) not in s
+    assert s[("loraplex_adapter_cached", (("engine", "e2"), ("level", "device"), ("version", "a" * 12)))] == 1
+    del router.records["e2"]  # it left
+    s = _samples(m)
+    assert s[("loraplex_engine_generation_tokens_total", (("engine", "e1"),))] == 100  # not reset
+    assert ("loraplex_engine_generation_tokens_total", (("engine", "e2"),)) not in s

@@ -28,6 +28,7 @@ class PlatformMetrics:
         self.registry = CollectorRegistry(auto_describe=True)
         self.recent = RecentWindow()
         self._engine_stats: Callable[[], EngineStats | None] = lambda: None
+        self._stats_by_engine: Callable[[], dict[str, EngineStats] | None] = lambda: None
         self._adapters = TopN(adapter_top_n, window_s)
         self._tenants = TopN(tenant_top_n, window_s)
         self._lock = threading.Lock()
@@ -59,10 +60,12 @@ class PlatformMetrics:
             "loraplex_request_duration_seconds", "End-to-end request latency", ["endpoint", "tenant"],
             buckets=LATENCY_BUCKETS, registry=r,
         )
-        r.register(EngineCollector(lambda: self._engine_stats()))
+        r.register(EngineCollector(lambda: self._engine_stats(), lambda: self._stats_by_engine()))
 
-    def bind_engine(self, stats: Callable[[], EngineStats | None]) -> None:
-        self._engine_stats = stats
+    def bind_engine(self, stats: Callable[[], EngineStats | None],
+                    by_engine: Callable[[], dict[str, EngineStats] | None] = lambda: None) -> None:
+        """`by_engine`: each engine process's stats by its id, where the engines are other processes."""
+        self._engine_stats, self._stats_by_engine = stats, by_engine
 
     def engine_stats(self) -> EngineStats | None:
         try:

@@ -242,16 +242,28 @@ class EngineRouter:
     def stats(self) -> EngineStats:
         total = EngineStats()
         for rec in self.records.values():
-            if isinstance(rec.get("stats"), dict):
-                add_stats(total, rec["stats"])
-                continue
-            # a registration from an engine that publishes no full snapshot
-            total.num_running += rec["running"]
-            total.num_waiting += rec["waiting"]
-            total.lora_resident.extend(rec.get("resident", ()))
-            total.lora_host_cached.extend(rec.get("host_cached", ()))
+            _add_record(total, rec)
         total.extra["engines"] = len(self.records)
         return total
+
+    def stats_by_engine(self) -> dict[str, EngineStats]:
+        """Each registered engine's own stats, by its id (for /metrics: a sum would drop when one leaves)."""
+        per_engine = {}
+        for engine_id, rec in self.records.items():
+            per_engine[engine_id] = EngineStats()
+            _add_record(per_engine[engine_id], rec)
+        return per_engine
+
+
+def _add_record(total: EngineStats, rec: dict) -> None:
+    if isinstance(rec.get("stats"), dict):
+        add_stats(total, rec["stats"])
+        return
+    # a registration from an engine that publishes no full snapshot
+    total.num_running += rec["running"]
+    total.num_waiting += rec["waiting"]
+    total.lora_resident.extend(rec.get("resident", ()))
+    total.lora_host_cached.extend(rec.get("host_cached", ()))
 
 
 def build_router(settings: Settings, redis) -> EngineRouter:
