@@ -63,19 +63,23 @@ def _stop(proc: subprocess.Popen, sig: int) -> tuple[int, str]:
     return code, proc.stdout.read()
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
-def test_an_engine_process_stopped_by_a_signal_exits_0(tmp_path, sig):
-    port = free_port()
-    tests = str(Path(__file__).parent)
-    script = _ENGINE.format(tests=tests, data=str(tmp_path), port=port)
-    proc = subprocess.Popen([sys.executable, "-c", script], env=os.environ.copy(), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+def _start_and_stop(cmd: list[str], env: dict[str, str], port: int, sig: int) -> tuple[int, str]:
+    """Start a server process, wait until it answers on `port`, send it `sig`: (exit status, its output)."""
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         _wait_ready(proc, port)
     except BaseException:
         proc.kill()
         raise
-    code, output = _stop(proc, sig)
+    return _stop(proc, sig)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_an_engine_process_stopped_by_a_signal_exits_0(tmp_path, sig):
+    port = free_port()
+    tests = str(Path(__file__).parent)
+    script = _ENGINE.format(tests=tests, data=str(tmp_path), port=port)
+    code, output = _start_and_stop([sys.executable, "-c", script], os.environ.copy(), port, sig)
     assert code == 0, (code, output)
     assert "run_engine_server returned" in output and "Traceback" not in output, output
 
@@ -88,13 +92,7 @@ def test_serve_stopped_by_a_signal_exits_0_without_aborted(tmp_path, tiny_llama_
     env.update(LORAPLEX_DATA_DIR=str(tmp_path / "data"), LORAPLEX_SECRET_KEY="exit-test-secret-0123456789",
                LORAPLEX_KV_CACHE_MEMORY=str(4 * 1024 * 1024), LORAPLEX_MAX_MODEL_LEN="256")
     cmd = [sys.executable, "-m", "loraplex.cli", "serve", "--model", str(tiny_llama_dir), "--port", str(port)]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        _wait_ready(proc, port)
-    except BaseException:
-        proc.kill()
-        raise
-    code, output = _stop(proc, sig)
+    code, output = _start_and_stop(cmd, env, port, sig)
     assert code == 0, (code, output)
     assert "Aborted!" not in output and "Traceback" not in output, output
     assert "Application shutdown complete" in output, output
