@@ -23,3 +23,17 @@ def resource_dir(name: str, *, prefixes: tuple[str, ...] | None = None) -> Path:
         if installed.is_dir():
             return installed
     return source
+
+
+def make_folder(path: Path) -> None:
+    """Create `path` and its parents; an OSError whose message says in words why it cannot be a folder."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        if path.exists() and not path.is_dir():
+            reason = "it is a file, not a folder"
+        elif isinstance(exc, (FileExistsError, NotADirectoryError)):
+            reason = "a part of its path is a file, not a folder"
+        else:
+            reason = exc.strerror or str(exc)
+        raise OSError(exc.errno, reason) from exc

@@ -17,6 +17,7 @@ from pathlib import Path
 import click
 
 from loraplex.engine.errors import ModelLoadError
+from loraplex.resources import make_folder
 
 
 @dataclass(frozen=True)
@@ -44,17 +45,10 @@ def fetch_demo_model(
     if (out / COMPLETE_MARKER).is_file() and not force:
         return out
     try:  # before the download: a cache that cannot be written should not cost one
-        out.parent.mkdir(parents=True, exist_ok=True)
+        make_folder(out.parent)
     except OSError as exc:
-        where = out.parent
-        if where.exists() and not where.is_dir():
-            reason = "it is a file, not a folder"
-        elif isinstance(exc, (FileExistsError, NotADirectoryError)):
-            reason = "a part of its path is a file, not a folder"
-        else:
-            reason = exc.strerror or str(exc)
-        raise ModelLoadError(f"cannot use the model cache {where} (--cache-dir or LORAPLEX_MODEL_CACHE): "
-                             f"{reason}") from exc
+        raise ModelLoadError(f"cannot use the model cache {out.parent} (--cache-dir or LORAPLEX_MODEL_CACHE): "
+                             f"{exc.strerror}") from exc
     with tempfile.TemporaryDirectory(prefix="loraplex-fetch-") as tmp:
         gguf_path = _download_gguf(demo, Path(tmp), progress)
         convert_gguf(gguf_path, out, progress=progress, overwrite=force)

@@ -7,6 +7,7 @@ import click
 from loraplex.config import masked_url
 from loraplex.platform.admin_cli import admin
 from loraplex.platform.db_errors import database_error, sqlite_path_problem
+from loraplex.resources import make_folder
 
 __all__ = ["admin", "engine", "serve", "worker"]
 
@@ -57,16 +58,10 @@ def prepare_database_or_fail(settings) -> None:
 
 def _make_data_dir(data_dir) -> None:
     try:
-        data_dir.mkdir(parents=True, exist_ok=True)
+        make_folder(data_dir)
     except OSError as exc:
-        if data_dir.exists() and not data_dir.is_dir():
-            reason = "it is a file, not a folder"
-        elif isinstance(exc, (FileExistsError, NotADirectoryError)):
-            reason = "a part of its path is a file, not a folder"
-        else:
-            reason = exc.strerror or str(exc)
         raise click.ClickException(f"cannot use the data folder {data_dir} (LORAPLEX_DATA_DIR or --data-dir): "
-                                   f"{reason}") from exc
+                                   f"{exc.strerror}") from exc
 
 
 def _print_admin_key(secret: str) -> None:

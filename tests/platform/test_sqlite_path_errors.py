@@ -14,10 +14,8 @@ from loraplex.platform.db_errors import sqlite_path_problem
 
 
 @pytest.fixture
-def env(tmp_path, monkeypatch):
-    for key in list(os.environ):
-        if key.startswith("LORAPLEX_"):
-            monkeypatch.delenv(key)
+def env(elsewhere, monkeypatch):
+    tmp_path = elsewhere
     monkeypatch.setenv("LORAPLEX_DATA_DIR", str(tmp_path / "data"))
     monkeypatch.setenv("LORAPLEX_SECRET_KEY", "sqlite-path-secret-0123456789")
     monkeypatch.setattr("loraplex.platform.commands._refuse_unreachable_redis", lambda settings: None)
