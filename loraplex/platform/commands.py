@@ -152,8 +152,10 @@ def serve(model, host, port, data_dir, no_engine):
         from loraplex.platform.engine_worker import consume_engine_queue_with_app
 
         consume_engine_queue_with_app(app)
+    from loraplex.platform.http_protocol import http_protocol_class
+
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level="info",
-                            timeout_keep_alive=settings.keep_alive_timeout,
+                            http=http_protocol_class(), timeout_keep_alive=settings.keep_alive_timeout,
                             # a backstop for what stop_requests cannot end (a request whose body never came)
                             timeout_graceful_shutdown=settings.shutdown_timeout + 5)
     from loraplex.platform.stopping import StoppingServer

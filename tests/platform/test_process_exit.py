@@ -5,6 +5,7 @@ stopped on an error still exits 1 (tests/platform/test_engine_heartbeat.py)."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -15,7 +16,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from live_server import free_port
+from live_server import free_port, send_raw
 
 # an engine process as `loraplex engine` runs it, with the fake engine and an in-memory Redis
 _ENGINE = textwrap.dedent("""
@@ -64,10 +65,14 @@ def _stop(proc: subprocess.Popen, sig: int) -> tuple[int, str]:
 
 
 def _start_and_stop(cmd: list[str], env: dict[str, str], port: int, sig: int) -> tuple[int, str]:
-    """Start a server process, wait until it answers on `port`, send it `sig`: (exit status, its output)."""
+    """Start a server process, wait until it answers on `port`, check that it answers a request its HTTP
+    parser refuses with the JSON error object, send it `sig`: (exit status, its output)."""
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         _wait_ready(proc, port)
+        status, headers, body = send_raw(port, b"GET /readyz HTTP/1.1\r\nHost: x\r\nno colon\r\n\r\n")
+        assert (status, headers["content-type"]) == (400, "application/json"), (status, headers, body)
+        assert json.loads(body)["error"]["code"] == "invalid_http_request"
     except BaseException:
         proc.kill()
         raise

@@ -345,8 +345,10 @@ def run_engine_server(settings: Settings, *, host: str, port: int, advertise: st
             draining.set()  # SIGTERM / Ctrl-C: leave the registry first, then drain
             super().handle_exit(sig, frame)
 
+    from loraplex.platform.http_protocol import http_protocol_class
+
     config = uvicorn.Config(app, host=host, port=port, log_level="info",
-                            timeout_keep_alive=settings.keep_alive_timeout,
+                            http=http_protocol_class(), timeout_keep_alive=settings.keep_alive_timeout,
                             timeout_graceful_shutdown=settings.shutdown_timeout)
     servers.append(Server(config))
     servers[0].run()
