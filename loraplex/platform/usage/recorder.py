@@ -162,6 +162,9 @@ class UsageRecorder:
             # shutdown): cut between the two it would leave the journal's lock held for its whole expiry,
             # and every process's flushes waiting on it
             self._batch = asyncio.ensure_future(self._flush_redis_batch())
+            # a flush cancelled meanwhile no longer awaits it: its error (Redis away; the journal keeps the batch)
+            # is taken here rather than reported as never retrieved
+            self._batch.add_done_callback(lambda batch: batch.cancelled() or batch.exception())
             count, more = await asyncio.shield(self._batch)
             inserted += count
             if not more:
