@@ -301,3 +301,29 @@ def test_a_stream_cut_by_sigkill_is_billed_once_from_its_last_checkpoint(data_di
         assert received - 64 <= record.completion_tokens
         assert month_used == record.prompt_tokens + record.completion_tokens
     assert list((data_dir / "usage-inflight").iterdir()) == []
+
+
+def test_a_request_is_checkpointed_every_so_many_tokens_not_every_token(data_dir, make_tenant_factory,
+                                                                        monkeypatch):
+    from fake_engine import FakeEngine
+    from fastapi.testclient import TestClient
+    from platform_helpers import make_settings
+
+    from loraplex.platform.inference import job as job_module
+
+    monkeypatch.setattr(job_module, "CHECKPOINT_SECONDS", 3600.0)  # by tokens only, however slow the machine
+    app, make = make_tenant_factory(make_settings(data_dir), FakeEngine())
+    with TestClient(app) as client:
+        tenant = make()
+        r = client.post("/v1/chat/completions", headers=tenant.headers,
+                        json={"model": "fake-base", "messages": [{"role": "user", "content": "hi"}],
+                              "max_tokens": 200, "stream": True})
+        assert r.status_code == 200
+        ledger = app.state.services.usage.ledger
+        lines = [json.loads(line) for line in ledger._path.read_bytes().splitlines()]
+        assert ledger.open_requests == 0
+    request_id = r.headers["x-request-id"]
+    assert [line["op"] for line in lines] == ["open", "cp", "cp", "cp", "cp", "close"]
+    assert {line["id"] for line in lines} == {request_id}
+    assert [line["c"] for line in lines if line["op"] == "cp"] == [1, 65, 129, 193]
+    assert not list((data_dir / "usage-inflight").iterdir())  # a clean shutdown leaves no ledger behind
