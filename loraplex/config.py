@@ -69,6 +69,9 @@ class Settings(BaseSettings):
     # times a Redis command cut by a dropped connection or a timeout is sent again (exponential backoff from
     # 50 ms, at most 2 s apart): a Redis restart of a few seconds is waited out rather than failing requests
     redis_retries: int = Field(default=6, ge=0)
+    # seconds one Redis command may take in all, connecting and every retry included: a Redis that accepts
+    # connections but never answers fails the command (a request: 503) this soon, not after retries x timeouts
+    redis_deadline: float = Field(default=4.0, gt=0)
     auto_migrate: bool = True  # run `alembic upgrade head` when the API starts
     embedded_engine: bool = True  # build the engine inside the API process (AsyncEngine)
     usage_flush_interval: float = 1.0  # seconds between batched usage inserts

@@ -96,8 +96,24 @@ def _usage_recorder(services: Services):
                         journal_dir, exc)
     else:
         journal = FileJournal(journal_dir)
+    from loraplex.platform.usage.inflight import InflightLedger
+
+    ledger = None
+    try:
+        ledger = InflightLedger(settings.data_dir / "usage-inflight")
+    except OSError as exc:
+        log.warning("no in-flight usage ledger at %s (%s): a request running when this process is killed "
+                    "is not billed", settings.data_dir / "usage-inflight", exc)
+
+    async def settle_interrupted(request) -> None:
+        event = request.event
+        if not hasattr(services.limiter, "settle_interrupted"):
+            return
+        await services.limiter.settle_interrupted(event.tenant_id, event.request_id, request.month,
+                                                  event.prompt_tokens + event.completion_tokens)
+
     return UsageRecorder(services.sessions, journal, spool=spool, batch_size=settings.usage_batch_size,
-                         interval=settings.usage_flush_interval)
+                         interval=settings.usage_flush_interval, ledger=ledger, on_interrupted=settle_interrupted)
 
 
 def _bind_metrics(services: Services, app: FastAPI) -> None:

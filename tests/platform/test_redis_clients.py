@@ -230,3 +230,111 @@ def test_a_redis_timeout_in_the_logs_names_its_setting(caplog):
     with caplog.at_level(logging.WARNING, logger="t"):
         outage.failed(RedisTimeout("Timeout reading from 127.0.0.1:6379"))
     assert "LORAPLEX_REDIS_SOCKET_TIMEOUT=4.5 s" in caplog.text
+
+
+class SilentServer:
+    """Accepts connections, reads what is sent, never answers: a hung Redis (a stopped process behind a live
+    socket, a proxy whose upstream froze)."""
+
+    def __init__(self):
+        self.connections = 0
+        self.server: asyncio.AbstractServer | None = None
+        self._writers: list[asyncio.StreamWriter] = []
+
+    async def start(self) -> int:
+        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        return self.server.sockets[0].getsockname()[1]
+
+    async def _serve(self, reader, writer) -> None:
+        self.connections += 1
+        self._writers.append(writer)
+        with contextlib.suppress(ConnectionError, OSError):
+            while await reader.read(65536):
+                pass
+
+    async def close(self) -> None:
+        for writer in self._writers:
+            writer.close()
+        self.server.close()
+
+
+def test_a_redis_that_never_answers_fails_a_command_within_the_deadline_not_the_retries():
+    """Six retries of a 30 s socket timeout would hold the command for minutes; the deadline ends it, all
+    retries included, as a redis TimeoutError naming the setting."""
+    from redis.exceptions import TimeoutError as RedisTimeout
+
+    from loraplex.platform.quotas.redis import RedisQuotaLimiter
+    from loraplex.platform.redis_clients import async_redis, describe_timeout
+
+    async def scenario():
+        silent = SilentServer()
+        port = await silent.start()
+        settings = Settings(environment="test", redis_url=f"redis://127.0.0.1:{port}/0", redis_socket_timeout=30,
+                            redis_retries=6, redis_deadline=0.3)
+        client = async_redis(settings)
+        limiter = RedisQuotaLimiter(client, prefix="t")
+        started = time.monotonic()
+        try:
+            with pytest.raises(RedisTimeout) as raised:
+                await limiter.acquire(1, LIMITS, "hung", 5, now=T0)
+            return raised.value, time.monotonic() - started, silent.connections
+        finally:
+            await client.aclose()
+            await silent.close()
+
+    error, elapsed, connections = asyncio.run(scenario())
+    assert "LORAPLEX_REDIS_DEADLINE=0.3 s" in str(error)
+    assert describe_timeout(error) == "Redis deadline LORAPLEX_REDIS_DEADLINE=0.3 s"
+    assert elapsed < 30  # not even one socket timeout: the deadline cut the first attempt
+    assert connections == 1
+
+
+def test_a_redis_restart_longer_than_one_retry_is_still_ridden_out_within_the_deadline(private_redis):
+    """Connection refused for a second: the retries keep trying for as long as the deadline allows."""
+    from loraplex.platform.quotas.redis import RedisQuotaLimiter
+    from loraplex.platform.redis_clients import async_redis
+
+    async def scenario():
+        settings = Settings(environment="test", redis_url=private_redis.url, redis_retries=20, redis_deadline=30)
+        client = async_redis(settings)
+        limiter = RedisQuotaLimiter(client, prefix="t")
+        try:
+            await limiter.settle(await limiter.acquire(1, LIMITS, "before", 5, now=T0), 5)
+            private_redis.stop()
+            back = asyncio.get_running_loop().call_later(1.0, private_redis.start)
+            r = await limiter.acquire(1, LIMITS, "during", 5, now=T0 + 1)
+            back.cancel()
+            await limiter.settle(r, 4)
+            return await limiter.month_used(1, now=T0 + 2)
+        finally:
+            await client.aclose()
+
+    assert asyncio.run(scenario()) == 4
+
+
+def test_a_hung_redis_is_a_prompt_503_with_an_openai_error_body(private_redis, data_dir, make_tenant_factory):
+    """The API's Redis stops answering (its process stopped: the socket still accepts): the next request is
+    answered 503 within LORAPLEX_REDIS_DEADLINE, not after the retries' half a minute and more."""
+    from fake_engine import FakeEngine
+    from fastapi.testclient import TestClient
+    from platform_helpers import make_settings
+
+    settings = make_settings(data_dir, redis_url=private_redis.url, redis_deadline=0.5, redis_socket_timeout=30,
+                             celery_task_always_eager=True)
+    app, make = make_tenant_factory(settings, FakeEngine())
+    body = {"model": "fake-base", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    with TestClient(app) as client:
+        tenant = make()
+        assert client.post("/v1/chat/completions", headers=tenant.headers, json=body).status_code == 200
+        private_redis.proc.send_signal(signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            r = client.post("/v1/chat/completions", headers=tenant.headers, json=body)
+            elapsed = time.monotonic() - started
+        finally:
+            private_redis.proc.send_signal(signal.SIGCONT)
+    assert r.status_code == 503, r.text
+    error = r.json()["error"]
+    assert error["type"] == "server_error" and error["code"] == "service_unavailable", error
+    assert "retry" in error["message"] and r.headers["retry-after"]
+    assert elapsed < 30  # within the deadline: not one socket timeout, let alone the retries

@@ -30,6 +30,7 @@ from loraplex.platform.quotas import QuotaExceeded, Reservation
 from loraplex.platform.registry import ModelTarget
 from loraplex.platform.services import Services
 from loraplex.platform.usage import UsageEvent
+from loraplex.platform.usage.inflight import CHECKPOINT_SECONDS, CHECKPOINT_TOKENS
 
 log = logging.getLogger(__name__)
 # how long a request that ends unfinished (its client left, the server stops) waits for the engine to confirm
@@ -62,6 +63,9 @@ class InferenceJob:
     _closed: bool = False
     _leased: str | None = None  # the adapter content this request holds in the store until it settles
     _consumer: asyncio.Task | None = None  # the task iterating run() now
+    _ledger: object | None = None  # the in-flight ledger this request is open in (InflightLedger)
+    _checkpointed_at: float = 0.0  # time.perf_counter() of its last checkpoint there
+    _checkpointed_tokens: int = 0
 
     @property
     def prompt_tokens(self) -> int:
@@ -109,6 +113,7 @@ class InferenceJob:
             self.reservation = await self.services.limiter.acquire(
                 self.tenant.tenant_id, self.tenant.limits, self.request_id, self.reserve_tokens)
             self.services.running[self.request_id] = self
+            self._open_in_ledger()
         except QuotaExceeded as exc:
             await self._release_lease()
             self._record_metrics("rejected", 0, None)
@@ -120,6 +125,59 @@ class InferenceJob:
             with anyio.CancelScope(shield=True):
                 await self._release_lease()
             raise
+
+    def _usage_event(self, status: str, prompt_tokens: int, completion_tokens: int, ttft_ms: int | None,
+                     latency_ms: int) -> UsageEvent:
+        return UsageEvent(
+            request_id=self.request_id, tenant_id=self.tenant.tenant_id, api_key_id=self.tenant.key_id,
+            model=self.target.model, adapter_name=self.target.adapter_name,
+            adapter_version=self.target.adapter.content_hash if self.target.adapter else None,
+            endpoint=self.endpoint, prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+            ttft_ms=ttft_ms, latency_ms=latency_ms, status=status, end_user=self.user,
+            created_at=UsageEvent.now_iso(),
+        )
+
+    def _open_in_ledger(self) -> None:
+        """From admission to its usage record, the request is in the in-flight ledger, so that a process
+        killed meanwhile still bills the tokens it produced (usage/inflight.py)."""
+        usage = self.services.usage
+        ledger = getattr(usage, "ledger", None)
+        if ledger is None:
+            return
+        try:
+            ledger.open(self._usage_event("interrupted", 0, 0, None, 0), self.reservation.month)
+        except OSError:
+            log.exception("request %s could not be entered in the in-flight usage ledger", self.request_id)
+            return
+        self._ledger = ledger
+        self._checkpointed_at = time.perf_counter()
+
+    def _checkpoint(self) -> None:
+        """The counts so far, into the ledger: at the first token (the prompt then counts whole), then every
+        CHECKPOINT_TOKENS tokens or CHECKPOINT_SECONDS, whichever comes first; a line, not a database write."""
+        if self._ledger is None:
+            return
+        tokens = self.completion_tokens
+        now = time.perf_counter()
+        if not (self._checkpointed_tokens == 0 and tokens
+                or tokens - self._checkpointed_tokens >= CHECKPOINT_TOKENS
+                or tokens > self._checkpointed_tokens and now - self._checkpointed_at >= CHECKPOINT_SECONDS):
+            return
+        self._checkpointed_at, self._checkpointed_tokens = now, tokens
+        ttft_ms = int((self.first_token_at - self.started) * 1000) if self.first_token_at else None
+        try:
+            self._ledger.checkpoint(self.request_id, self.billed_prompt_tokens, tokens, ttft_ms,
+                                    int((now - self.started) * 1000))
+        except OSError:
+            log.exception("checkpoint of request %s in the in-flight usage ledger failed", self.request_id)
+
+    def _close_in_ledger(self) -> None:
+        ledger, self._ledger = self._ledger, None
+        if ledger is not None:
+            try:
+                ledger.close(self.request_id)
+            except OSError:
+                log.exception("request %s could not be closed in the in-flight usage ledger", self.request_id)
 
     async def run(self) -> AsyncIterator[tuple[int, RequestOutput]]:
         try:
@@ -201,6 +259,7 @@ class InferenceJob:
         if n and self.first_token_at is None:
             self.first_token_at = time.perf_counter()
         self.generated[index] = n
+        self._checkpoint()
 
     async def _close(self, streams) -> None:
         if self._closed:
@@ -269,6 +328,7 @@ class InferenceJob:
             return
         if self.refused and not self.completion_tokens:
             await self._release()
+            self._close_in_ledger()  # not usage: nothing for a recovery to record
             return
         # a request that failed on the server's side is neither counted in usage nor billed: its tokens
         # come back to the tenant's limits too (what the month counts is what the usage records bill)
@@ -279,17 +339,11 @@ class InferenceJob:
             log.exception("quota settle failed for %s", self.request_id)
         now = time.perf_counter()
         ttft_ms = int((self.first_token_at - self.started) * 1000) if self.first_token_at else None
-        event = UsageEvent(
-            request_id=self.request_id, tenant_id=self.tenant.tenant_id, api_key_id=self.tenant.key_id,
-            model=self.target.model, adapter_name=self.target.adapter_name,
-            adapter_version=self.target.adapter.content_hash if self.target.adapter else None,
-            endpoint=self.endpoint, prompt_tokens=self.billed_prompt_tokens,
-            completion_tokens=self.completion_tokens,
-            ttft_ms=ttft_ms, latency_ms=int((now - self.started) * 1000), status=status, end_user=self.user,
-            created_at=UsageEvent.now_iso(),
-        )
+        event = self._usage_event(status, self.billed_prompt_tokens, self.completion_tokens, ttft_ms,
+                                  int((now - self.started) * 1000))
         if self.services.usage is not None:
             await self.services.usage.record(event)
+        self._close_in_ledger()  # after the record is journaled: a kill between the two still bills it once
         self._record_metrics(status, self.completion_tokens, ttft_ms / 1000 if ttft_ms is not None else None)
 
     def _record_metrics(self, status: str, completion_tokens: int, ttft_s: float | None) -> None:

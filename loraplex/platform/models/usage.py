@@ -28,7 +28,7 @@ class UsageRecord(Base):
     completion_tokens: Mapped[int] = mapped_column(Integer)
     ttft_ms: Mapped[int | None] = mapped_column(Integer, nullable=True)
     latency_ms: Mapped[int] = mapped_column(Integer)
-    status: Mapped[str] = mapped_column(String(16))  # ok | aborted | error
+    status: Mapped[str] = mapped_column(String(16))  # ok | cancelled | error | interrupted
     end_user: Mapped[str | None] = mapped_column(String(256), nullable=True)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime)
 

@@ -69,6 +69,12 @@ class QuotaLimiter(Protocol):
         work), so it gives back its place in the per-minute request count too."""
         ...
 
+    async def settle_interrupted(self, tenant_id: int, request_id: str, month: str, used_tokens: int) -> None:
+        """Settle, from another process, a request whose own process died before it settled: its
+        reservation (if it has not lapsed yet) is replaced by `used_tokens`, its concurrency slot freed. Called
+        once per request (when its interrupted usage record is new)."""
+        ...
+
     async def close(self) -> None: ...
 
 

@@ -115,6 +115,14 @@ class MemoryQuotaLimiter:
             self._inflight[reservation.tenant_id].pop(reservation.request_id, None)
             self._held[reservation.tenant_id].pop(reservation.request_id, None)
 
+    async def settle_interrupted(self, tenant_id: int, request_id: str, month: str, used_tokens: int) -> None:
+        """The reservation died with its process (this limiter lives in one): only the month counts the tokens,
+        and only once it is counted here; an unseeded month is seeded from the usage records, which already
+        hold the request's."""
+        with self._lock:
+            if (tenant_id, month) in self._seeded or self.month_seed is None:
+                self._monthly[(tenant_id, month)] += used_tokens
+
     async def close(self) -> None:
         return None
 

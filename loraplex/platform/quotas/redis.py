@@ -103,6 +103,27 @@ for i = 2, #ARGV do redis.call('ZADD', KEYS[1], 'XX', ARGV[1], ARGV[i]) end
 return 1
 """
 
+# KEYS: in-flight zset, reservations hash, monthly. ARGV: request_id, used tokens, month.
+# A request whose process died: its reservation, if it has not lapsed yet (a lapse takes it back off the
+# month), is replaced by what it used, and its slot freed; a month with no counter is seeded later from the
+# usage records, which hold the request's already.
+_SETTLE_INTERRUPTED = """
+local held = redis.call('HGET', KEYS[2], ARGV[1])
+redis.call('HDEL', KEYS[2], ARGV[1])
+redis.call('ZREM', KEYS[1], ARGV[1])
+local cur = redis.call('GET', KEYS[3])
+if not cur then return 0 end
+local delta = tonumber(ARGV[2])
+if held then
+  local amount, month = string.match(held, '^(%d+):(%d+)$')
+  if amount and month == ARGV[3] then delta = delta - tonumber(amount) end
+end
+local v = tonumber(cur) + delta
+if v < 0 then v = 0 end
+redis.call('SET', KEYS[3], v, 'KEEPTTL')
+return 1
+"""
+
 log = logging.getLogger(__name__)
 _KINDS = {1: "concurrent", 2: "requests", 3: "tokens", 4: "monthly_budget"}
 # A process keeps its requests' in-flight entries alive every KEEP_ALIVE_SECONDS; a process that dies leaves
@@ -125,6 +146,7 @@ class RedisQuotaLimiter:
         self._acquire = redis.register_script(_ACQUIRE)
         self._settle = redis.register_script(_SETTLE)
         self._keep_alive = redis.register_script(_KEEP_ALIVE)
+        self._settle_interrupted = redis.register_script(_SETTLE_INTERRUPTED)
         # this process's unsettled reservations -> when they were made (time.monotonic())
         self._live: dict[tuple[int, str], float] = {}
         # settlements Redis did not take: (keys, args, when) retried until they land or their entry lapses
@@ -255,6 +277,11 @@ class RedisQuotaLimiter:
             log.warning("settling request %s's quota failed (%s); retried every %s s until Redis takes it",
                         reservation.request_id, why, KEEP_ALIVE_SECONDS)
             self._unsettled.append((keys, args, time.monotonic()))
+
+    async def settle_interrupted(self, tenant_id: int, request_id: str, month: str, used_tokens: int) -> None:
+        base = self._base(tenant_id)
+        await self._settle_interrupted(keys=[f"{base}:inflight", f"{base}:reserved", self._month_key(tenant_id, month)],
+                                       args=[request_id, used_tokens, month])
 
     async def _retry_settlements(self) -> None:
         lapsed = time.monotonic() - INFLIGHT_TTL_MS / 1000  # their entries are gone: nothing left to settle

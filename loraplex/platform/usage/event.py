@@ -24,7 +24,7 @@ class UsageEvent:
     completion_tokens: int
     ttft_ms: int | None
     latency_ms: int
-    status: str  # ok | cancelled | error
+    status: str  # ok | cancelled | error | interrupted (settled from a checkpoint after a crash)
     end_user: str | None
     created_at: str  # ISO 8601, UTC
 

@@ -13,6 +13,7 @@ from loraplex.platform.billing.models import BASE_ADAPTER
 from loraplex.platform.models import UsageRecord
 from loraplex.platform.schemas.usage import UsageBucket
 from loraplex.platform.scoping import TenantScope
+from loraplex.platform.usage.inflight import INTERRUPTED
 
 
 def _day(session: Session):
@@ -42,10 +43,12 @@ def usage_by_day(session: Session, tenant_id: int, start: date, end: date, *,
     day = _day(session).label("day")
     failed_row = UsageRecord.status.in_(FAILED_STATUSES)
     failed = func.sum(case((failed_row, 1), else_=0))
+    interrupted = func.sum(case((UsageRecord.status == INTERRUPTED, 1), else_=0))
     stmt = (
         TenantScope(session, tenant_id)
         .select(UsageRecord, UsageRecord.created_at >= lo, UsageRecord.created_at < hi)
         .with_only_columns(day, UsageRecord.adapter_name, UsageRecord.adapter_version, func.count(), failed,
+                           interrupted,
                            func.sum(case((failed_row, 0), else_=UsageRecord.prompt_tokens)),
                            func.sum(case((failed_row, 0), else_=UsageRecord.completion_tokens)))
         .where(*_adapter_conditions(adapter),
@@ -54,10 +57,11 @@ def usage_by_day(session: Session, tenant_id: int, start: date, end: date, *,
         .order_by(day, UsageRecord.adapter_name, UsageRecord.adapter_version)
     )
     out = []
-    for d, name, version, count, failures, prompt, completion in session.execute(stmt):
+    for d, name, version, count, failures, cut, prompt, completion in session.execute(stmt):
         d = d if isinstance(d, date) else date.fromisoformat(d)
         # the version as users type it after "@" (12 hex digits), as everywhere else in the API
         out.append(UsageBucket(date=d, adapter=name, adapter_version=version[:12] if version else None,
-                               requests=count, failed_requests=int(failures or 0), prompt_tokens=prompt or 0,
+                               requests=count, failed_requests=int(failures or 0),
+                               interrupted_requests=int(cut or 0), prompt_tokens=prompt or 0,
                                completion_tokens=completion or 0, total_tokens=(prompt or 0) + (completion or 0)))
     return out
