@@ -10,7 +10,7 @@ from torch import nn
 
 from loraplex.engine import forward_context as fctx
 from loraplex.kernels import ops_cpu
-from loraplex.kernels.attention import decode_attention, prefill_attention, write_kv
+from loraplex.kernels.attention import decode_attention, decode_mask, prefill_attention, write_kv
 from loraplex.kernels.linear_cpu import PackedWeight, packed_linear
 
 
@@ -192,16 +192,28 @@ def token_tables(meta: fctx.AttentionMetadata) -> tuple[torch.Tensor, torch.Tens
 
 
 class PagedAttention(nn.Module):
-    """Writes the step's new K/V into this layer's cache, then attends over each sequence's blocks."""
+    """Writes the step's new K/V into this layer's cache, then attends over each sequence's blocks: the whole
+    context, or with a sliding `window` the last `window` positions up to each token."""
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, window: int | None = None):
         super().__init__()
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = head_dim**-0.5
+        self.window = window
         self.k_cache: torch.Tensor | None = None  # bound by the model runner
         self.v_cache: torch.Tensor | None = None
+
+    def _decode_mask(self, meta: fctx.AttentionMetadata) -> torch.Tensor | None:
+        """The torch decode path's padding (and window) mask for this layer, shared with layers like it."""
+        if self.window is None or meta.decode_block_tables is None:
+            return meta.decode_mask
+        mask = meta.decode_window_masks.get(self.window)
+        if mask is None:
+            mask = decode_mask(meta.decode_block_tables, meta.decode_context_lens, self.k_cache.shape[2], self.window)
+            meta.decode_window_masks[self.window] = mask
+        return mask
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q: [T, H, D], k/v: [T, Hkv, D] -> [T, H * D]."""
@@ -211,25 +223,25 @@ class PagedAttention(nn.Module):
         if not meta.prefills:
             out = decode_attention(
                 q, self.k_cache, self.v_cache, meta.decode_block_tables, meta.decode_context_lens, self.scale,
-                meta.decode_mask,
+                self._decode_mask(meta), self.window,
             )
             return out.reshape(q.shape[0], -1)
         if (q.dtype == torch.float32 and q.device.type == "cpu" and ops_cpu.available()
                 and max(seg.context_len for seg in meta.prefills) <= SHORT_PREFILL_CONTEXT):
             tables, lens = token_tables(meta)
-            out = ops_cpu.paged_decode_attention(q, self.k_cache, self.v_cache, tables, lens, self.scale)
+            out = ops_cpu.paged_decode_attention(q, self.k_cache, self.v_cache, tables, lens, self.scale, self.window)
             if out is not None:
                 return out.reshape(q.shape[0], -1)
         out = torch.empty_like(q)
         if num_decodes:
             out[:num_decodes] = decode_attention(
                 q[:num_decodes], self.k_cache, self.v_cache, meta.decode_block_tables,
-                meta.decode_context_lens, self.scale, meta.decode_mask,
+                meta.decode_context_lens, self.scale, self._decode_mask(meta), self.window,
             )
         for seg in meta.prefills:
             rows = slice(seg.query_start, seg.query_start + seg.query_len)
             out[rows] = prefill_attention(
                 q[rows], self.k_cache, self.v_cache, seg.block_table, seg.context_len, self.scale,
-                k_new=k[rows], v_new=v[rows],
+                k_new=k[rows], v_new=v[rows], window=self.window,
             )
         return out.reshape(q.shape[0], -1)
