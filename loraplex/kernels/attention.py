@@ -49,6 +49,19 @@ def decode_mask(
     return valid.view(1, -1, 1, max_len)
 
 
+def window_tables(
+    block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int, window: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decode block tables and context lengths cut to a sliding window: each row starts at the block holding
+    its window's first position, so a decode reads no block the window has left behind. Attending over the
+    cut rows with the same window gives the same result (the window's positions, counted from the row's end,
+    are unchanged)."""
+    width = min(block_tables.shape[1], (window + 2 * block_size - 2) // block_size)  # blocks a window can touch
+    first = (context_lens - window).clamp(min=0) // block_size
+    cols = (first.view(-1, 1) + torch.arange(width, device=block_tables.device)).clamp(max=block_tables.shape[1] - 1)
+    return block_tables.gather(1, cols), context_lens - first * block_size
+
+
 def decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,

@@ -12,6 +12,7 @@ from loraplex.kernels.attention import (
     decode_mask,
     prefill_attention,
     reference_attention,
+    window_tables,
     write_kv,
 )
 
@@ -152,3 +153,31 @@ def test_batched_windowed_decode_of_mixed_lengths():
     whole = decode_attention(*args)
     assert not torch.allclose(whole[3:], expected[3:], atol=1e-3)
     torch.testing.assert_close(whole[:3], expected[:3], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("block_size,window", [(4, 10), (4, 8), (4, 1), (16, 5), (3, 200)])
+def test_decode_over_tables_cut_to_the_window(block_size, window):
+    """Tables cut to the window give the uncut results, and the torch path then reads no block before it."""
+    gen = torch.Generator().manual_seed(block_size * window)
+    heads, kv_heads, dim, num_blocks = 4, 2, 8, 80
+    lengths = [1, window, window + 1, 23, 61, 2]
+    k_cache = torch.randn(kv_heads, num_blocks, block_size, dim, generator=gen)
+    v_cache = torch.randn(kv_heads, num_blocks, block_size, dim, generator=gen)
+    width = -(-max(lengths) // block_size)
+    tables = torch.stack([torch.randperm(num_blocks, generator=gen)[:width] for _ in lengths])
+    lens = torch.tensor(lengths)
+    q = torch.randn(len(lengths), heads, dim, generator=gen)
+    expected = decode_attention_torch(q, k_cache, v_cache, tables, lens, 0.3, window=window)
+    cut_tables, cut_lens = window_tables(tables, lens, block_size, window)
+    assert cut_tables.shape[1] <= min(width, -(-(window + block_size - 1) // block_size))
+    assert all(0 < n <= window + block_size - 1 for n in cut_lens.tolist())
+    mask = decode_mask(cut_tables, cut_lens, block_size, window)
+    for fn in (decode_attention, decode_attention_torch):
+        got = fn(q, k_cache, v_cache, cut_tables, cut_lens, 0.3, mask, window)
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    # blocks no row's cut table names hold NaN: nothing reads them
+    unused = sorted(set(tables.flatten().tolist()) - set(cut_tables.flatten().tolist()))
+    k_cache[:, unused] = float("nan")
+    v_cache[:, unused] = float("nan")
+    got = decode_attention_torch(q, k_cache, v_cache, cut_tables, cut_lens, 0.3, mask, window)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)

@@ -10,7 +10,13 @@ from torch import nn
 
 from loraplex.engine import forward_context as fctx
 from loraplex.kernels import ops_cpu
-from loraplex.kernels.attention import decode_attention, decode_mask, prefill_attention, write_kv
+from loraplex.kernels.attention import (
+    decode_attention,
+    decode_mask,
+    prefill_attention,
+    window_tables,
+    write_kv,
+)
 from loraplex.kernels.linear_cpu import PackedWeight, packed_linear
 
 
@@ -205,15 +211,18 @@ class PagedAttention(nn.Module):
         self.k_cache: torch.Tensor | None = None  # bound by the model runner
         self.v_cache: torch.Tensor | None = None
 
-    def _decode_mask(self, meta: fctx.AttentionMetadata) -> torch.Tensor | None:
-        """The torch decode path's padding (and window) mask for this layer, shared with layers like it."""
+    def _decode_inputs(self, meta: fctx.AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The decodes' block tables, context lengths and torch-path mask for this layer: with a window, cut to
+        it once per step and window, and shared with the layers like it."""
         if self.window is None or meta.decode_block_tables is None:
-            return meta.decode_mask
-        mask = meta.decode_window_masks.get(self.window)
-        if mask is None:
-            mask = decode_mask(meta.decode_block_tables, meta.decode_context_lens, self.k_cache.shape[2], self.window)
-            meta.decode_window_masks[self.window] = mask
-        return mask
+            return meta.decode_block_tables, meta.decode_context_lens, meta.decode_mask
+        cut = meta.decode_windows.get(self.window)
+        if cut is None:
+            block_size = self.k_cache.shape[2]
+            tables, lens = window_tables(meta.decode_block_tables, meta.decode_context_lens, block_size, self.window)
+            cut = (tables, lens, decode_mask(tables, lens, block_size, self.window))
+            meta.decode_windows[self.window] = cut
+        return cut
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q: [T, H, D], k/v: [T, Hkv, D] -> [T, H * D]."""
@@ -221,10 +230,8 @@ class PagedAttention(nn.Module):
         write_kv(self.k_cache, self.v_cache, k, v, meta.slot_mapping)
         num_decodes = meta.num_decode_tokens
         if not meta.prefills:
-            out = decode_attention(
-                q, self.k_cache, self.v_cache, meta.decode_block_tables, meta.decode_context_lens, self.scale,
-                self._decode_mask(meta), self.window,
-            )
+            tables, lens, mask = self._decode_inputs(meta)
+            out = decode_attention(q, self.k_cache, self.v_cache, tables, lens, self.scale, mask, self.window)
             return out.reshape(q.shape[0], -1)
         if (q.dtype == torch.float32 and q.device.type == "cpu" and ops_cpu.available()
                 and max(seg.context_len for seg in meta.prefills) <= SHORT_PREFILL_CONTEXT):
@@ -234,9 +241,9 @@ class PagedAttention(nn.Module):
                 return out.reshape(q.shape[0], -1)
         out = torch.empty_like(q)
         if num_decodes:
+            tables, lens, mask = self._decode_inputs(meta)
             out[:num_decodes] = decode_attention(
-                q[:num_decodes], self.k_cache, self.v_cache, meta.decode_block_tables,
-                meta.decode_context_lens, self.scale, self._decode_mask(meta), self.window,
+                q[:num_decodes], self.k_cache, self.v_cache, tables, lens, self.scale, mask, self.window
             )
         for seg in meta.prefills:
             rows = slice(seg.query_start, seg.query_start + seg.query_len)
