@@ -113,6 +113,10 @@ def test_layer_windows_follow_transformers_config():
     kinds = ["sliding_attention", "full_attention", "sliding_attention", "full_attention"]
     mixed = _arch(**qwen, use_sliding_window=True, layer_types=kinds)
     assert mixed.layer_windows == (16, None, 16, None) and mixed.sliding_window == 16
+    # attention FLOPs: two layers over the whole 100-token context, two over their 16
+    full = _arch(**qwen)
+    assert full.flops_per_token(100) - mixed.flops_per_token(100) == 4 * 2 * (100 - 16) * full.q_size
+    assert full.flops_per_token(10) == mixed.flops_per_token(10)
 
 
 @pytest.mark.parametrize("cfg,message", [

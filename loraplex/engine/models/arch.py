@@ -49,12 +49,14 @@ class ModelArch:
         return self.num_kv_heads * self.head_dim
 
     def flops_per_token(self, context_len: int = 0, with_lm_head: bool = True) -> int:
-        """Matmul FLOPs (2 per multiply-add) for one token; attention adds 4 * context * q_size per layer."""
+        """Matmul FLOPs (2 per multiply-add) for one token; attention adds 4 * context * q_size per layer, the
+        context of a sliding-window layer being at most its window."""
         proj = self.hidden_size * (self.q_size + 2 * self.kv_size) + self.q_size * self.hidden_size
         mlp = 3 * self.hidden_size * self.intermediate_size
-        per_layer = 2 * (proj + mlp) + 4 * context_len * self.q_size
+        per_layer = 2 * (proj + mlp)
+        attended = sum(context_len if w is None else min(context_len, w) for w in self.layer_windows)
         head = 2 * self.hidden_size * self.vocab_size if with_lm_head else 0
-        return self.num_layers * per_layer + head
+        return self.num_layers * per_layer + 4 * attended * self.q_size + head
 
     @classmethod
     def from_hf_config(cls, config: Any) -> ModelArch:
