@@ -32,6 +32,9 @@ class AttentionMetadata:
     decode_context_lens: torch.Tensor | None = None  # int64 [num_decodes]
     decode_max_context_len: int = 0
     decode_mask: torch.Tensor | None = None  # bool [1, num_decodes, 1, max_blocks * block_size]
+    # for the layers with a sliding window, by window: the decodes' block tables and context lengths cut to the
+    # window (`window_tables`) and their mask, made by the first such layer and shared by the others
+    decode_windows: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     prefills: list[PrefillSegment] = field(default_factory=list)
     # every token as a row of its own (block table, context length through that token), built by the first
     # layer that runs short prefills on the CPU kernel and shared by the rest (see PagedAttention)

@@ -211,19 +211,6 @@ class LLMEngine:
             raise ValueError(
                 f"max_model_len {max_len} exceeds the model's {self.arch.max_position_embeddings} positions"
             )
-        window = self.arch.sliding_window
-        if window is not None and max_len > window:
-            # The attention kernels attend over the whole context. Within the window that is what sliding-window
-            # attention computes (a token sees the `window` positions up to itself); past it the model would
-            # attend to keys it was trained never to see, and its tokens would differ from transformers'.
-            if cfg.max_model_len is not None:
-                raise ValueError(
-                    f"max_model_len {max_len} exceeds the model's sliding window of {window} tokens; this engine "
-                    f"attends over whole contexts, so it serves at most {window} tokens of this model"
-                )
-            log.warning("%s attends over a sliding window of %d tokens, which this engine does not implement: "
-                        "max_model_len is capped at %d", self.arch.model_type, window, window)
-            max_len = window
         if cfg.num_kv_blocks is not None:
             num_blocks = cfg.num_kv_blocks
         else:

@@ -35,12 +35,31 @@ def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
     return gathered.view(num_kv_heads, batch, max_blocks * block_size, head_dim)
 
 
-def decode_mask(block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int) -> torch.Tensor:
-    """[1, batch, 1, max_blocks * block_size] bool: which gathered positions hold a sequence's tokens.
-    Built once per step and shared by every layer."""
+def decode_mask(
+    block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int, window: int | None = None
+) -> torch.Tensor:
+    """[1, batch, 1, max_blocks * block_size] bool: which gathered positions hold a sequence's tokens (with a
+    sliding window, only its last `window` tokens). Built once per step (and window) and shared by the layers."""
     max_len = block_tables.shape[1] * block_size
-    valid = torch.arange(max_len, device=block_tables.device).view(1, -1) < context_lens.view(-1, 1)
+    pos = torch.arange(max_len, device=block_tables.device).view(1, -1)
+    lens = context_lens.view(-1, 1)
+    valid = pos < lens
+    if window is not None:
+        valid &= pos >= lens - window
     return valid.view(1, -1, 1, max_len)
+
+
+def window_tables(
+    block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int, window: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decode block tables and context lengths cut to a sliding window: each row starts at the block holding
+    its window's first position, so a decode reads no block the window has left behind. Attending over the
+    cut rows with the same window gives the same result (the window's positions, counted from the row's end,
+    are unchanged)."""
+    width = min(block_tables.shape[1], (window + 2 * block_size - 2) // block_size)  # blocks a window can touch
+    first = (context_lens - window).clamp(min=0) // block_size
+    cols = (first.view(-1, 1) + torch.arange(width, device=block_tables.device)).clamp(max=block_tables.shape[1] - 1)
+    return block_tables.gather(1, cols), context_lens - first * block_size
 
 
 def decode_attention(
@@ -51,17 +70,19 @@ def decode_attention(
     context_lens: torch.Tensor,
     scale: float,
     mask: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """One query token per sequence. q: [batch, num_heads, head_dim] -> [batch, num_heads, head_dim].
 
+    With a sliding `window`, the query (at position context_len - 1) attends to the last `window` tokens only.
     fp32 on CPU runs the fused kernel (ops_cpu), which reads K/V straight from the blocks; anything else
-    (or no compiler) runs the torch path below, which is also the kernel's oracle. `mask` (decode_mask)
-    is only used by the torch path.
+    (or no compiler) runs the torch path below, which is also the kernel's oracle. `mask` (decode_mask,
+    made for the same window) is only used by the torch path.
     """
-    out = ops_cpu.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale)
+    out = ops_cpu.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, window)
     if out is not None:
         return out
-    return decode_attention_torch(q, k_cache, v_cache, block_tables, context_lens, scale, mask)
+    return decode_attention_torch(q, k_cache, v_cache, block_tables, context_lens, scale, mask, window)
 
 
 def decode_attention_torch(
@@ -72,6 +93,7 @@ def decode_attention_torch(
     context_lens: torch.Tensor,
     scale: float,
     mask: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """decode_attention in plain torch.
 
@@ -84,7 +106,7 @@ def decode_attention_torch(
     num_kv_heads, _, block_size, _ = k_cache.shape
     group = num_heads // num_kv_heads
     if mask is None:
-        mask = decode_mask(block_tables, context_lens, block_size)
+        mask = decode_mask(block_tables, context_lens, block_size, window)
     keys = gather_kv(k_cache, block_tables)  # [Hkv, B, L, D]
     values = gather_kv(v_cache, block_tables)
     qg = q.view(batch, num_kv_heads, group, head_dim).transpose(0, 1)  # [Hkv, B, G, D]
@@ -101,41 +123,61 @@ def prefill_attention(
     scale: float,
     k_new: torch.Tensor | None = None,
     v_new: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
-    """A chunk of `query_len` tokens at the end of a context of `context_len` tokens, causal.
+    """A chunk of `query_len` tokens at the end of a context of `context_len` tokens, causal; with a sliding
+    `window`, query position p sees keys at positions p - window < k <= p only.
 
     q: [query_len, num_heads, head_dim]. When the chunk is the whole context (no cached prefix), the
     fresh k_new/v_new are used directly instead of reading them back from the cache.
     """
     query_len, num_heads, head_dim = q.shape
-    num_kv_heads = k_cache.shape[0]
-    if k_new is not None and query_len == context_len:
+    num_kv_heads, _, block_size, _ = k_cache.shape
+    first_query = context_len - query_len  # the chunk's first position
+    # Keys before the first query's window are seen by no query of the chunk: never read (whole blocks).
+    key_start = 0 if window is None else max(0, first_query - window + 1) // block_size * block_size
+    if k_new is not None and query_len == context_len and key_start == 0:
         kh = k_new.transpose(0, 1).unsqueeze(0)  # [1, Hkv, Lk, D]
         vh = v_new.transpose(0, 1).unsqueeze(0)
     else:
-        kh = gather_kv(k_cache, block_table.view(1, -1))[:, :, :context_len].transpose(0, 1)
-        vh = gather_kv(v_cache, block_table.view(1, -1))[:, :, :context_len].transpose(0, 1)
+        blocks = block_table[key_start // block_size :].view(1, -1)
+        kh = gather_kv(k_cache, blocks)[:, :, : context_len - key_start].transpose(0, 1)
+        vh = gather_kv(v_cache, blocks)[:, :, : context_len - key_start].transpose(0, 1)
     qh = q.transpose(0, 1).unsqueeze(0)  # [1, H, Lq, D]
-    if query_len == context_len:
+    if query_len == context_len and window is None:
         out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale,
                                              enable_gqa=num_heads != num_kv_heads)
     else:
-        # Query i sits at position context_len - query_len + i and sees keys up to that position.
-        q_pos = torch.arange(context_len - query_len, context_len, device=q.device).view(-1, 1)
-        k_pos = torch.arange(context_len, device=q.device).view(1, -1)
-        mask = k_pos <= q_pos
-        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale,
-                                             enable_gqa=num_heads != num_kv_heads)
+        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=prefill_mask(first_query, context_len, key_start,
+                                                                                 window, q.device),
+                                             scale=scale, enable_gqa=num_heads != num_kv_heads)
     return out[0].transpose(0, 1)  # [Lq, H, D]
 
 
-def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """Dense causal attention over one whole sequence, for tests: q [L, H, D], k/v [L, Hkv, D]."""
+def prefill_mask(first_query: int, context_len: int, key_start: int, window: int | None,
+                 device: torch.device | None = None) -> torch.Tensor:
+    """[Lq, Lk] bool: query i (at position first_query + i) sees key j (at position key_start + j) when
+    causal and, with a window, no more than window - 1 positions back."""
+    q_pos = torch.arange(first_query, context_len, device=device).view(-1, 1)
+    k_pos = torch.arange(key_start, context_len, device=device).view(1, -1)
+    mask = k_pos <= q_pos
+    if window is not None:
+        mask &= k_pos > q_pos - window
+    return mask
+
+
+def reference_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int | None = None
+) -> torch.Tensor:
+    """Dense causal attention over one whole sequence, for tests: q [L, H, D], k/v [L, Hkv, D]; with a sliding
+    window, position p sees keys p - window < k <= p (transformers' sliding-window mask)."""
     group = q.shape[1] // k.shape[1]
     k = k.repeat_interleave(group, dim=1)
     v = v.repeat_interleave(group, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q, k) * scale
     length = q.shape[0]
     causal = torch.ones(length, length, dtype=torch.bool, device=q.device).tril()
+    if window is not None:
+        causal = causal.triu(1 - window)
     scores = scores.masked_fill(~causal, float("-inf"))
     return torch.einsum("hqk,khd->qhd", torch.softmax(scores, dim=-1), v)

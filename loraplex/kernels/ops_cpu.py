@@ -203,7 +203,8 @@ static inline void prefetch_rows(const float* base, int64_t n, int64_t stride, i
 
 // Decode attention for one sequence and one KV head, for G (1..4) of its query heads. q: [G, D], already
 // scaled; kh/vh: this KV head's cache, its rows found through `table`; scores: [G, L] scratch; out: the
-// G heads' outputs, `os` apart.
+// G heads' outputs, `os` apart. The first `skip` rows (outside a sliding window that starts inside the
+// first block) are scored but weigh exactly 0.
 //
 // Keys: eight rows at a time per query (eight accumulators, reduced together into eight contiguous
 // scores). Values: the output is built a few vectors wide in registers over all rows, so accumulators
@@ -211,7 +212,7 @@ static inline void prefetch_rows(const float* base, int64_t n, int64_t stride, i
 template <int G>
 static void attend_group(const float* __restrict q, const float* kh, int64_t ks1, int64_t ks2, const float* vh,
                          int64_t vs1, int64_t vs2, const int64_t* table, int64_t BS, int64_t L, int64_t D,
-                         float* __restrict scores, float* __restrict out, int64_t os, ExpRange er) {
+                         int64_t skip, float* __restrict scores, float* __restrict out, int64_t os, ExpRange er) {
   for (int64_t j = 0, t0 = 0; t0 < L; ++j, t0 += BS) {
     const float* kb = kh + table[j] * ks1;
     const int64_t n = std::min(BS, L - t0);
@@ -234,29 +235,31 @@ static void attend_group(const float* __restrict q, const float* kh, int64_t ks1
       for (int g = 0; g < G; ++g) scores[g * L + t0 + i] = dot1(q + g * D, kb + i * ks2, D);
   }
 
+  const int64_t n = L - skip;  // the rows that count
   for (int g = 0; g < G; ++g) {
-    float* s = scores + g * L;
+    std::fill(scores + g * L, scores + g * L + skip, 0.f);
+    float* s = scores + g * L + skip;
     float m = s[0];  // the maximum eight lanes at a time (a scalar loop otherwise: 7% of the kernel)
     int64_t t8 = 0;
-    if (L >= 8) {
+    if (n >= 8) {
       vf8 m8 = load8(s);
-      for (t8 = 8; t8 + 8 <= L; t8 += 8) {
+      for (t8 = 8; t8 + 8 <= n; t8 += 8) {
         const vf8 v = load8(s + t8);
         m8 = m8 > v ? m8 : v;
       }
       for (int r = 0; r < 8; ++r) m = std::max(m, m8[r]);
     }
-    for (int64_t t = t8; t < L; ++t) m = std::max(m, s[t]);
+    for (int64_t t = t8; t < n; ++t) m = std::max(m, s[t]);
     float sum = 0.f;
     #pragma omp simd reduction(+:sum)
-    for (int64_t t = 0; t < L; ++t) {
+    for (int64_t t = 0; t < n; ++t) {
       const float e = fast_exp(s[t] - m, er.lo, er.hi);
       s[t] = e;
       sum += e;
     }
     const float inv = 1.f / sum;
     #pragma omp simd
-    for (int64_t t = 0; t < L; ++t) s[t] *= inv;
+    for (int64_t t = 0; t < n; ++t) s[t] *= inv;
   }
 
   // Wide chunks keep about 8-12 accumulator chains in flight: enough to hide FMA latency, few enough
@@ -288,10 +291,12 @@ static void attend_group(const float* __restrict q, const float* kh, int64_t ks1
 }  // namespace
 
 // q [B, H, D] (last dim contiguous); caches [Hkv, num_blocks, block_size, D]; block_tables int64 [B, W];
-// context_lens int64 [B]. Returns out [B, H, D]: softmax(q K^T * scale) V over each sequence's tokens.
+// context_lens int64 [B]. Returns out [B, H, D]: softmax(q K^T * scale) V over each sequence's tokens, or
+// with window > 0 over its last `window` tokens only (sliding-window attention: the query at position L - 1
+// sees keys at positions L - window .. L - 1); blocks wholly before the window are never read.
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                      torch::Tensor block_tables, torch::Tensor context_lens, double scale,
-                                     int64_t min_parallel_cost) {
+                                     int64_t min_parallel_cost, int64_t window) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.dim() == 4, "bad ranks");
   TORCH_CHECK(q.stride(2) == 1 && k_cache.stride(3) == 1 && v_cache.stride(3) == 1, "head_dim must be contiguous");
   TORCH_CHECK(k_cache.sizes() == v_cache.sizes(), "k/v cache shapes differ");
@@ -309,16 +314,20 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   const int64_t* lens = context_lens.data_ptr<int64_t>();
   const int64_t ts = block_tables.stride(0), ls = context_lens.stride(0);
+  TORCH_CHECK(window >= 0, "window must be >= 0 (0: the whole context)");
+  // The first block a sequence of L tokens reads: the one holding the window's first position.
+  auto first_block = [&](int64_t L) { return window > 0 ? std::max<int64_t>(0, L - window) / BS : 0; };
   int64_t max_len = 0, total_len = 0;
   for (int64_t b = 0; b < B; ++b) {
     const int64_t L = lens[b * ls];
     TORCH_CHECK(L >= 0 && L <= W * BS, "context length ", L, " does not fit the block table");
-    for (int64_t j = 0; j < (L + BS - 1) / BS; ++j) {
+    const int64_t j0 = first_block(L);
+    for (int64_t j = j0; j < (L + BS - 1) / BS; ++j) {
       const int64_t blk = tables[b * ts + j];
       TORCH_CHECK(blk >= 0 && blk < NB, "block id ", blk, " out of range");
     }
-    max_len = std::max(max_len, L);
-    total_len += L;
+    max_len = std::max(max_len, L - j0 * BS);
+    total_len += L - j0 * BS;
   }
 
   const float* qp = q.data_ptr<float>();
@@ -334,7 +343,9 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
   // One work item per (sequence, kv head): its query heads in chunks of up to 4.
   auto run_item = [&](int64_t item, float* qbuf, float* scores) {
     const int64_t b = item / Hkv, h = item % Hkv;
-    const int64_t L = lens[b * ls];
+    const int64_t full = lens[b * ls], j0 = first_block(full);
+    const int64_t L = full - j0 * BS;  // the rows read: from the first block the window touches
+    const int64_t skip = window > 0 ? std::max<int64_t>(0, full - window) - j0 * BS : 0;
     float* o = op + (b * H + h * G) * D;
     if (L == 0) {
       std::fill(o, o + G * D, 0.f);
@@ -345,17 +356,17 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
       #pragma omp simd
       for (int64_t d = 0; d < D; ++d) qbuf[g * D + d] = qg[d] * sc;
     }
-    const int64_t* table = tables + b * ts;
+    const int64_t* table = tables + b * ts + j0;
     const float* kh = kp + h * ks0;
     const float* vh = vp + h * vs0;
     for (int64_t g0 = 0; g0 < G; g0 += 4) {
       const float* qc = qbuf + g0 * D;
       float* oc = o + g0 * D;
       switch (std::min<int64_t>(4, G - g0)) {
-        case 1: attend_group<1>(qc, kh, ks1, ks2, vh, vs1, vs2, table, BS, L, D, scores, oc, D, er); break;
-        case 2: attend_group<2>(qc, kh, ks1, ks2, vh, vs1, vs2, table, BS, L, D, scores, oc, D, er); break;
-        case 3: attend_group<3>(qc, kh, ks1, ks2, vh, vs1, vs2, table, BS, L, D, scores, oc, D, er); break;
-        default: attend_group<4>(qc, kh, ks1, ks2, vh, vs1, vs2, table, BS, L, D, scores, oc, D, er); break;
+        case 1: attend_group<1>(qc, kh, ks1, ks2, vh, vs1, vs2, table, BS, L, D, skip, scores, oc, D, er); break;
+        case 2: attend_group<2>(qc, kh, ks1, ks2, vh, vs1, vs2, table, BS, L, D, skip, scores, oc, D, er); break;
+        case 3: attend_group<3>(qc, kh, ks1, ks2, vh, vs1, vs2, table, BS, L, D, skip, scores, oc, D, er); break;
+        default: attend_group<4>(qc, kh, ks1, ks2, vh, vs1, vs2, table, BS, L, D, skip, scores, oc, D, er); break;
       }
     }
   };
@@ -539,6 +550,7 @@ using LoraFn = void (*)(torch::Tensor, torch::Tensor, torch::Tensor, torch::Tens
 //   (qkv, o, gate_up, down), lora_dims 3 per projection (in_features, out_features, weight dtype code) and
 //   lora_shared: sorted token ids, groups, the shrunk-values buffer.
 // limits: GEMM, attention and LoRA minimum parallel cost, elementwise minimum elements.
+// windows: none, or one per layer: its sliding window (0: the whole context).
 // Returns the final norm's output [T, hidden].
 torch::Tensor decoder_stack(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, std::vector<torch::Tensor> layers,
                             std::vector<torch::Tensor> qkv_bias, std::vector<torch::Tensor> caches,
@@ -546,10 +558,11 @@ torch::Tensor decoder_stack(torch::Tensor x, torch::Tensor cos, torch::Tensor si
                             torch::Tensor slots, torch::Tensor tables, torch::Tensor lens,
                             std::vector<torch::Tensor> lora, std::vector<int64_t> lora_dims,
                             std::vector<torch::Tensor> lora_shared, int64_t linear_fn, int64_t lora_fn,
-                            std::vector<int64_t> limits) {
+                            std::vector<int64_t> limits, std::vector<int64_t> windows) {
   TORCH_CHECK(sizes.size() == 5 && limits.size() == 4, "decoder_stack: sizes and limits");
   TORCH_CHECK(layers.size() % 6 == 0 && !layers.empty(), "decoder_stack: 6 tensors per layer");
   const int64_t L = static_cast<int64_t>(layers.size() / 6);
+  TORCH_CHECK(windows.empty() || windows.size() == static_cast<size_t>(L), "decoder_stack: one window per layer");
   TORCH_CHECK(caches.size() == static_cast<size_t>(2 * L), "decoder_stack: k and v caches per layer");
   TORCH_CHECK(qkv_bias.empty() || qkv_bias.size() == static_cast<size_t>(L), "decoder_stack: qkv biases");
   const bool has_lora = !lora.empty();
@@ -591,7 +604,8 @@ torch::Tensor decoder_stack(torch::Tensor x, torch::Tensor cos, torch::Tensor si
     const torch::Tensor& kc = caches[2 * l];
     const torch::Tensor& vc = caches[2 * l + 1];
     write_kv_(kc, vc, k, v, slots);
-    torch::Tensor attn = paged_decode_attention(q, kc, vc, tables, lens, scale, attn_cost).reshape({T, q_end});
+    torch::Tensor attn = paged_decode_attention(q, kc, vc, tables, lens, scale, attn_cost,
+                                                windows.empty() ? 0 : windows[l]).reshape({T, q_end});
     torch::Tensor o = linear(attn, w[2], hidden, c10::nullopt, gemm_cost);
     add_lora(l, 1, o, attn);
     fused_add_rms_norm_(o, residual, w[3], eps, elems);
@@ -611,7 +625,7 @@ _FUNCTIONS = [
     "paged_decode_attention", "fused_add_rms_norm_", "rms_norm", "silu_and_mul", "rotary_", "write_kv_", "decoder_stack",
 ]
 
-EXTENSION_NAME = "loraplex_ops_cpu_v10"  # bump the suffix when the C++ source changes incompatibly
+EXTENSION_NAME = "loraplex_ops_cpu_v11"  # bump the suffix when the C++ source changes incompatibly
 _EXTENSION = InlineExtension(
     EXTENSION_NAME, _SOURCE, _FUNCTIONS, what="CPU fused ops",
     # no-trapping-math: lets the clamps in fast_exp become vector min/max (nothing reads FP flags)
@@ -655,9 +669,11 @@ def paged_decode_attention(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    window: int | None = None,
 ) -> torch.Tensor | None:
-    """Decode attention read straight from the paged cache: q [B, H, D] -> [B, H, D]; None when it does
-    not apply (not fp32 on CPU, head_dim not contiguous, no compiler)."""
+    """Decode attention read straight from the paged cache: q [B, H, D] -> [B, H, D], over each row's last
+    `window` tokens when a window is given; None when it does not apply (not fp32 on CPU, head_dim not
+    contiguous, no compiler)."""
     if not (_fp32_cpu(q) and _fp32_cpu(k_cache) and _fp32_cpu(v_cache)):
         return None
     if q.dim() != 3 or q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
@@ -667,7 +683,8 @@ def paged_decode_attention(
     mod = _load()
     if mod is None:
         return None
-    return mod.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, MIN_PARALLEL_COST)
+    return mod.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, MIN_PARALLEL_COST,
+                                      window or 0)
 
 
 def _rows(t: torch.Tensor) -> bool:

@@ -40,9 +40,19 @@ def _run(model_dir, monkeypatch, *, stack: bool, adapters=None, **kwargs):
     return [(o.outputs[0].token_ids, repr(o.outputs[0].logprobs)) for o in outs]
 
 
-@pytest.mark.parametrize("arch", ["tiny_llama_dir", "tiny_qwen2_dir", "tiny_tied_dir"])
+@pytest.fixture(scope="module")
+def tiny_windowed_qwen2_dir(tmp_path_factory):
+    """Qwen2 with a full-attention layer and a sliding one (window 6, shorter than most prompts)."""
+    from loraplex.testing import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("windowed"), "qwen2", use_sliding_window=True, sliding_window=6,
+                           max_window_layers=1)
+
+
+@pytest.mark.parametrize("arch", ["tiny_llama_dir", "tiny_qwen2_dir", "tiny_tied_dir", "tiny_windowed_qwen2_dir"])
 def test_same_tokens_and_logprobs_as_the_modules(arch, request, monkeypatch, stack_calls):
-    model_dir = request.getfixturevalue(arch)  # qwen2: biased qkv; tied: the head is the embedding
+    # qwen2: biased qkv; tied: the head is the embedding; windowed: each layer's window is the kernel's argument
+    model_dir = request.getfixturevalue(arch)
     stacked = _run(model_dir, monkeypatch, stack=True, max_loras=0)
     # the short prefill (62 tokens) and every decode step (5 rows) took it
     assert stack_calls == [sum(map(len, PROMPTS))] + [len(PROMPTS)] * 9

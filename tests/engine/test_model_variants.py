@@ -30,9 +30,9 @@ def _hf(model_dir, adapter_dir):
 @pytest.mark.parametrize("arch,config", [
     ("llama", {"attention_bias": True}),  # a bias on q, k, v and o
     ("llama", {"mlp_bias": True}),  # a bias on gate, up and down
-    # within its window sliding-window attention is whole-context attention: the prompt and tokens fill it
-    ("mistral", {"sliding_window": 32}),
-    ("qwen2", {"use_sliding_window": True, "sliding_window": 32, "max_window_layers": 1}),
+    # sliding-window attention, the prompt and tokens running well past the window
+    ("mistral", {"sliding_window": 8}),
+    ("qwen2", {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1}),
 ], ids=["llama-attention-bias", "llama-mlp-bias", "mistral-window", "qwen2-window"])
 def test_variant_matches_transformers_and_peft(tmp_path, arch, config):
     model_dir = make_tiny_model(tmp_path / "m", arch, **config)
@@ -50,16 +50,17 @@ def test_variant_matches_transformers_and_peft(tmp_path, arch, config):
     ("mistral", {"sliding_window": 40}),
     ("qwen2", {"use_sliding_window": True, "sliding_window": 40, "max_window_layers": 1}),
 ])
-def test_sliding_window_caps_max_model_len(tmp_path, arch, config):
-    # Past the window transformers masks keys the engine's attention would read: it serves the window only.
+def test_sliding_window_models_serve_every_position(tmp_path, arch, config):
+    # the engine attends over each layer's window: the window does not bound the context
     model_dir = make_tiny_model(tmp_path / "m", arch, **config)
-    assert LLM(str(model_dir), num_kv_blocks=16, max_loras=0).engine.limits.max_model_len == 40
-    with pytest.raises(ValueError, match="sliding window of 40"):
-        LLM(str(model_dir), num_kv_blocks=16, max_loras=0, max_model_len=41)
+    assert LLM(str(model_dir), num_kv_blocks=16, max_loras=0).engine.limits.max_model_len == 512
+    assert LLM(str(model_dir), num_kv_blocks=16, max_loras=0, max_model_len=41).engine.limits.max_model_len == 41
 
 
-def test_qwen2_without_sliding_layers_keeps_its_length(tmp_path):
+def test_qwen2_without_sliding_layers_attends_over_whole_contexts(tmp_path):
     # use_sliding_window with max_window_layers past the last layer: transformers slides in no layer
     model_dir = make_tiny_model(tmp_path / "m", "qwen2", use_sliding_window=True, sliding_window=40,
                                 max_window_layers=2)
-    assert LLM(str(model_dir), num_kv_blocks=16, max_loras=0).engine.limits.max_model_len == 512
+    llm = LLM(str(model_dir), num_kv_blocks=16, max_loras=0)
+    assert llm.engine.limits.max_model_len == 512
+    assert [attn.window for attn in llm.engine.runner.model.attention_layers] == [None, None]

@@ -72,6 +72,40 @@ def test_decode_attention_other_shapes(group, head_dim, block_size):
 
 
 @pytest.mark.usefixtures("_compiled")
+@pytest.mark.parametrize(
+    "group,head_dim,block_size,window",
+    [(1, 64, 16, 16), (3, 64, 16, 5), (4, 20, 8, 17), (5, 72, 5, 1), (2, 128, 16, 250)],
+)
+def test_windowed_decode_attention_matches_torch(group, head_dim, block_size, window):
+    gen = torch.Generator().manual_seed(group + head_dim + block_size + window)
+    lengths = [1, block_size, block_size + 1, window, window + 1, 70, 300, 3]
+    q, k_cache, v_cache, tables, lens = _decode_problem(
+        gen, lengths=lengths, num_kv_heads=2, group=group, head_dim=head_dim, block_size=block_size
+    )
+    expected = decode_attention_torch(q, k_cache, v_cache, tables, lens, 0.2, window=window)
+    got = ops_cpu.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.2, window)
+    torch.testing.assert_close(got, expected, **TOL)
+    # blocks wholly before a row's window are never read: their table entries may be anything
+    first = [max(0, n - window) // block_size for n in lengths]
+    for row, j0 in enumerate(first):
+        tables[row, :j0] = -1
+    torch.testing.assert_close(ops_cpu.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.2, window),
+                               expected, **TOL)
+    if any(first):  # ... but without the window they are read
+        with pytest.raises(RuntimeError, match="out of range"):
+            ops_cpu.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.2)
+
+
+@pytest.mark.usefixtures("_compiled")
+def test_decode_attention_rejects_a_negative_window():
+    q, k_cache, v_cache, tables, lens = _decode_problem(
+        torch.Generator().manual_seed(0), lengths=[4], num_kv_heads=1, group=1, head_dim=8
+    )
+    with pytest.raises(RuntimeError, match="window must be >= 0"):
+        ops_cpu._load().paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.2, 0, -1)
+
+
+@pytest.mark.usefixtures("_compiled")
 def test_decode_attention_benchmark_shape_and_strided_query():
     """The SmolLM2 decode batch: 32 sequences, 9 query / 3 KV heads; q is a view into a fused qkv row."""
     gen = torch.Generator().manual_seed(7)

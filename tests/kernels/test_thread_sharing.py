@@ -56,7 +56,7 @@ def test_decode_attention_same_bits_on_any_thread_count(lengths):
     gen = torch.Generator().manual_seed(len(lengths))
     q, k_cache, v_cache, tables, lens = _decode_problem(gen, lengths=lengths, num_kv_heads=3, group=3, head_dim=64)
     results = _per_thread_count(
-        lambda: ops_cpu._load().paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.125, 0))
+        lambda: ops_cpu._load().paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.125, 0, 0))
     for got in results[1:]:
         assert torch.equal(got, results[0])
     expected = decode_attention_torch(q, k_cache, v_cache, tables, lens, 0.125)

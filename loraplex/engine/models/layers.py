@@ -10,7 +10,13 @@ from torch import nn
 
 from loraplex.engine import forward_context as fctx
 from loraplex.kernels import ops_cpu
-from loraplex.kernels.attention import decode_attention, prefill_attention, write_kv
+from loraplex.kernels.attention import (
+    decode_attention,
+    decode_mask,
+    prefill_attention,
+    window_tables,
+    write_kv,
+)
 from loraplex.kernels.linear_cpu import PackedWeight, packed_linear
 
 
@@ -192,16 +198,31 @@ def token_tables(meta: fctx.AttentionMetadata) -> tuple[torch.Tensor, torch.Tens
 
 
 class PagedAttention(nn.Module):
-    """Writes the step's new K/V into this layer's cache, then attends over each sequence's blocks."""
+    """Writes the step's new K/V into this layer's cache, then attends over each sequence's blocks: the whole
+    context, or with a sliding `window` the last `window` positions up to each token."""
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, window: int | None = None):
         super().__init__()
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = head_dim**-0.5
+        self.window = window
         self.k_cache: torch.Tensor | None = None  # bound by the model runner
         self.v_cache: torch.Tensor | None = None
+
+    def _decode_inputs(self, meta: fctx.AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The decodes' block tables, context lengths and torch-path mask for this layer: with a window, cut to
+        it once per step and window, and shared with the layers like it."""
+        if self.window is None or meta.decode_block_tables is None:
+            return meta.decode_block_tables, meta.decode_context_lens, meta.decode_mask
+        cut = meta.decode_windows.get(self.window)
+        if cut is None:
+            block_size = self.k_cache.shape[2]
+            tables, lens = window_tables(meta.decode_block_tables, meta.decode_context_lens, block_size, self.window)
+            cut = (tables, lens, decode_mask(tables, lens, block_size, self.window))
+            meta.decode_windows[self.window] = cut
+        return cut
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q: [T, H, D], k/v: [T, Hkv, D] -> [T, H * D]."""
@@ -209,27 +230,25 @@ class PagedAttention(nn.Module):
         write_kv(self.k_cache, self.v_cache, k, v, meta.slot_mapping)
         num_decodes = meta.num_decode_tokens
         if not meta.prefills:
-            out = decode_attention(
-                q, self.k_cache, self.v_cache, meta.decode_block_tables, meta.decode_context_lens, self.scale,
-                meta.decode_mask,
-            )
+            tables, lens, mask = self._decode_inputs(meta)
+            out = decode_attention(q, self.k_cache, self.v_cache, tables, lens, self.scale, mask, self.window)
             return out.reshape(q.shape[0], -1)
         if (q.dtype == torch.float32 and q.device.type == "cpu" and ops_cpu.available()
                 and max(seg.context_len for seg in meta.prefills) <= SHORT_PREFILL_CONTEXT):
             tables, lens = token_tables(meta)
-            out = ops_cpu.paged_decode_attention(q, self.k_cache, self.v_cache, tables, lens, self.scale)
+            out = ops_cpu.paged_decode_attention(q, self.k_cache, self.v_cache, tables, lens, self.scale, self.window)
             if out is not None:
                 return out.reshape(q.shape[0], -1)
         out = torch.empty_like(q)
         if num_decodes:
+            tables, lens, mask = self._decode_inputs(meta)
             out[:num_decodes] = decode_attention(
-                q[:num_decodes], self.k_cache, self.v_cache, meta.decode_block_tables,
-                meta.decode_context_lens, self.scale, meta.decode_mask,
+                q[:num_decodes], self.k_cache, self.v_cache, tables, lens, self.scale, mask, self.window
             )
         for seg in meta.prefills:
             rows = slice(seg.query_start, seg.query_start + seg.query_len)
             out[rows] = prefill_attention(
                 q[rows], self.k_cache, self.v_cache, seg.block_table, seg.context_len, self.scale,
-                k_new=k[rows], v_new=v[rows],
+                k_new=k[rows], v_new=v[rows], window=self.window,
             )
         return out.reshape(q.shape[0], -1)

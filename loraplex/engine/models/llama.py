@@ -55,7 +55,7 @@ class LlamaAttention(nn.Module):
             arch.q_size, (arch.hidden_size,), bias=arch.o_bias, layer_idx=layer_idx, module_names=("o_proj",),
             dtype=dtype,
         )
-        self.attn = PagedAttention(arch.num_heads, arch.num_kv_heads, arch.head_dim)
+        self.attn = PagedAttention(arch.num_heads, arch.num_kv_heads, arch.head_dim, arch.layer_windows[layer_idx])
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv_proj(x)
@@ -115,7 +115,8 @@ _LORA_PROJECTIONS = ("q_proj", "o_proj", "gate_proj", "down_proj")  # each layer
 class DecoderStack:
     """Runs a step's decoder layers in one C++ call (`ops_cpu.decoder_stack`) where the module path would call
     the same CPU kernels one by one: fp32 on the CPU, every projection packed as panels, the compiled kernels
-    present, and steps whose attention is the paged decode kernel's (decodes, short prefill chunks) and
+    present, and steps whose attention is the paged decode kernel's (decodes, short prefill chunks; each
+    layer's sliding window, if it has one, is the kernel's argument as on the module path) and
     whose products stay on the panels (fewer than BLAS_MIN_ROWS rows). Same kernels, same order, same
     arguments: the outputs are the module path's bit for bit. Any other step returns None and the modules
     run. On a 2-core EPYC a 32-row decode step of SmolLM2 spent about a tenth of its time in the Python
@@ -164,7 +165,8 @@ class DecoderStack:
             a = layers[0].self_attn
             sizes = [a.num_heads, a.num_kv_heads, a.head_dim, a.o_proj.output_sizes[0],
                      layers[0].mlp.intermediate_size]
-            self._static = (first, flat, biases, caches, sizes, a.attn.scale)
+            windows = [layer.self_attn.attn.window or 0 for layer in layers]  # 0: the whole context
+            self._static = (first, flat, biases, caches, sizes, a.attn.scale, windows if any(windows) else [])
         return self._static
 
     def _lora_args(self, lora) -> tuple[list, list, list, int] | None:
@@ -214,12 +216,13 @@ class DecoderStack:
             if lora is None:
                 return None
             lora_tensors, lora_dims, lora_shared, lora_fn = lora
-        _, flat, biases, caches, sizes, scale = self._static_args()
+        _, flat, biases, caches, sizes, scale, windows = self._static_args()
         cos, sin = rope
         return ops_cpu.decoder_stack(
             x.contiguous(), cos, sin, flat, biases, caches, self.model.norm.weight, sizes,
             self.model.norm.eps, scale, meta.slot_mapping, tables, lens, lora_tensors, lora_dims, lora_shared,
             self.linear_fn, lora_fn, [GEMM_COST, ops_cpu.MIN_PARALLEL_COST, LORA_COST, ops_cpu.MIN_PARALLEL_ELEMENTS],
+            windows,
         )
 
 
