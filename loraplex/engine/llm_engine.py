@@ -224,6 +224,19 @@ class LLMEngine:
             log.warning("%s attends over a sliding window of %d tokens, which this engine does not implement: "
                         "max_model_len is capped at %d", self.arch.model_type, window, window)
             max_len = window
+        short = self.arch.rope_short_positions
+        if short is not None and max_len > short:
+            # transformers rotates a sequence longer than LongRoPE's original_max_position_embeddings with the
+            # long factors, its earlier tokens' cached keys included; the engine rotates each token once, as it
+            # is written to the cache, so it serves the short regime only.
+            if cfg.max_model_len is not None:
+                raise ValueError(
+                    f"max_model_len {max_len} exceeds the {short} positions this engine serves of a LongRoPE model "
+                    f"(its original_max_position_embeddings; past them the model switches to its long factors)"
+                )
+            log.warning("%s uses LongRoPE, whose long factors this engine does not implement: max_model_len is "
+                        "capped at its original_max_position_embeddings, %d", self.arch.model_type, short)
+            max_len = short
         if cfg.num_kv_blocks is not None:
             num_blocks = cfg.num_kv_blocks
         else:
