@@ -226,9 +226,10 @@ class LLMEngine:
             max_len = window
         short = self.arch.rope_short_positions
         if short is not None and max_len > short:
-            # transformers rotates a sequence longer than LongRoPE's original_max_position_embeddings with the
-            # long factors, its earlier tokens' cached keys included; the engine rotates each token once, as it
-            # is written to the cache, so it serves the short regime only.
+            # transformers rotates every token of a forward pass whose positions pass LongRoPE's
+            # original_max_position_embeddings with the long factors, so past it a token's rotation depends on
+            # how its sequence was split into passes; below it every token takes the short factors, which is
+            # what the engine computes.
             if cfg.max_model_len is not None:
                 raise ValueError(
                     f"max_model_len {max_len} exceeds the {short} positions this engine serves of a LongRoPE model "

@@ -82,8 +82,8 @@ def test_qwen2_without_sliding_layers_keeps_its_length(tmp_path):
 
 
 def test_longrope_serves_its_original_positions_only(tmp_path):
-    # Past original_max_position_embeddings transformers re-rotates the whole sequence with the long factors,
-    # cached keys included; the engine serves the positions where the short factors hold.
+    # Past original_max_position_embeddings transformers rotates a whole forward pass with the long factors,
+    # so a token's rotation depends on how its sequence was split; the engine serves where the short factors hold.
     model_dir = make_tiny_model(tmp_path / "m", "phi3", **LONGROPE)
     assert LLM(str(model_dir), num_kv_blocks=16, max_loras=0).engine.limits.max_model_len == 128
     with pytest.raises(ValueError, match="exceeds the 128 positions"):

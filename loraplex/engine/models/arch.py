@@ -37,8 +37,8 @@ class ModelArch:
     mlp_bias: bool = False  # Llama's mlp_bias: gate, up and down projections have biases
     qk_norm: bool = False  # Qwen3: a per-head RMSNorm on q and on k before the rotary embedding
     rotary_dim: int | None = None  # the leading dims of each head that rotate (partial_rotary_factor); None: all
-    # LongRoPE (Phi-3): transformers rotates a whole sequence with its short factors up to this many positions and
-    # switches it to the long factors past them; the engine serves the short regime
+    # LongRoPE (Phi-3): transformers rotates with the short factors up to this many positions and with the long
+    # ones in forward passes that go past them; the engine serves the short regime
     rope_short_positions: int | None = None
 
     @property
