@@ -99,3 +99,19 @@ def test_unsupported_rope_scaling_is_refused_before_loading(tmp_path, arch, scal
     model_dir = make_tiny_model(tmp_path / "m", arch, rope_scaling=scaling)
     with pytest.raises(ModelLoadError, match=message):
         LLM(str(model_dir), num_kv_blocks=16, max_loras=0)
+
+
+@pytest.mark.parametrize("arch,config,targets", [
+    ("qwen3", {}, ("q_proj", "k_proj", "v_proj")),
+    ("phi3", {"partial_rotary_factor": 0.5}, ("qkv_proj",)),
+])
+def test_long_chunked_prompt_matches_peft(tmp_path, arch, config, targets):
+    # 297 tokens prefilled in chunks of 64, past the short-context attention path: the q/k norms and the partial
+    # rotation apply to chunks that attend over cached keys
+    model_dir = make_tiny_model(tmp_path / "m", arch, **config)
+    adapter = make_peft_adapter(model_dir, tmp_path / "a", r=4, target_modules=targets, seed=5)
+    prompt = list(range(3, 300))
+    llm = LLM(str(model_dir), num_kv_blocks=128, max_loras=1, max_num_batched_tokens=64)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    out = llm.generate([{"prompt_token_ids": prompt}], params, adapter=str(adapter), use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == hf_greedy(model_dir, prompt, MAX_TOKENS, _hf(model_dir, adapter))
