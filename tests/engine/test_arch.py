@@ -31,7 +31,7 @@ def test_qwen3():
 def test_phi3_longrope_as_the_checkpoints_write_it():
     scaling = {"type": "su", "short_factor": [1.0] * 48, "long_factor": [2.0] * 48}  # Phi-3-mini-128k's older name
     arch = ModelArch.from_hf_config({**PHI3, "rope_scaling": scaling})
-    assert arch.fused_checkpoint and not arch.qk_norm and arch.sliding_window == 262144
+    assert not arch.qk_norm and arch.rotary_dim is None and arch.sliding_window == 262144
     assert arch.rope_scaling["rope_type"] == "longrope" and arch.rope_short_positions == 4096
     assert rope_attention_scaling(arch.rope_scaling) == pytest.approx(math.sqrt(1 + math.log(32) / math.log(4096)))
     phi4_mini = ModelArch.from_hf_config({**PHI3, "partial_rotary_factor": 0.75, "rope_scaling": {

@@ -100,3 +100,14 @@ def test_models_the_stack_cannot_express_take_the_modules(arch, config, tmp_path
     params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:2]], params, use_tqdm=False)
     assert [len(o.outputs[0].token_ids) for o in outs] == [3, 3] and stack_calls == []
+
+
+def test_phi3_longrope_takes_the_stack(tmp_path, monkeypatch, stack_calls):
+    # LongRoPE's attention factor scales the cos/sin tables both paths read: the stack expresses it exactly
+    scaling = {"rope_type": "longrope", "short_factor": [1.0 + 0.2 * i for i in range(8)], "long_factor": [4.0] * 8,
+               "original_max_position_embeddings": 128}
+    model_dir = make_tiny_model(tmp_path / "m", "phi3", max_position_embeddings=512,
+                                original_max_position_embeddings=128, rope_scaling=scaling)
+    stacked = _run(model_dir, monkeypatch, stack=True, max_loras=0)
+    assert stack_calls
+    assert stacked == _run(model_dir, monkeypatch, stack=False, max_loras=0)

@@ -49,11 +49,6 @@ class ModelArch:
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
-    @property
-    def fused_checkpoint(self) -> bool:
-        """Phi-3 checkpoints hold qkv_proj and gate_up_proj fused, as the engine does; the others hold them apart."""
-        return self.model_type == "phi3"
-
     def flops_per_token(self, context_len: int = 0, with_lm_head: bool = True) -> int:
         """Matmul FLOPs (2 per multiply-add) for one token; attention adds 4 * context * q_size per layer."""
         proj = self.hidden_size * (self.q_size + 2 * self.kv_size) + self.q_size * self.hidden_size
