@@ -71,9 +71,11 @@ def make_tiny_model(
     vocab_size: int = 384,
     **config_kwargs,
 ) -> Path:
-    """Create a tiny random model directory. arch: "llama", "qwen2", "mistral" or "tied" (llama, tied
-    embeddings like SmolLM2). Extra keyword arguments go to the transformers config (attention_bias,
-    sliding_window, head_dim, ...). Returns the directory."""
+    """Create a tiny random model directory. arch: "llama", "qwen2", "qwen3", "phi3", "mistral" or "tied" (llama,
+    tied embeddings like SmolLM2). Qwen3 gets head_dim 32 unless given (its heads are wider than
+    hidden_size / heads, as in Qwen3-0.6B). Extra keyword arguments go to the transformers config
+    (attention_bias, sliding_window, head_dim, rope_scaling, partial_rotary_factor, ...). Returns the
+    directory."""
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig
 
@@ -110,6 +112,21 @@ def make_tiny_model(
         config = Qwen2Config(
             **common, rope_theta=1000000.0, tie_word_embeddings=bool(tie_word_embeddings),
             sliding_window=sliding_window,
+        )
+    elif arch == "qwen3":
+        from transformers import Qwen3Config
+
+        common.setdefault("head_dim", 32)
+        config = Qwen3Config(
+            **common, rope_theta=1000000.0, tie_word_embeddings=bool(tie_word_embeddings),
+            sliding_window=sliding_window,
+        )
+    elif arch == "phi3":
+        from transformers import Phi3Config
+
+        config = Phi3Config(
+            **common, rope_theta=10000.0, sliding_window=sliding_window,
+            tie_word_embeddings=bool(tie_word_embeddings),
         )
     elif arch == "mistral":
         from transformers import MistralConfig

@@ -43,3 +43,13 @@ def tiny_tied_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_mistral_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return _tiny(tmp_path_factory, "mistral")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _tiny(tmp_path_factory, "qwen3")
+
+
+@pytest.fixture(scope="session")
+def tiny_phi3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _tiny(tmp_path_factory, "phi3")

@@ -101,7 +101,8 @@ class BaseModelSpec:
             hidden = int(cfg["hidden_size"])
             heads = int(cfg["num_attention_heads"])
             kv_heads = int(cfg.get("num_key_value_heads") or heads)
-            head_dim = int(cfg.get("head_dim") or hidden // heads)
+            # transformers' Qwen3Config defaults head_dim to 128, not hidden_size / heads
+            head_dim = int(cfg.get("head_dim") or (128 if architecture == "Qwen3ForCausalLM" else hidden // heads))
             intermediate = int(cfg["intermediate_size"])
             num_layers = int(cfg["num_hidden_layers"])
         except (KeyError, TypeError, ValueError) as exc:

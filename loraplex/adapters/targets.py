@@ -24,6 +24,8 @@ _PEFT_DEFAULT_TARGETS = {
     "Gemma2ForCausalLM": ["q_proj", "v_proj"],
 }
 _REGEX_ERRORS = (re.error, RecursionError, OverflowError)
+# norms inside a decoder layer beyond the Llama family's two: modules PEFT finds by name but refuses to wrap
+_EXTRA_NORMS = {"Qwen3ForCausalLM": (".self_attn.q_norm", ".self_attn.k_norm")}
 
 
 def resolve_targets(config: dict, spec: BaseModelSpec) -> frozenset[tuple[int, str]]:
@@ -86,7 +88,8 @@ def _refuse_other_modules(spec: BaseModelSpec, exclude, targeted, target) -> Non
     supported"): a decoder layer, an attention or MLP block, a norm. Those of the Llama family are known here."""
     prefix = spec.layer_prefix
     top = prefix.rsplit(".", 1)[0]
-    per_layer = ("", ".self_attn", ".mlp", ".input_layernorm", ".post_attention_layernorm")
+    per_layer = ("", ".self_attn", ".mlp", ".input_layernorm", ".post_attention_layernorm",
+                 *_EXTRA_NORMS.get(spec.architecture, ()))
     others = [top, prefix, f"{top}.norm", *(f"{prefix}.{i}{s}" for i in range(spec.num_layers) for s in per_layer)]
     for path in others:
         if targeted(path) and not (exclude is not None and _excluded(exclude, path)):

@@ -21,6 +21,9 @@ from loraplex.engine.errors import ModelLoadError
 
 # GGUF architecture -> (HF model_type, whether q/k rows were permuted by llama.cpp's converter)
 _ARCHITECTURES = {"llama": ("llama", True), "qwen2": ("qwen2", False)}
+# served by the engine, but not converted from GGUF: Qwen3's q/k norm tensors and Phi-3's fused projections and
+# LongRoPE factor tensors have no mapping here
+_SAFETENSORS_ONLY = ("qwen3", "phi3")
 
 _LAYER_TENSORS = {
     "attn_norm.weight": "input_layernorm.weight",
@@ -89,9 +92,11 @@ class GGUFModel:
             raise ModelLoadError(f"{self.path} is not a readable GGUF file: {exc}") from exc
         arch = self.field("general.architecture")
         if arch not in _ARCHITECTURES:
+            hint = (f"; the engine serves {arch} from its Hugging Face directory (config.json and safetensors)"
+                    if arch in _SAFETENSORS_ONLY else "")
             raise ModelLoadError(
                 f"{self.path}: GGUF architecture {arch!r} is not supported "
-                f"(supported: {', '.join(sorted(_ARCHITECTURES))})"
+                f"(supported: {', '.join(sorted(_ARCHITECTURES))}){hint}"
             )
         self.arch = arch
         self.model_type, self.qk_permuted = _ARCHITECTURES[arch]

@@ -211,6 +211,20 @@ class LLMEngine:
             raise ValueError(
                 f"max_model_len {max_len} exceeds the model's {self.arch.max_position_embeddings} positions"
             )
+        short = self.arch.rope_short_positions
+        if short is not None and max_len > short:
+            # transformers rotates every token of a forward pass whose positions pass LongRoPE's
+            # original_max_position_embeddings with the long factors, so past it a token's rotation depends on
+            # how its sequence was split into passes; below it every token takes the short factors, which is
+            # what the engine computes.
+            if cfg.max_model_len is not None:
+                raise ValueError(
+                    f"max_model_len {max_len} exceeds the {short} positions this engine serves of a LongRoPE model "
+                    f"(its original_max_position_embeddings; past them the model switches to its long factors)"
+                )
+            log.warning("%s uses LongRoPE, whose long factors this engine does not implement: max_model_len is "
+                        "capped at its original_max_position_embeddings, %d", self.arch.model_type, short)
+            max_len = short
         if cfg.num_kv_blocks is not None:
             num_blocks = cfg.num_kv_blocks
         else:

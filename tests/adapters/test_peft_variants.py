@@ -221,6 +221,19 @@ def test_targets_that_are_no_linear_layer_are_refused_as_peft_refuses_them(tiny_
     refused(adapter_copy.path, llama_spec, ErrorCode.UNKNOWN_TARGET_MODULE, "which is not a linear layer")
 
 
+def test_qwen3_q_and_k_norms_are_refused_as_peft_refuses_them(tiny_qwen3_dir, tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    adapter = AdapterCopy(make_peft_adapter(tiny_qwen3_dir, tmp_path / "lora", r=4, target_modules=["q_proj"]),
+                          tmp_path / "copy")
+    adapter.update_config(target_modules=["q_proj", "k_norm"])
+    with pytest.raises(ValueError, match="is not supported"):
+        PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(str(tiny_qwen3_dir)), str(adapter.path))
+    refused(adapter.path, BaseModelSpec.from_model_dir(tiny_qwen3_dir), ErrorCode.UNKNOWN_TARGET_MODULE,
+            "self_attn.k_norm, which is not a linear layer")
+
+
 def test_a_non_linear_name_the_layer_filter_or_exclude_modules_leaves_out_is_not_targeted(llama_spec, adapter_copy):
     # "norm" ends model.norm, which has no layer index, so layers_to_transform leaves it out, as in PEFT
     adapter_copy.update_config(target_modules=list(MODULES) + ["norm"], layers_to_transform=[0, 1])

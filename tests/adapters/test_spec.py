@@ -58,6 +58,14 @@ def test_model_type_fallback_and_unsupported():
     assert info.value.code == ErrorCode.BASE_MODEL_MISMATCH
 
 
+def test_qwen3_without_head_dim_has_transformers_default():
+    # Qwen3Config's head_dim defaults to 128, not hidden_size / heads (Qwen3-0.6B: 1024 / 16 heads, head_dim 128)
+    config = {"architectures": ["Qwen3ForCausalLM"], "hidden_size": 1024, "num_attention_heads": 16,
+              "num_key_value_heads": 8, "intermediate_size": 3072, "num_hidden_layers": 2}
+    spec = BaseModelSpec.from_config(config)
+    assert spec.modules["q_proj"] == ModuleShape(1024, 2048) and spec.modules["o_proj"] == ModuleShape(2048, 1024)
+
+
 def test_phi3_fused_slices():
     spec = BaseModelSpec.from_config({**SMOLLM2, "architectures": ["Phi3ForCausalLM"], "model_type": "phi3"})
     assert spec.peft_modules["qkv_proj"] == (ModuleSlice("q_proj", 0, 576), ModuleSlice("k_proj", 576, 768),

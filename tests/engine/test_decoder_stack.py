@@ -8,7 +8,7 @@ import pytest
 from loraplex.engine.llm import LLM
 from loraplex.engine.sampling_params import SamplingParams
 from loraplex.kernels import linear_cpu, ops_cpu
-from loraplex.testing import make_peft_adapter
+from loraplex.testing import make_peft_adapter, make_tiny_model
 
 pytestmark = pytest.mark.skipif(
     linear_cpu.linear_address() is None or not ops_cpu.available(),
@@ -49,9 +49,11 @@ def tiny_windowed_qwen2_dir(tmp_path_factory):
                            max_window_layers=1)
 
 
-@pytest.mark.parametrize("arch", ["tiny_llama_dir", "tiny_qwen2_dir", "tiny_tied_dir", "tiny_windowed_qwen2_dir"])
+@pytest.mark.parametrize("arch", ["tiny_llama_dir", "tiny_qwen2_dir", "tiny_tied_dir", "tiny_windowed_qwen2_dir",
+                                  "tiny_phi3_dir"])
 def test_same_tokens_and_logprobs_as_the_modules(arch, request, monkeypatch, stack_calls):
-    # qwen2: biased qkv; tied: the head is the embedding; windowed: each layer's window is the kernel's argument
+    # qwen2: biased qkv; tied: the head is the embedding; windowed: each layer's window is the kernel's argument;
+    # phi3: loaded from fused checkpoint projections
     model_dir = request.getfixturevalue(arch)
     stacked = _run(model_dir, monkeypatch, stack=True, max_loras=0)
     # the short prefill (62 tokens) and every decode step (5 rows) took it
@@ -82,3 +84,41 @@ def test_long_prefills_take_the_modules(tiny_llama_dir, monkeypatch, stack_calls
     params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
     llm.generate([{"prompt_token_ids": [7] * 300}, {"prompt_token_ids": [9] * 300}], params, use_tqdm=False)
     assert stack_calls == [2]  # the 600-token prefill ran the modules, the one decode step the stack
+
+
+def test_phi3_with_fused_adapters_mixed_in_the_step(tiny_phi3_dir, tmp_path, monkeypatch, stack_calls):
+    dirs = [
+        make_peft_adapter(tiny_phi3_dir, tmp_path / "a0", r=8, seed=0,
+                          target_modules=("qkv_proj", "o_proj", "gate_up_proj", "down_proj")),
+        make_peft_adapter(tiny_phi3_dir, tmp_path / "a1", r=4, target_modules=("qkv_proj",), seed=1),
+    ]
+    adapters = [str(dirs[0]), None, str(dirs[1]), str(dirs[0]), None]
+    kwargs = dict(max_loras=2, max_cpu_loras=2, adapter_store=str(tmp_path / "store"))
+    stacked = _run(tiny_phi3_dir, monkeypatch, stack=True, adapters=adapters, **kwargs)
+    assert stack_calls
+    assert stacked == _run(tiny_phi3_dir, monkeypatch, stack=False, adapters=adapters, **kwargs)
+
+
+@pytest.mark.parametrize("arch,config", [
+    ("qwen3", {}),  # per-head q/k norms
+    ("phi3", {"partial_rotary_factor": 0.5}),  # half of each head rotates
+], ids=["qwen3-qk-norm", "phi3-partial-rotary"])
+def test_models_the_stack_cannot_express_take_the_modules(arch, config, tmp_path, monkeypatch, stack_calls):
+    model_dir = make_tiny_model(tmp_path / "m", arch, **config)
+    monkeypatch.setenv("LORAPLEX_CPU_DECODER_STACK", "1")
+    llm = LLM(str(model_dir), kv_cache_memory=8 << 20, max_loras=0)
+    assert llm.engine.runner.model.model._stack is None
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:2]], params, use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [3, 3] and stack_calls == []
+
+
+def test_phi3_longrope_takes_the_stack(tmp_path, monkeypatch, stack_calls):
+    # LongRoPE's attention factor scales the cos/sin tables both paths read: the stack expresses it exactly
+    scaling = {"rope_type": "longrope", "short_factor": [1.0 + 0.2 * i for i in range(8)], "long_factor": [4.0] * 8,
+               "original_max_position_embeddings": 128}
+    model_dir = make_tiny_model(tmp_path / "m", "phi3", max_position_embeddings=512,
+                                original_max_position_embeddings=128, rope_scaling=scaling)
+    stacked = _run(model_dir, monkeypatch, stack=True, max_loras=0)
+    assert stack_calls
+    assert stacked == _run(model_dir, monkeypatch, stack=False, max_loras=0)

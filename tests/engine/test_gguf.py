@@ -225,6 +225,20 @@ def test_unsupported_gguf_architecture(tmp_path):
         GGUFModel(path)
 
 
+@pytest.mark.parametrize("arch", ["qwen3", "phi3"])
+def test_gguf_of_a_safetensors_only_architecture_is_refused(tmp_path, arch):
+    path = tmp_path / f"{arch}.gguf"
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(1)
+    writer.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ModelLoadError, match=f"architecture '{arch}' is not supported.*serves {arch} from its Hugging"):
+        resolve_model_dir(str(path), cache_dir=tmp_path / "cache", progress=False)
+
+
 def test_finished_conversion_is_kept_unless_overwritten(tiny_llama_dir, tmp_path):
     gguf_path = write_gguf(tiny_llama_dir, tmp_path / "m.gguf")
     out = convert_gguf(gguf_path, tmp_path / "out", progress=False)

@@ -10,7 +10,7 @@ from loraplex.engine.llm import LLM
 from loraplex.engine.sampling_params import SamplingParams
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2", "tied", "mistral"])
+@pytest.fixture(scope="module", params=["llama", "qwen2", "tied", "mistral", "qwen3", "phi3"])
 def model_dir(request):
     return request.getfixturevalue(f"tiny_{request.param}_dir")
 

@@ -9,7 +9,11 @@ SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "Phi3ForCausalLM": "phi3",
 }
+# rope scaling types the engine computes as transformers does (Phi-3's older names "su" and "yarn" are LongRoPE)
+ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 
 
 @dataclass(frozen=True)
@@ -33,6 +37,11 @@ class ModelArch:
     layer_windows: tuple[int | None, ...]
     o_bias: bool = False  # Llama's attention_bias: o_proj has a bias too
     mlp_bias: bool = False  # Llama's mlp_bias: gate, up and down projections have biases
+    qk_norm: bool = False  # Qwen3: a per-head RMSNorm on q and on k before the rotary embedding
+    rotary_dim: int | None = None  # the leading dims of each head that rotate (partial_rotary_factor); None: all
+    # LongRoPE (Phi-3): transformers rotates with the short factors up to this many positions and with the long
+    # ones in forward passes that go past them; the engine serves the short regime
+    rope_short_positions: int | None = None
 
     @property
     def sliding_window(self) -> int | None:
@@ -78,8 +87,13 @@ class ModelArch:
         hidden = cfg["hidden_size"]
         model_type = model_type or SUPPORTED_ARCHITECTURES[archs[0]]
         num_layers = cfg["num_hidden_layers"]
-        # Llama's attention_bias puts a bias on q, k, v and o; Qwen2 has one on q, k and v always; Mistral none.
-        attention_bias = model_type == "llama" and bool(cfg.get("attention_bias", False))
+        # transformers' Qwen3Config defaults head_dim to 128, not hidden_size / heads
+        head_dim = cfg.get("head_dim") or (128 if model_type == "qwen3" else hidden // num_heads)
+        max_positions = cfg.get("max_position_embeddings", 2048)
+        # Llama's and Qwen3's attention_bias put a bias on q, k, v and o; Qwen2 has one on q, k and v always;
+        # Mistral and Phi-3 none.
+        attention_bias = model_type in ("llama", "qwen3") and bool(cfg.get("attention_bias", False))
+        rotary_dim = _rotary_dim(cfg, rope, head_dim)
         return cls(
             model_type=model_type,
             vocab_size=cfg["vocab_size"],
@@ -88,29 +102,87 @@ class ModelArch:
             num_layers=num_layers,
             num_heads=num_heads,
             num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
-            head_dim=cfg.get("head_dim") or hidden // num_heads,
+            head_dim=head_dim,
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             rope_theta=float(theta),
-            rope_scaling=scaling,
-            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            rope_scaling=_checked_scaling(scaling, cfg, rotary_dim or head_dim),
+            max_position_embeddings=max_positions,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=model_type == "qwen2" or attention_bias,
             layer_windows=_layer_windows(cfg, model_type, num_layers),
             o_bias=attention_bias,
             mlp_bias=model_type == "llama" and bool(cfg.get("mlp_bias", False)),
+            qk_norm=model_type == "qwen3",
+            rotary_dim=rotary_dim,
+            rope_short_positions=_short_positions(scaling, cfg),
         )
 
 
+def _rope_kind(scaling: dict | None) -> str:
+    kind = (scaling or {}).get("rope_type") or (scaling or {}).get("type") or "default"
+    return "longrope" if kind in ("su", "yarn") and "short_factor" in (scaling or {}) else kind
+
+
+def _rotary_dim(cfg: dict, rope: dict, head_dim: int) -> int | None:
+    factor = rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
+    if factor is None or factor == 1.0:
+        return None
+    if not (isinstance(factor, int | float) and 0 < factor < 1):
+        raise ValueError(f"partial_rotary_factor must be in (0, 1], got {factor!r}")
+    dim = int(head_dim * factor)
+    if dim < 2 or dim % 2:
+        raise ValueError(f"partial_rotary_factor {factor} rotates {dim} of {head_dim} dims per head; "
+                         f"an even number of at least 2 is needed")
+    return dim
+
+
+def _checked_scaling(scaling: dict | None, cfg: dict, rotary_dim: int) -> dict | None:
+    """The rope scaling, refused here (before any weight is read) where the engine does not compute it."""
+    if scaling is None:
+        return None
+    if not isinstance(scaling, dict):
+        raise ValueError(f"rope_scaling must be an object, got {scaling!r}")
+    kind = _rope_kind(scaling)
+    if kind not in ROPE_TYPES:
+        raise ValueError(f"rope scaling type {kind!r} is not supported (supported: {', '.join(ROPE_TYPES)})")
+    if kind == "default":
+        return None
+    scaling = dict(scaling, rope_type=kind)
+    if kind in ("linear", "llama3") and not isinstance(scaling.get("factor"), int | float):
+        raise ValueError(f"rope scaling {kind!r} needs a numeric factor, got {scaling.get('factor')!r}")
+    if kind == "llama3" and not isinstance(scaling.get("original_max_position_embeddings"), int):
+        raise ValueError("rope scaling 'llama3' needs original_max_position_embeddings")
+    if kind == "longrope":
+        for key in ("short_factor", "long_factor"):
+            factors = scaling.get(key)
+            if not (isinstance(factors, list) and len(factors) == rotary_dim // 2
+                    and all(isinstance(f, int | float) for f in factors)):
+                raise ValueError(f"LongRoPE's {key} must be a list of {rotary_dim // 2} numbers (one per rotated "
+                                 f"pair), got {factors!r:.80}")
+        original = _short_positions(scaling, cfg)
+        if not isinstance(original, int) or original < 1:
+            raise ValueError("LongRoPE needs original_max_position_embeddings")
+        scaling["original_max_position_embeddings"] = original
+        scaling["max_position_embeddings"] = cfg.get("max_position_embeddings", 2048)
+    return scaling
+
+
+def _short_positions(scaling: dict | None, cfg: dict) -> int | None:
+    if _rope_kind(scaling) != "longrope":
+        return None
+    return scaling.get("original_max_position_embeddings") or cfg.get("original_max_position_embeddings")
+
+
 def _layer_windows(cfg: dict, model_type: str, num_layers: int) -> tuple[int | None, ...]:
-    """Each layer's sliding window where transformers applies one: Mistral's `sliding_window` in every layer;
-    Qwen2's in the layers `layer_types` names (by default those from `max_window_layers` on, and only with
-    `use_sliding_window`); Llama never."""
+    """Each layer's sliding window where transformers applies one: Mistral's and Phi-3's `sliding_window` in
+    every layer; Qwen2's and Qwen3's in the layers `layer_types` names (by default those from `max_window_layers`
+    on, and only with `use_sliding_window`); Llama never."""
     window = cfg.get("sliding_window")
     if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 0):
         raise ValueError(f"sliding_window must be a non-negative integer or null, got {window!r}")
     if not window or model_type == "llama":
         return (None,) * num_layers
-    if model_type == "mistral":
+    if model_type in ("mistral", "phi3"):
         return (int(window),) * num_layers
     if not cfg.get("use_sliding_window", False):
         return (None,) * num_layers

@@ -111,8 +111,10 @@ class RMSNorm(nn.Module):
         return out if residual is None else (out, residual)
 
 
-def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+def rope_inv_freq(dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
+    """Inverse frequencies of the `dim` rotated dims of a head (all of them, or partial_rotary_factor's share).
+    LongRoPE gives its short factors: the engine serves up to its original_max_position_embeddings."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
     kind = (scaling or {}).get("rope_type") or (scaling or {}).get("type") or "default"
     if kind == "default":
         return inv_freq
@@ -129,22 +131,39 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Te
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
         return torch.where(medium, smoothed, scaled)
-    raise ValueError(f"rope scaling type {kind!r} is not supported (supported: default, linear, llama3)")
+    if kind == "longrope":
+        # as transformers computes it: fp32 factors times fp32 powers of the base
+        shape = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+        return (1.0 / (torch.tensor(scaling["short_factor"], dtype=torch.float32) * theta**shape)).double()
+    raise ValueError(f"rope scaling type {kind!r} is not supported (supported: default, linear, llama3, longrope)")
+
+
+def rope_attention_scaling(scaling: dict | None) -> float:
+    """The factor LongRoPE multiplies cos and sin by (so attention logits grow by its square); 1 otherwise."""
+    if (scaling or {}).get("rope_type") != "longrope":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    original = scaling["original_max_position_embeddings"]
+    factor = scaling.get("factor") or scaling["max_position_embeddings"] / original
+    return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
 
 
 class RotaryEmbedding(nn.Module):
     """Neox-style rotation (halves, as Hugging Face's Llama), cos/sin precomputed for every position.
 
     The model looks up cos/sin once per step; each layer rotates q and k together, in place, in the qkv
-    projection's output.
+    projection's output. `dim` is the rotated part of a head (its leading dims, where partial_rotary_factor
+    leaves the rest unrotated).
     """
 
-    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None, dtype: torch.dtype):
+    def __init__(self, dim: int, max_positions: int, theta: float, scaling: dict | None, dtype: torch.dtype):
         super().__init__()
-        inv_freq = rope_inv_freq(head_dim, theta, scaling).float()
+        inv_freq = rope_inv_freq(dim, theta, scaling).float()
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
-        self.register_buffer("cos", freqs.cos().to(dtype), persistent=False)
-        self.register_buffer("sin", freqs.sin().to(dtype), persistent=False)
+        attention_scaling = rope_attention_scaling(scaling)
+        self.register_buffer("cos", (freqs.cos() * attention_scaling).to(dtype), persistent=False)
+        self.register_buffer("sin", (freqs.sin() * attention_scaling).to(dtype), persistent=False)
 
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)

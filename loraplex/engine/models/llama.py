@@ -1,4 +1,7 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2, SmolLM2) with fused qkv and gate_up projections.
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Phi-3, SmolLM2) with fused qkv and gate_up projections.
+
+Qwen3 adds a per-head RMSNorm on q and k before the rotary embedding; Phi-3's checkpoints hold qkv_proj and
+gate_up_proj fused already (the layout the engine uses), and may rotate only part of each head.
 
 Input is a flat batch of tokens from many sequences; the forward context says which tokens belong to
 which sequence and where their K/V live.
@@ -56,15 +59,28 @@ class LlamaAttention(nn.Module):
             dtype=dtype,
         )
         self.attn = PagedAttention(arch.num_heads, arch.num_kv_heads, arch.head_dim, arch.layer_windows[layer_idx])
+        self.rotary_dim = arch.rotary_dim or arch.head_dim
+        if arch.qk_norm:
+            self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps, dtype)
+            self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps, dtype)
+        else:
+            self.q_norm = self.k_norm = None
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv_proj(x)
         num_tokens = x.shape[0]
         q_end, k_end = self.q_size, self.q_size + self.kv_size
-        apply_rotary_(qkv[:, :k_end].view(num_tokens, -1, self.head_dim), *rope)
+        v = qkv[:, k_end:].view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            # Qwen3: each head of q and of k normed over head_dim before the rotation
+            q = self.q_norm(qkv[:, :q_end].reshape(-1, self.head_dim)).view(num_tokens, self.num_heads, -1)
+            k = self.k_norm(qkv[:, q_end:k_end].reshape(-1, self.head_dim)).view(num_tokens, self.num_kv_heads, -1)
+            apply_rotary_(q[..., : self.rotary_dim], *rope)
+            apply_rotary_(k[..., : self.rotary_dim], *rope)
+            return self.o_proj(self.attn(q, k, v))
+        apply_rotary_(qkv[:, :k_end].view(num_tokens, -1, self.head_dim)[..., : self.rotary_dim], *rope)
         q = qkv[:, :q_end].view(num_tokens, self.num_heads, self.head_dim)
         k = qkv[:, q_end:k_end].view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = qkv[:, k_end:].view(num_tokens, self.num_kv_heads, self.head_dim)
         return self.o_proj(self.attn(q, k, v))
 
 
@@ -139,6 +155,9 @@ class DecoderStack:
         # the C++ stack adds the qkv projection's bias only (Qwen2's); Llama's attention_bias and mlp_bias
         # models take the module path, whose projections add their own
         if any(m.bias is not None and m.module_names[0] != "q_proj" for m in linears):
+            return None
+        # nor does it norm q and k per head (Qwen3) or rotate part of a head only (partial_rotary_factor)
+        if model.arch.qk_norm or model.arch.rotary_dim is not None:
             return None
         tensors = [model.embed_tokens.weight, *(m.weight for m in model.modules() if isinstance(m, RMSNorm))]
         if any(t.dtype != torch.float32 or t.device.type != "cpu" for t in tensors):
@@ -229,10 +248,11 @@ class DecoderStack:
 class LlamaModel(nn.Module):
     def __init__(self, arch: ModelArch, dtype: torch.dtype):
         super().__init__()
+        self.arch = arch
         self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size, dtype=dtype)
         self.embed_tokens.weight.requires_grad_(False)
         self.rotary = RotaryEmbedding(
-            arch.head_dim, arch.max_position_embeddings, arch.rope_theta, arch.rope_scaling, dtype
+            arch.rotary_dim or arch.head_dim, arch.max_position_embeddings, arch.rope_theta, arch.rope_scaling, dtype
         )
         self.layers = nn.ModuleList(LlamaDecoderLayer(arch, i, dtype) for i in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
