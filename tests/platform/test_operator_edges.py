@@ -300,6 +300,29 @@ def test_a_pin_the_engine_cannot_load_is_a_422_and_not_recorded(client, admin_ke
         assert session.get(AdapterVersion, version["id"]).pinned is False
 
 
+def test_a_console_pin_the_engine_cannot_load_is_not_recorded(console, make_tenant, peft_adapter_zip, fake_engine):
+    """As the admin API's 422: the page says the engine could not load it, and the version is not left
+    marked pinned (a pin the engines' pin sync would keep failing to apply)."""
+    from platform_helpers import upload
+
+    from loraplex.engine.errors import AdapterLoadError
+    from loraplex.platform.models import AdapterVersion
+
+    tenant = make_tenant("acme")
+    version = upload(console.client, tenant, "bot", [("adapter.zip", peft_adapter_zip.read_bytes())]).json()
+
+    async def corrupt(adapter, *, pin=None):
+        raise AdapterLoadError("adapter 'bot' refused: corrupt safetensors file")
+
+    fake_engine.prefetch_adapter = corrupt
+    r = console.post(f"/console/tenants/{tenant.tenant_id}/versions/{version['id']}/prefetch", {"pin": "1"})
+    page = console.client.get(r.headers["location"]).text
+    assert "could not be loaded by the engine and is not pinned: adapter &#39;bot&#39; refused: corrupt" in page, page
+    assert 'class="badge pinned"' not in page and ">Pin<" in page
+    with console.sessions() as session:
+        assert session.get(AdapterVersion, version["id"]).pinned is False
+
+
 @pytest.mark.parametrize(("form", "words"), [
     ({"name": "<b>p3</b>"}, "name must be 1-64 letters, digits, &#39;.&#39;, &#39;_&#39; or &#39;-&#39;, starting with"),
     ({"name": "héllo"}, "name must be 1-64 letters"),

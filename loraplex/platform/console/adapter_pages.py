@@ -134,14 +134,18 @@ async def prefetch(request: Request, _context: ConsolePostDep, services: Service
         if version is None or version.status != VersionStatus.ready.value:
             return redirect(request, back, error="Only a ready version can be prefetched.")
         label = f"{version.adapter.name}@{version.version}"
+        was_pinned = version.pinned
         engine_pin = pin_version(session, version, pin)
         session.commit()
     from loraplex.engine.errors import AdapterLoadError, EngineOverloadedError, InvalidRequestError
-    from loraplex.platform.pin_sync import prefetch_in_engines
+    from loraplex.platform.pin_sync import prefetch_keeping_pin_honest
 
     try:  # straight to the engines (every engine process for a pin), as the admin API does
-        where = await prefetch_in_engines(services, version_id, engine_pin)
-    except (EngineOverloadedError, AdapterLoadError, InvalidRequestError) as exc:
+        where = await prefetch_keeping_pin_honest(services, version_id, engine_pin, pin=pin, was_pinned=was_pinned)
+    except (AdapterLoadError, InvalidRequestError) as exc:  # as the admin API's 422: no pin recorded
+        undone = {True: " and is not pinned", False: " and stays pinned"}.get(pin, "")
+        return redirect(request, back, error=f"{label} could not be loaded by the engine{undone}: {exc}")
+    except EngineOverloadedError as exc:
         return redirect(request, back, error=f"{label} was not loaded: {exc}")
     verb = {True: "pinned in the engine's cache", False: "unpinned: it may be evicted again"}.get(
         pin, "being loaded into the engine's cache")
