@@ -404,3 +404,45 @@ def test_the_usage_page_says_amounts_are_at_each_months_prices_and_computes_them
     assert "current prices" not in page
     total = re.search(r'<div class="label">Estimated amount</div><div class="value">([^<]*)<', page).group(1)
     assert total.strip() == "3.000000 USD", total
+
+
+def test_one_version_is_deleted_from_the_adapters_page(console, make_tenant, peft_adapter_zip, peft_adapter_dir,
+                                                      tmp_path, app):
+    """As the admin API's DELETE .../versions/{id}: a failed upload goes alone, the adapter stays with its
+    ready version; the last version takes the adapter with it; a version of another tenant is not reached."""
+    from platform_helpers import upload
+    from safetensors.torch import load_file, save_file
+
+    tenant, other = make_tenant("acme"), make_tenant("beta")
+    good = upload(console.client, tenant, "bot", [("a.zip", peft_adapter_zip.read_bytes())]).json()
+    tensors = load_file(str(peft_adapter_dir / "adapter_model.safetensors"))
+    tensors[next(k for k in tensors if "lora_A" in k)][0, 0] = float("nan")
+    save_file(tensors, str(tmp_path / "adapter_model.safetensors"))
+    upload(console.client, tenant, "bot", [
+        ("adapter_config.json", (peft_adapter_dir / "adapter_config.json").read_bytes()),
+        ("adapter_model.safetensors", (tmp_path / "adapter_model.safetensors").read_bytes())], wait=False)
+    app.state.services.tasks.join()
+    failed = console.client.get("/v1/adapters/bot", headers=tenant.headers).json()["versions"][1]
+    assert failed["status"] == "failed"
+
+    page = console.client.get(f"/console/adapters?tenant_id={tenant.tenant_id}").text
+    action = f"/console/tenants/{tenant.tenant_id}/adapters/bot/versions/{failed['id']}/delete"
+    assert f'action="{action}"' in page, "no Delete button for a failed version"
+
+    r = console.post(f"/console/tenants/{other.tenant_id}/adapters/bot/versions/{failed['id']}/delete")
+    assert "No adapter named &#39;bot&#39;" in console.client.get(r.headers["location"]).text
+
+    r = console.post(action)
+    assert r.status_code == 303
+    page = console.client.get(r.headers["location"]).text
+    assert f"bot version {failed['id']} deleted." in page, page
+    versions = console.client.get("/v1/adapters/bot", headers=tenant.headers).json()["versions"]
+    assert [v["id"] for v in versions] == [good["id"]]
+
+    r = console.post(action)
+    assert f"has no version with id {failed['id']}" in console.client.get(r.headers["location"]).text
+
+    r = console.post(f"/console/tenants/{tenant.tenant_id}/adapters/bot/versions/{good['id']}/delete")
+    page = console.client.get(r.headers["location"]).text
+    assert f"bot@{good['version']} deleted. It was the last version of bot: the adapter is deleted too." in page
+    assert console.client.get("/v1/adapters/bot", headers=tenant.headers).status_code == 404

@@ -12,19 +12,21 @@ from sqlalchemy import select
 
 from loraplex.platform.adapter_registry import (
     adapter_public,
-    delete_adapter,
-    get_adapter,
     pin_version,
     uploads_root,
 )
 from loraplex.platform.console.deps import ConsoleDep, ConsolePostDep
 from loraplex.platform.console.templating import redirect, render
-from loraplex.platform.db import session_scope
 from loraplex.platform.deps import IdPath, ServicesDep
 from loraplex.platform.errors import APIError
 from loraplex.platform.metrics import get_metrics
 from loraplex.platform.models import Adapter, AdapterVersion, Tenant, VersionStatus
-from loraplex.platform.routes.adapters import MULTIPART_OVERHEAD, drop_versions, register_with_retry
+from loraplex.platform.routes.adapters import (
+    MULTIPART_OVERHEAD,
+    handle_delete,
+    handle_version_delete,
+    register_with_retry,
+)
 from loraplex.platform.schemas.adapters import parse_pin
 from loraplex.platform.scoping import TenantScope
 from loraplex.platform.strict_json import StrictJsonRoute
@@ -106,17 +108,29 @@ def version_status(_context: ConsoleDep, services: ServicesDep, tenant_id: IdPat
 async def delete(request: Request, _context: ConsolePostDep, services: ServicesDep, tenant_id: IdPath,
                  name: str) -> RedirectResponse:
     back = f"/console/adapters?tenant_id={tenant_id}"
-
-    def remove() -> list[str]:
-        with session_scope(services.sessions) as session:
-            return delete_adapter(session, services.settings, get_adapter(TenantScope(session, tenant_id), name))
-
     try:
-        orphaned = await asyncio.to_thread(remove)
+        await handle_delete(services, tenant_id, name)
     except APIError as exc:
         return redirect(request, back, error=exc.message)
-    await drop_versions(services, orphaned)
     return redirect(request, back, flash=f"Adapter {name} deleted.")
+
+
+@router.post("/tenants/{tenant_id}/adapters/{name}/versions/{version_id}/delete")
+async def delete_version(request: Request, _context: ConsolePostDep, services: ServicesDep, tenant_id: IdPath,
+                         name: str, version_id: IdPath) -> RedirectResponse:
+    """One version, as DELETE /admin/api/tenants/{id}/adapters/{name}/versions/{id}: the adapter goes with
+    its last one."""
+    back = f"/console/adapters?tenant_id={tenant_id}"
+    with services.sessions() as session:
+        version = TenantScope(session, tenant_id).one_or_none(AdapterVersion, AdapterVersion.id == version_id)
+        known = version is not None and version.version
+        label = f"{name}@{version.version}" if known else f"{name} version {version_id}"
+    try:
+        deleted = await handle_version_delete(services, tenant_id, name, version_id)
+    except APIError as exc:
+        return redirect(request, back, error=exc.message)
+    gone = f" It was the last version of {deleted.adapter}: the adapter is deleted too." if deleted.adapter_deleted else ""
+    return redirect(request, back, flash=f"{label} deleted.{gone}")
 
 
 @router.post("/tenants/{tenant_id}/versions/{version_id}/prefetch")
