@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+from html.parser import HTMLParser
 
 import pytest
 from console_helpers import Console
@@ -446,3 +447,47 @@ def test_one_version_is_deleted_from_the_adapters_page(console, make_tenant, pef
     page = console.client.get(r.headers["location"]).text
     assert f"bot@{good['version']} deleted. It was the last version of bot: the adapter is deleted too." in page
     assert console.client.get("/v1/adapters/bot", headers=tenant.headers).status_code == 404
+
+
+class _FormControls(HTMLParser):
+    """Visible form controls of a page, and whether each has a name a screen reader can say: a <label>
+    around it, a <label for> its id, or an aria-label."""
+
+    def __init__(self):
+        super().__init__()
+        self.open_labels = 0
+        self.label_for: set[str] = set()
+        self.controls: list[tuple[dict, bool]] = []
+
+    def handle_starttag(self, tag, attrs):
+        a = dict(attrs)
+        if tag == "label":
+            self.open_labels += 1
+            if a.get("for"):
+                self.label_for.add(a["for"])
+        elif tag in ("input", "select", "textarea") and a.get("type") not in ("hidden", "submit"):
+            self.controls.append((a, self.open_labels > 0 or bool(a.get("aria-label"))))
+
+    def handle_endtag(self, tag):
+        if tag == "label":
+            self.open_labels -= 1
+
+    def unlabelled(self) -> list[str]:
+        return [a.get("name") or a.get("id") or "?" for a, labelled in self.controls
+                if not labelled and a.get("id") not in self.label_for]
+
+
+def test_every_form_control_has_a_label(console, make_tenant, client, admin_key):
+    """Quota and price overrides, the plans' price lists and the playground's message box included."""
+    console.post("/console/plans", {"name": "pro", "requests_per_minute": "100", "tokens_per_minute": "1000",
+                                    "max_concurrent": "4", "monthly_token_budget": "100000"})
+    tenant = make_tenant("acme")
+    pages = ["/console/tenants", f"/console/tenants/{tenant.tenant_id}", "/console/billing", "/console/usage",
+             f"/console/adapters?tenant_id={tenant.tenant_id}", "/console/playground", "/console/dashboard"]
+    for path in pages:
+        parser = _FormControls()
+        parser.feed(console.client.get(path).text)
+        assert parser.controls or path == "/console/dashboard", path
+        assert parser.unlabelled() == [], f"{path}: form controls without a label"
+    billing = console.client.get("/console/billing").text
+    assert 'aria-label="Prompt price of pro"' in billing
