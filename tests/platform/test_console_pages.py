@@ -491,3 +491,18 @@ def test_every_form_control_has_a_label(console, make_tenant, client, admin_key)
         assert parser.unlabelled() == [], f"{path}: form controls without a label"
     billing = console.client.get("/console/billing").text
     assert 'aria-label="Prompt price of pro"' in billing
+
+
+def test_a_date_the_usage_page_cannot_read_keeps_the_tenant_filter(console, make_tenant):
+    """A start after the end (easy to pick in two date fields) is said so, and the page still shows the
+    tenant asked for, not every tenant's usage."""
+    acme, other = make_tenant("acme"), make_tenant("other")
+    page = console.client.get(f"/console/usage?start=2026-12-05&end=2026-12-01&tenant_id={acme.tenant_id}").text
+    assert "Bad date range: start 2026-12-05 is after end 2026-12-01; showing " in page, page
+    assert f'<option value="{acme.tenant_id}" selected>acme</option>' in page
+    assert 'id="usage-keys"' in page, "the tenant's by-key table is shown"
+    assert f"tenant_id={acme.tenant_id}&format=csv" in page, "the export links keep the tenant"
+    page = console.client.get("/console/usage?start=2026-12-01&end=2026-12-02&tenant_id=abc").text
+    assert "tenant_id must be a tenant&#39;s numeric id, got &#39;abc&#39;; showing all tenants." in page
+    assert 'value="2026-12-01"' in page and 'value="2026-12-02"' in page, "the dates typed are kept"
+    assert other.tenant_id
