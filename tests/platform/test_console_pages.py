@@ -100,6 +100,36 @@ def test_a_plans_quotas_are_edited_and_an_unused_plan_deleted_on_the_tenants_pag
         assert sorted(s.scalars(select(Plan.name))) == ["oops"]
 
 
+def test_a_plan_is_renamed_on_the_tenants_page(console):
+    """As PATCH /admin/api/plans/{id} with a name: its tenants stay on it; a name taken (whatever its case),
+    empty or not a name is refused in words, and the row shows what was typed."""
+    from loraplex.platform.models import Plan
+
+    quotas = {"requests_per_minute": "5", "tokens_per_minute": "50", "max_concurrent": "1", "monthly_token_budget": "500"}
+    console.post("/console/plans", {"name": "oops", **quotas})
+    console.post("/console/plans", {"name": "gold", **quotas})
+    console.post("/console/tenants", {"name": "acme", "plan": "oops"})
+    with console.sessions() as s:
+        ids = {p.name: p.id for p in s.scalars(select(Plan))}
+    page = console.client.get("/console/tenants").text
+    assert 'aria-label="Name of plan oops"' in page and f'form="plan-edit-{ids["oops"]}"' in page
+
+    for name, words in [("GOLD", "a plan named &#39;gold&#39; already exists"), ("", "name is required"),
+                        ("<b>x</b>", "name must be 1-64 letters")]:
+        r = console.post(f"/console/plans/{ids['oops']}", {**quotas, "name": name})
+        page = console.client.get(r.headers["location"]).text
+        assert f"Plan not saved: {words}" in page, page
+    assert 'value="&lt;b&gt;x&lt;/b&gt;"' in page, "the refused name is shown as typed, escaped"
+
+    r = console.post(f"/console/plans/{ids['oops']}", {**quotas, "name": "basic"})
+    assert "Plan basic (renamed from oops) saved" in console.client.get(r.headers["location"]).text
+    assert _tenant(console, "acme").plan.name == "basic"
+    r = console.post(f"/console/plans/{ids['oops']}", {**quotas, "name": "Basic", "requests_per_minute": "6"})
+    assert "Plan Basic (renamed from basic) saved" in console.client.get(r.headers["location"]).text
+    r = console.post(f"/console/plans/{ids['oops']}", {**quotas, "requests_per_minute": "7"})
+    assert "Plan Basic saved" in console.client.get(r.headers["location"]).text, "a form without a name keeps it"
+
+
 def test_a_new_key_is_shown_once_and_works_until_revoked(console):
     console.post("/console/tenants", {"name": "acme"})
     tenant = _tenant(console, "acme")
