@@ -536,3 +536,16 @@ def test_a_date_the_usage_page_cannot_read_keeps_the_tenant_filter(console, make
     assert "tenant_id must be a tenant&#39;s numeric id, got &#39;abc&#39;; showing all tenants." in page
     assert 'value="2026-12-01"' in page and 'value="2026-12-02"' in page, "the dates typed are kept"
     assert other.tenant_id
+
+
+def test_exports_are_not_kept_in_a_browser_cache(console, make_tenant):
+    """Usage, statements and a statement hold tenants' money: no-store, as every console page."""
+    tenant = make_tenant("acme")
+    period = console.client.get("/console/billing").text.split("<option selected>")[1].split("<")[0]
+    for path in ("/console/usage/export?format=csv", "/console/usage/export?format=json",
+                 f"/console/billing/export?period={period}&format=csv", f"/console/billing/export?period={period}&format=json",
+                 f"/console/billing/statements/{tenant.tenant_id}/{period}?format=csv",
+                 f"/console/billing/statements/{tenant.tenant_id}/{period}?format=json"):
+        r = console.client.get(path)
+        assert r.status_code == 200 and "attachment" in r.headers["content-disposition"], (path, r.text)
+        assert r.headers["cache-control"] == "no-store", path

@@ -154,7 +154,7 @@ def usage_export(request: Request, _context: ConsoleDep, services: ServicesDep) 
         return Response(f"{exc}\n", status_code=400, media_type="text/plain; charset=utf-8")
     with services.sessions() as session:
         rows = usage_report(session, start, end, group_by=dims, tenant_ids=[tenant_id] if tenant_id else None)
-    return report_response(rows, dims, start, end, fmt, "usage", download=True)
+    return _private(report_response(rows, dims, start, end, fmt, "usage", download=True))
 
 
 @router.get("/billing", response_class=HTMLResponse)
@@ -189,10 +189,18 @@ def billing_export(request: Request, _context: ConsoleDep, services: ServicesDep
         views = [get_statement(session, t, period)
                  for t in sorted(tenants_of_period(session, period), key=lambda t: t.name)]
     if fmt == "csv":
-        return Response(statements_summary_csv(views), media_type="text/csv; charset=utf-8",
-                        headers={"content-disposition": f'attachment; filename="statements-{period}.csv"'})
-    return JSONResponse({"object": "list", "period": period, "data": [statement_dict(v) for v in views]},
-                        headers={"content-disposition": f'attachment; filename="statements-{period}.json"'})
+        return _private(Response(statements_summary_csv(views), media_type="text/csv; charset=utf-8",
+                                 headers={"content-disposition": f'attachment; filename="statements-{period}.csv"'}))
+    return _private(JSONResponse({"object": "list", "period": period, "data": [statement_dict(v) for v in views]},
+                                 headers={"content-disposition": f'attachment; filename="statements-{period}.json"'}))
+
+
+def _private(response: Response) -> Response:
+    """An export holds tenants' usage and money, as the pages do: no browser or proxy keeps a copy of it
+    (one left in a shared machine's cache after signing out), as no console page is kept."""
+    response.headers["cache-control"] = "no-store"
+    response.headers["x-content-type-options"] = "nosniff"
+    return response
 
 
 def by_currency(rows) -> list[tuple[str, int]]:
@@ -264,5 +272,5 @@ def statement_page(request: Request, context: ConsoleDep, services: ServicesDep,
             return render(request, "not_found.html", context, status_code=404,
                           what=f"statement {period} of tenant {tenant_id}")
     if fmt in ("csv", "json"):
-        return statement_response(view, fmt, download=True)
+        return _private(statement_response(view, fmt, download=True))
     return render(request, "statement.html", context, s=view)
