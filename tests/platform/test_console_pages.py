@@ -549,3 +549,21 @@ def test_exports_are_not_kept_in_a_browser_cache(console, make_tenant):
         r = console.client.get(path)
         assert r.status_code == 200 and "attachment" in r.headers["content-disposition"], (path, r.text)
         assert r.headers["cache-control"] == "no-store", path
+
+
+def test_a_prefetch_of_a_version_that_is_not_there_or_not_ready_says_which(console, make_tenant, peft_adapter_zip):
+    from platform_helpers import upload
+
+    from loraplex.platform.models import AdapterVersion
+
+    tenant, other = make_tenant("acme"), make_tenant("beta")
+    version = upload(console.client, tenant, "bot", [("a.zip", peft_adapter_zip.read_bytes())]).json()
+    r = console.post(f"/console/tenants/{other.tenant_id}/versions/{version['id']}/prefetch")
+    page = console.client.get(r.headers["location"]).text
+    assert f"Nothing prefetched: tenant {other.tenant_id} has no adapter version with id {version['id']}." in page
+    with console.sessions() as session:
+        session.get(AdapterVersion, version["id"]).status = "failed"
+        session.commit()
+    r = console.post(f"/console/tenants/{tenant.tenant_id}/versions/{version['id']}/prefetch")
+    page = console.client.get(r.headers["location"]).text
+    assert f"Nothing prefetched: bot version {version['id']} is failed; only a ready version" in page, page

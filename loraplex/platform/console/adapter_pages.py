@@ -145,8 +145,12 @@ async def prefetch(request: Request, _context: ConsolePostDep, services: Service
         return redirect(request, back, error=f"Nothing prefetched: pin {exc}.")
     with services.sessions() as session:
         version = TenantScope(session, tenant_id).one_or_none(AdapterVersion, AdapterVersion.id == version_id)
-        if version is None or version.status != VersionStatus.ready.value:
-            return redirect(request, back, error="Only a ready version can be prefetched.")
+        if version is None:
+            return redirect(request, back, error=f"Nothing prefetched: tenant {tenant_id} has no adapter version "
+                                                 f"with id {version_id}.")
+        if version.status != VersionStatus.ready.value:
+            return redirect(request, back, error=f"Nothing prefetched: {version.adapter.name} version {version_id} "
+                                                 f"is {version.status}; only a ready version can be prefetched.")
         label = f"{version.adapter.name}@{version.version}"
         was_pinned = version.pinned
         engine_pin = pin_version(session, version, pin)
