@@ -367,3 +367,16 @@ def test_admin_api_says_a_pattern_as_its_rule(client, admin_key):
     body = {"prompt_price": 1, "completion_price": 2, "adapter_surcharge_price": 0, "currency": "usd"}
     r = client.put("/admin/api/billing/prices/default", headers=_admin(admin_key), json=body)
     assert r.json()["error"]["param"] == "currency" and "^[" not in r.json()["error"]["message"], r.text
+
+
+def test_a_nul_in_a_console_url_is_a_console_page(console, client):
+    """Refused before routing as everywhere, but a browser on a console page gets the console's error page (with
+    its menu once signed in), not the API's JSON; the console's JSON helpers keep answering in JSON."""
+    r = client.get("/console/usage?start=2026-12-01%00")
+    assert r.status_code == 400 and r.headers["content-type"].startswith("text/html"), r.text
+    assert "NUL (%00)" in r.text and 'id="logout"' in r.text and "<title>Not a valid request · loraplex</title>" in r.text
+    r = client.get("/console/api/dashboard?x=%00")
+    assert r.status_code == 400 and "NUL" in r.json()["error"]["message"]
+    client.cookies.clear()
+    r = client.get("/console/login?next=%00")
+    assert r.status_code == 400 and r.headers["content-type"].startswith("text/html") and 'id="logout"' not in r.text
