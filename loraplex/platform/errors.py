@@ -162,12 +162,18 @@ def _as_page(request: Request, response: JSONResponse) -> Response:
 def server_error_page(scope: dict[str, Any], message: str) -> Response | None:
     """A 500 as the page of the HTML area the request was for (a console page a browser asked for); None where
     the request answers in JSON, or where even the page could not be rendered (the JSON error stands then)."""
+    return error_page(scope, 500, message)
+
+
+def error_page(scope: dict[str, Any], status: int, message: str) -> Response | None:
+    """An error answered before routing (or a 500) as the page of the HTML area the request was for; None where
+    the request answers in JSON, or where even the page could not be rendered (the JSON error stands then)."""
     request = Request(scope)
     renderer = _page_renderer(request.url.path)
     if renderer is None:
         return None
     try:
-        return renderer(request, 500, message)
+        return renderer(request, status, message)
     except Exception:
         log.exception("the error page of request %s could not be rendered", scope.get("state", {}).get("request_id"))
         return None

@@ -8,8 +8,9 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from loraplex.engine.errors import EngineOverloadedError
+from loraplex.engine.errors import AdapterLoadError, EngineOverloadedError, InvalidRequestError
 from loraplex.platform.errors import not_found
+from loraplex.platform.models import AdapterVersion
 from loraplex.platform.outage import OutageLog, every
 from loraplex.platform.tasks.context import TaskContext
 
@@ -50,3 +51,21 @@ async def prefetch_in_engines(services, version_id: int, engine_pin: bool | None
                     "pinning" if engine_pin else "unpinning", exc)
         return "sync"
     return "engine"
+
+
+async def prefetch_keeping_pin_honest(services, version_id: int, engine_pin: bool | None, *, pin: bool | None,
+                                      was_pinned: bool) -> str:
+    """prefetch_in_engines after an operator's pin or unpin was recorded: where the engines cannot load the
+    adapter (AdapterLoadError, InvalidRequestError) the version's pin goes back to what it was before the
+    error is raised on, so that no pin is recorded that the engines' pin sync would keep failing to apply.
+    The admin API and the console both prefetch through here."""
+    try:
+        return await prefetch_in_engines(services, version_id, engine_pin)
+    except (AdapterLoadError, InvalidRequestError):
+        if pin is not None:
+            with services.sessions() as session:
+                version = session.get(AdapterVersion, version_id)
+                if version is not None:
+                    version.pinned = was_pinned
+                    session.commit()
+        raise

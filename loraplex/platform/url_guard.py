@@ -7,7 +7,7 @@ import json
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from loraplex.platform.errors import APIError
+from loraplex.platform.errors import APIError, error_page
 
 
 class NulInUrlMiddleware:
@@ -16,8 +16,12 @@ class NulInUrlMiddleware:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and ("\x00" in scope.get("path", "") or b"%00" in scope.get("query_string", b"")):
-            body = json.dumps(APIError(400, "The URL contains a NUL (%00) character, which no path or "
-                                       "query parameter may hold.").body()).encode()
+            message = "The URL contains a NUL (%00) character, which no path or query parameter may hold."
+            page = error_page(scope, 400, message)  # a console page is answered with a console page
+            if page is not None:
+                await page(scope, receive, send)
+                return
+            body = json.dumps(APIError(400, message).body()).encode()
             await send({"type": "http.response.start", "status": 400,
                         "headers": [(b"content-type", b"application/json"),
                                     (b"content-length", str(len(body)).encode())]})

@@ -98,6 +98,18 @@ def test_operator_journey(live_console, page, screenshots):
     expect(page.locator("#spark-tokens svg")).to_be_visible(timeout=10_000)  # a second refresh, meters settled
     _shot(page, screenshots, "09-dashboard")
 
+    page.goto(f"{base}/console/admin-keys")
+    expect(page).to_have_title("Admin keys · loraplex")
+    expect(page.locator("#admin-keys")).to_contain_text("(this session's)")
+    _shot(page, screenshots, "10-admin-keys")
+
+    # one version deleted after the confirm dialog: the adapter's only one, so the adapter goes with it
+    page.goto(f"{base}/console/adapters")
+    page.once("dialog", lambda dialog: dialog.accept())
+    page.locator(".panel.adapter[data-name=sql-helper] button[aria-label^='Delete version']").first.click()
+    expect(page.locator(".flash.ok")).to_contain_text("the adapter is deleted too")
+    expect(page.locator(".panel.adapter[data-name=sql-helper]")).to_have_count(0)
+
     page.click("#logout")
     expect(page).to_have_url(f"{base}/console/login")
     page.goto(f"{base}/console/dashboard")

@@ -100,3 +100,36 @@ def test_the_cli_refuses_invisible_characters_in_key_and_tenant_names(elsewhere)
             assert r.exit_code != 0 and "Traceback" not in r.output, (args, r.output)
             if args[0] != "create-tenant":
                 assert "zero-width characters (found U+" in r.output, (args, r.output)
+
+
+def test_the_console_lists_and_revokes_admin_keys(app, client, admin_key):
+    """As GET and DELETE /admin/api/admin-keys: a leaked key is revoked from the console and refused at once;
+    revoking the key the console session was signed in with ends that session, saying why."""
+    from console_helpers import Console
+
+    from loraplex.platform.db import session_scope
+    from loraplex.platform.tenants import create_admin_key
+
+    with session_scope(app.state.services.sessions) as session:
+        leaked, leaked_secret = create_admin_key(session, app.state.services.settings, name="<b>leaked</b>")
+        leaked_id = leaked.id
+    console = Console(client=client, app=app, admin_key=admin_key)
+    console.sign_in()
+    page = client.get("/console/admin-keys").text
+    assert "<title>Admin keys · loraplex</title>" in page and 'href="/console/admin-keys"' in page
+    assert "&lt;b&gt;leaked&lt;/b&gt;" in page and "<b>leaked" not in page
+    assert f'action="/console/admin-keys/{leaked_id}/revoke"' in page and "(this session's)" in page
+
+    r = console.post(f"/console/admin-keys/{leaked_id}/revoke")
+    page = client.get(r.headers["location"]).text
+    assert f"Admin key {leaked.prefix}… revoked" in page, page
+    assert f'action="/console/admin-keys/{leaked_id}/revoke"' not in page
+    assert client.get("/admin/api/tenants", headers=_admin(leaked_secret)).status_code == 401
+    r = console.post("/console/admin-keys/999999/revoke")
+    assert "Nothing revoked: no admin key with id 999999." in client.get(r.headers["location"]).text
+
+    own_id = next(k["id"] for k in client.get("/admin/api/admin-keys", headers=_admin(admin_key)).json()
+                  if k["revoked_at"] is None)
+    r = console.post(f"/console/admin-keys/{own_id}/revoke")
+    r = client.get(r.headers["location"], follow_redirects=False)
+    assert r.status_code == 303 and "reason=revoked" in r.headers["location"], r.headers

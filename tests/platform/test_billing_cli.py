@@ -150,6 +150,9 @@ def test_report_and_rollup_days_are_yyyy_mm_dd_only(tmp_path):
     assert r.exit_code == 2 and "weekday" in r.output, r.output
     r = _run(["billing", "report", "--adapter", "nope"], env)
     assert r.exit_code == 1 and "There is no adapter 'nope'" in r.output, r.output
+    assert _run(["create-tenant", "acme"], env).exit_code == 0
+    r = _run(["billing", "report", "--adapter", "nope", "--tenant", "acme"], env)
+    assert r.exit_code == 1 and "the tenant has no adapter" in r.output and "you have" not in r.output, r.output
     r = _run(["billing", "report", "--adapter", "nope@xyz"], env)
     assert r.exit_code == 2 and "hex digits" in r.output, r.output
     assert _run(["billing", "report", "--adapter", ""], env).exit_code == 0

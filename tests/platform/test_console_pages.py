@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+from html.parser import HTMLParser
 
 import pytest
 from console_helpers import Console
@@ -97,6 +98,36 @@ def test_a_plans_quotas_are_edited_and_an_unused_plan_deleted_on_the_tenants_pag
     assert "Plan spare deleted." in console.client.get(r.headers["location"]).text
     with console.sessions() as s:
         assert sorted(s.scalars(select(Plan.name))) == ["oops"]
+
+
+def test_a_plan_is_renamed_on_the_tenants_page(console):
+    """As PATCH /admin/api/plans/{id} with a name: its tenants stay on it; a name taken (whatever its case),
+    empty or not a name is refused in words, and the row shows what was typed."""
+    from loraplex.platform.models import Plan
+
+    quotas = {"requests_per_minute": "5", "tokens_per_minute": "50", "max_concurrent": "1", "monthly_token_budget": "500"}
+    console.post("/console/plans", {"name": "oops", **quotas})
+    console.post("/console/plans", {"name": "gold", **quotas})
+    console.post("/console/tenants", {"name": "acme", "plan": "oops"})
+    with console.sessions() as s:
+        ids = {p.name: p.id for p in s.scalars(select(Plan))}
+    page = console.client.get("/console/tenants").text
+    assert 'aria-label="Name of plan oops"' in page and f'form="plan-edit-{ids["oops"]}"' in page
+
+    for name, words in [("GOLD", "a plan named &#39;gold&#39; already exists"), ("", "name is required"),
+                        ("<b>x</b>", "name must be 1-64 letters")]:
+        r = console.post(f"/console/plans/{ids['oops']}", {**quotas, "name": name})
+        page = console.client.get(r.headers["location"]).text
+        assert f"Plan not saved: {words}" in page, page
+    assert 'value="&lt;b&gt;x&lt;/b&gt;"' in page, "the refused name is shown as typed, escaped"
+
+    r = console.post(f"/console/plans/{ids['oops']}", {**quotas, "name": "basic"})
+    assert "Plan basic (renamed from oops) saved" in console.client.get(r.headers["location"]).text
+    assert _tenant(console, "acme").plan.name == "basic"
+    r = console.post(f"/console/plans/{ids['oops']}", {**quotas, "name": "Basic", "requests_per_minute": "6"})
+    assert "Plan Basic (renamed from basic) saved" in console.client.get(r.headers["location"]).text
+    r = console.post(f"/console/plans/{ids['oops']}", {**quotas, "requests_per_minute": "7"})
+    assert "Plan Basic saved" in console.client.get(r.headers["location"]).text, "a form without a name keeps it"
 
 
 def test_a_new_key_is_shown_once_and_works_until_revoked(console):
@@ -404,3 +435,135 @@ def test_the_usage_page_says_amounts_are_at_each_months_prices_and_computes_them
     assert "current prices" not in page
     total = re.search(r'<div class="label">Estimated amount</div><div class="value">([^<]*)<', page).group(1)
     assert total.strip() == "3.000000 USD", total
+
+
+def test_one_version_is_deleted_from_the_adapters_page(console, make_tenant, peft_adapter_zip, peft_adapter_dir,
+                                                      tmp_path, app):
+    """As the admin API's DELETE .../versions/{id}: a failed upload goes alone, the adapter stays with its
+    ready version; the last version takes the adapter with it; a version of another tenant is not reached."""
+    from platform_helpers import upload
+    from safetensors.torch import load_file, save_file
+
+    tenant, other = make_tenant("acme"), make_tenant("beta")
+    good = upload(console.client, tenant, "bot", [("a.zip", peft_adapter_zip.read_bytes())]).json()
+    tensors = load_file(str(peft_adapter_dir / "adapter_model.safetensors"))
+    tensors[next(k for k in tensors if "lora_A" in k)][0, 0] = float("nan")
+    save_file(tensors, str(tmp_path / "adapter_model.safetensors"))
+    upload(console.client, tenant, "bot", [
+        ("adapter_config.json", (peft_adapter_dir / "adapter_config.json").read_bytes()),
+        ("adapter_model.safetensors", (tmp_path / "adapter_model.safetensors").read_bytes())], wait=False)
+    app.state.services.tasks.join()
+    failed = console.client.get("/v1/adapters/bot", headers=tenant.headers).json()["versions"][1]
+    assert failed["status"] == "failed"
+
+    page = console.client.get(f"/console/adapters?tenant_id={tenant.tenant_id}").text
+    action = f"/console/tenants/{tenant.tenant_id}/adapters/bot/versions/{failed['id']}/delete"
+    assert f'action="{action}"' in page, "no Delete button for a failed version"
+
+    r = console.post(f"/console/tenants/{other.tenant_id}/adapters/bot/versions/{failed['id']}/delete")
+    assert "No adapter named &#39;bot&#39;" in console.client.get(r.headers["location"]).text
+
+    r = console.post(action)
+    assert r.status_code == 303
+    page = console.client.get(r.headers["location"]).text
+    assert f"bot version {failed['id']} deleted." in page, page
+    versions = console.client.get("/v1/adapters/bot", headers=tenant.headers).json()["versions"]
+    assert [v["id"] for v in versions] == [good["id"]]
+
+    r = console.post(action)
+    assert f"has no version with id {failed['id']}" in console.client.get(r.headers["location"]).text
+
+    r = console.post(f"/console/tenants/{tenant.tenant_id}/adapters/bot/versions/{good['id']}/delete")
+    page = console.client.get(r.headers["location"]).text
+    assert f"bot@{good['version']} deleted. It was the last version of bot: the adapter is deleted too." in page
+    assert console.client.get("/v1/adapters/bot", headers=tenant.headers).status_code == 404
+
+
+class _FormControls(HTMLParser):
+    """Visible form controls of a page, and whether each has a name a screen reader can say: a <label>
+    around it, a <label for> its id, or an aria-label."""
+
+    def __init__(self):
+        super().__init__()
+        self.open_labels = 0
+        self.label_for: set[str] = set()
+        self.controls: list[tuple[dict, bool]] = []
+
+    def handle_starttag(self, tag, attrs):
+        a = dict(attrs)
+        if tag == "label":
+            self.open_labels += 1
+            if a.get("for"):
+                self.label_for.add(a["for"])
+        elif tag in ("input", "select", "textarea") and a.get("type") not in ("hidden", "submit"):
+            self.controls.append((a, self.open_labels > 0 or bool(a.get("aria-label"))))
+
+    def handle_endtag(self, tag):
+        if tag == "label":
+            self.open_labels -= 1
+
+    def unlabelled(self) -> list[str]:
+        return [a.get("name") or a.get("id") or "?" for a, labelled in self.controls
+                if not labelled and a.get("id") not in self.label_for]
+
+
+def test_every_form_control_has_a_label(console, make_tenant, client, admin_key):
+    """Quota and price overrides, the plans' price lists and the playground's message box included."""
+    console.post("/console/plans", {"name": "pro", "requests_per_minute": "100", "tokens_per_minute": "1000",
+                                    "max_concurrent": "4", "monthly_token_budget": "100000"})
+    tenant = make_tenant("acme")
+    pages = ["/console/tenants", f"/console/tenants/{tenant.tenant_id}", "/console/billing", "/console/usage",
+             f"/console/adapters?tenant_id={tenant.tenant_id}", "/console/playground", "/console/dashboard"]
+    for path in pages:
+        parser = _FormControls()
+        parser.feed(console.client.get(path).text)
+        assert parser.controls or path == "/console/dashboard", path
+        assert parser.unlabelled() == [], f"{path}: form controls without a label"
+    billing = console.client.get("/console/billing").text
+    assert 'aria-label="Prompt price of pro"' in billing
+
+
+def test_a_date_the_usage_page_cannot_read_keeps_the_tenant_filter(console, make_tenant):
+    """A start after the end (easy to pick in two date fields) is said so, and the page still shows the
+    tenant asked for, not every tenant's usage."""
+    acme, other = make_tenant("acme"), make_tenant("other")
+    page = console.client.get(f"/console/usage?start=2026-12-05&end=2026-12-01&tenant_id={acme.tenant_id}").text
+    assert "Bad date range: start 2026-12-05 is after end 2026-12-01; showing " in page, page
+    assert f'<option value="{acme.tenant_id}" selected>acme</option>' in page
+    assert 'id="usage-keys"' in page, "the tenant's by-key table is shown"
+    assert f"tenant_id={acme.tenant_id}&format=csv" in page, "the export links keep the tenant"
+    page = console.client.get("/console/usage?start=2026-12-01&end=2026-12-02&tenant_id=abc").text
+    assert "tenant_id must be a tenant&#39;s numeric id, got &#39;abc&#39;; showing all tenants." in page
+    assert 'value="2026-12-01"' in page and 'value="2026-12-02"' in page, "the dates typed are kept"
+    assert other.tenant_id
+
+
+def test_exports_are_not_kept_in_a_browser_cache(console, make_tenant):
+    """Usage, statements and a statement hold tenants' money: no-store, as every console page."""
+    tenant = make_tenant("acme")
+    period = console.client.get("/console/billing").text.split("<option selected>")[1].split("<")[0]
+    for path in ("/console/usage/export?format=csv", "/console/usage/export?format=json",
+                 f"/console/billing/export?period={period}&format=csv", f"/console/billing/export?period={period}&format=json",
+                 f"/console/billing/statements/{tenant.tenant_id}/{period}?format=csv",
+                 f"/console/billing/statements/{tenant.tenant_id}/{period}?format=json"):
+        r = console.client.get(path)
+        assert r.status_code == 200 and "attachment" in r.headers["content-disposition"], (path, r.text)
+        assert r.headers["cache-control"] == "no-store", path
+
+
+def test_a_prefetch_of_a_version_that_is_not_there_or_not_ready_says_which(console, make_tenant, peft_adapter_zip):
+    from platform_helpers import upload
+
+    from loraplex.platform.models import AdapterVersion
+
+    tenant, other = make_tenant("acme"), make_tenant("beta")
+    version = upload(console.client, tenant, "bot", [("a.zip", peft_adapter_zip.read_bytes())]).json()
+    r = console.post(f"/console/tenants/{other.tenant_id}/versions/{version['id']}/prefetch")
+    page = console.client.get(r.headers["location"]).text
+    assert f"Nothing prefetched: tenant {other.tenant_id} has no adapter version with id {version['id']}." in page
+    with console.sessions() as session:
+        session.get(AdapterVersion, version["id"]).status = "failed"
+        session.commit()
+    r = console.post(f"/console/tenants/{tenant.tenant_id}/versions/{version['id']}/prefetch")
+    page = console.client.get(r.headers["location"]).text
+    assert f"Nothing prefetched: bot version {version['id']} is failed; only a ready version" in page, page

@@ -300,6 +300,29 @@ def test_a_pin_the_engine_cannot_load_is_a_422_and_not_recorded(client, admin_ke
         assert session.get(AdapterVersion, version["id"]).pinned is False
 
 
+def test_a_console_pin_the_engine_cannot_load_is_not_recorded(console, make_tenant, peft_adapter_zip, fake_engine):
+    """As the admin API's 422: the page says the engine could not load it, and the version is not left
+    marked pinned (a pin the engines' pin sync would keep failing to apply)."""
+    from platform_helpers import upload
+
+    from loraplex.engine.errors import AdapterLoadError
+    from loraplex.platform.models import AdapterVersion
+
+    tenant = make_tenant("acme")
+    version = upload(console.client, tenant, "bot", [("adapter.zip", peft_adapter_zip.read_bytes())]).json()
+
+    async def corrupt(adapter, *, pin=None):
+        raise AdapterLoadError("adapter 'bot' refused: corrupt safetensors file")
+
+    fake_engine.prefetch_adapter = corrupt
+    r = console.post(f"/console/tenants/{tenant.tenant_id}/versions/{version['id']}/prefetch", {"pin": "1"})
+    page = console.client.get(r.headers["location"]).text
+    assert "could not be loaded by the engine and is not pinned: adapter &#39;bot&#39; refused: corrupt" in page, page
+    assert 'class="badge pinned"' not in page and ">Pin<" in page
+    with console.sessions() as session:
+        assert session.get(AdapterVersion, version["id"]).pinned is False
+
+
 @pytest.mark.parametrize(("form", "words"), [
     ({"name": "<b>p3</b>"}, "name must be 1-64 letters, digits, &#39;.&#39;, &#39;_&#39; or &#39;-&#39;, starting with"),
     ({"name": "héllo"}, "name must be 1-64 letters"),
@@ -344,3 +367,16 @@ def test_admin_api_says_a_pattern_as_its_rule(client, admin_key):
     body = {"prompt_price": 1, "completion_price": 2, "adapter_surcharge_price": 0, "currency": "usd"}
     r = client.put("/admin/api/billing/prices/default", headers=_admin(admin_key), json=body)
     assert r.json()["error"]["param"] == "currency" and "^[" not in r.json()["error"]["message"], r.text
+
+
+def test_a_nul_in_a_console_url_is_a_console_page(console, client):
+    """Refused before routing as everywhere, but a browser on a console page gets the console's error page (with
+    its menu once signed in), not the API's JSON; the console's JSON helpers keep answering in JSON."""
+    r = client.get("/console/usage?start=2026-12-01%00")
+    assert r.status_code == 400 and r.headers["content-type"].startswith("text/html"), r.text
+    assert "NUL (%00)" in r.text and 'id="logout"' in r.text and "<title>Not a valid request · loraplex</title>" in r.text
+    r = client.get("/console/api/dashboard?x=%00")
+    assert r.status_code == 400 and "NUL" in r.json()["error"]["message"]
+    client.cookies.clear()
+    r = client.get("/console/login?next=%00")
+    assert r.status_code == 400 and r.headers["content-type"].startswith("text/html") and 'id="logout"' not in r.text

@@ -101,6 +101,14 @@ def test_adapter_filter_takes_name_version_or_empty_for_the_base_model(client, u
     assert prompt_tokens("/admin/api/billing/report", _admin(admin_key), "secret") == 5000
     scoped = client.get(f"/admin/api/billing/report?adapter=secret&tenant_id={a.tenant_id}", headers=_admin(admin_key))
     assert scoped.status_code == 404
+    # a tenant is told about its own adapters; an operator about the tenant's, never "you have"
+    assert "There is no adapter 'secret': you have no adapter" in scoped_error(client, "/v1/usage/report", a.headers)
+    message = scoped.json()["error"]["message"]
+    assert "the tenant has no adapter" in message and "you have" not in message, message
+
+
+def scoped_error(client, url, headers) -> str:
+    return _error(client.get(url, params={"adapter": "secret"}, headers=headers), 404)["message"]
 
 
 def test_months_are_yyyy_mm_only(client, usage, admin_key):

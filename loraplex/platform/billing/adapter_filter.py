@@ -70,12 +70,15 @@ def _exists(session: Session, stmt) -> bool:
     return session.scalars(stmt.limit(1)).first() is not None
 
 
-def check_known(session: Session, wanted: AdapterFilter, tenant_ids: list[int] | None) -> None:
+def check_known(session: Session, wanted: AdapterFilter, tenant_ids: list[int] | None, *,
+                own: bool = False) -> None:
     """UnknownAdapter when no adapter or usage of `tenant_ids` (every tenant: None) has that name (and version).
-    The base model is always known."""
+    The base model is always known. `own`: the tenant asks about its own usage (the message says "you");
+    an operator is told about the tenant or tenants."""
     if wanted.name == BASE_ADAPTER:
         return
-    who = "you have" if tenant_ids is not None and len(tenant_ids) == 1 else "the tenants have"
+    one = tenant_ids is not None and len(tenant_ids) == 1
+    who = "you have" if own else "the tenant has" if one else "the tenants have"
     if len(wanted.name) > MAX_NAME_CHARS:
         raise UnknownAdapter(f"There is no adapter {_shown(wanted.name)} ({who} none of that name).")
 

@@ -45,13 +45,15 @@ def dimensions(group_by: str, allowed: tuple[str, ...] = DIMENSIONS) -> tuple[st
         raise bad_request(str(exc), param="group_by") from exc
 
 
-def adapter_filter(session: Session, adapter: str | None, tenant_ids: list[int] | None) -> AdapterFilter | None:
-    """The report's `adapter` filter, or a 400 (malformed) or 404 (naming no adapter of theirs) that says so."""
+def adapter_filter(session: Session, adapter: str | None, tenant_ids: list[int] | None, *,
+                   own: bool = False) -> AdapterFilter | None:
+    """The report's `adapter` filter, or a 400 (malformed) or 404 (naming no adapter of theirs) that says so;
+    `own` for a tenant's report of its own usage."""
     if adapter is None:
         return None
     try:
         wanted = parse_adapter_filter(adapter)
-        check_known(session, wanted, tenant_ids)
+        check_known(session, wanted, tenant_ids, own=own)
     except UnknownAdapter as exc:
         raise not_found(str(exc), param="adapter", code="adapter_not_found") from exc
     except ValueError as exc:

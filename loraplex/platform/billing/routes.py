@@ -51,7 +51,7 @@ def tenant_usage(
     """One tenant's usage, filtered and grouped (there is no tenant dimension to group by)."""
     start, end = date_range(start, end)
     dims = dimensions(group_by, TENANT_DIMENSIONS)
-    wanted = adapter_filter(session, adapter, [tenant_id])
+    wanted = adapter_filter(session, adapter, [tenant_id], own=True)
     rows = usage_report(session, start, end, group_by=dims, tenant_ids=[tenant_id],
                         adapter=wanted, api_key_id=api_key_id)
     return report_response(rows, dims, start, end, fmt, "usage")

@@ -12,19 +12,21 @@ from sqlalchemy import select
 
 from loraplex.platform.adapter_registry import (
     adapter_public,
-    delete_adapter,
-    get_adapter,
     pin_version,
     uploads_root,
 )
 from loraplex.platform.console.deps import ConsoleDep, ConsolePostDep
 from loraplex.platform.console.templating import redirect, render
-from loraplex.platform.db import session_scope
 from loraplex.platform.deps import IdPath, ServicesDep
 from loraplex.platform.errors import APIError
 from loraplex.platform.metrics import get_metrics
 from loraplex.platform.models import Adapter, AdapterVersion, Tenant, VersionStatus
-from loraplex.platform.routes.adapters import MULTIPART_OVERHEAD, drop_versions, register_with_retry
+from loraplex.platform.routes.adapters import (
+    MULTIPART_OVERHEAD,
+    handle_delete,
+    handle_version_delete,
+    register_with_retry,
+)
 from loraplex.platform.schemas.adapters import parse_pin
 from loraplex.platform.scoping import TenantScope
 from loraplex.platform.strict_json import StrictJsonRoute
@@ -106,17 +108,29 @@ def version_status(_context: ConsoleDep, services: ServicesDep, tenant_id: IdPat
 async def delete(request: Request, _context: ConsolePostDep, services: ServicesDep, tenant_id: IdPath,
                  name: str) -> RedirectResponse:
     back = f"/console/adapters?tenant_id={tenant_id}"
-
-    def remove() -> list[str]:
-        with session_scope(services.sessions) as session:
-            return delete_adapter(session, services.settings, get_adapter(TenantScope(session, tenant_id), name))
-
     try:
-        orphaned = await asyncio.to_thread(remove)
+        await handle_delete(services, tenant_id, name)
     except APIError as exc:
         return redirect(request, back, error=exc.message)
-    await drop_versions(services, orphaned)
     return redirect(request, back, flash=f"Adapter {name} deleted.")
+
+
+@router.post("/tenants/{tenant_id}/adapters/{name}/versions/{version_id}/delete")
+async def delete_version(request: Request, _context: ConsolePostDep, services: ServicesDep, tenant_id: IdPath,
+                         name: str, version_id: IdPath) -> RedirectResponse:
+    """One version, as DELETE /admin/api/tenants/{id}/adapters/{name}/versions/{id}: the adapter goes with
+    its last one."""
+    back = f"/console/adapters?tenant_id={tenant_id}"
+    with services.sessions() as session:
+        version = TenantScope(session, tenant_id).one_or_none(AdapterVersion, AdapterVersion.id == version_id)
+        known = version is not None and version.version
+        label = f"{name}@{version.version}" if known else f"{name} version {version_id}"
+    try:
+        deleted = await handle_version_delete(services, tenant_id, name, version_id)
+    except APIError as exc:
+        return redirect(request, back, error=exc.message)
+    gone = f" It was the last version of {deleted.adapter}: the adapter is deleted too." if deleted.adapter_deleted else ""
+    return redirect(request, back, flash=f"{label} deleted.{gone}")
 
 
 @router.post("/tenants/{tenant_id}/versions/{version_id}/prefetch")
@@ -131,17 +145,25 @@ async def prefetch(request: Request, _context: ConsolePostDep, services: Service
         return redirect(request, back, error=f"Nothing prefetched: pin {exc}.")
     with services.sessions() as session:
         version = TenantScope(session, tenant_id).one_or_none(AdapterVersion, AdapterVersion.id == version_id)
-        if version is None or version.status != VersionStatus.ready.value:
-            return redirect(request, back, error="Only a ready version can be prefetched.")
+        if version is None:
+            return redirect(request, back, error=f"Nothing prefetched: tenant {tenant_id} has no adapter version "
+                                                 f"with id {version_id}.")
+        if version.status != VersionStatus.ready.value:
+            return redirect(request, back, error=f"Nothing prefetched: {version.adapter.name} version {version_id} "
+                                                 f"is {version.status}; only a ready version can be prefetched.")
         label = f"{version.adapter.name}@{version.version}"
+        was_pinned = version.pinned
         engine_pin = pin_version(session, version, pin)
         session.commit()
     from loraplex.engine.errors import AdapterLoadError, EngineOverloadedError, InvalidRequestError
-    from loraplex.platform.pin_sync import prefetch_in_engines
+    from loraplex.platform.pin_sync import prefetch_keeping_pin_honest
 
     try:  # straight to the engines (every engine process for a pin), as the admin API does
-        where = await prefetch_in_engines(services, version_id, engine_pin)
-    except (EngineOverloadedError, AdapterLoadError, InvalidRequestError) as exc:
+        where = await prefetch_keeping_pin_honest(services, version_id, engine_pin, pin=pin, was_pinned=was_pinned)
+    except (AdapterLoadError, InvalidRequestError) as exc:  # as the admin API's 422: no pin recorded
+        undone = {True: " and is not pinned", False: " and stays pinned"}.get(pin, "")
+        return redirect(request, back, error=f"{label} could not be loaded by the engine{undone}: {exc}")
+    except EngineOverloadedError as exc:
         return redirect(request, back, error=f"{label} was not loaded: {exc}")
     verb = {True: "pinned in the engine's cache", False: "unpinned: it may be evicted again"}.get(
         pin, "being loaded into the engine's cache")

@@ -9,6 +9,7 @@ from fastapi.responses import FileResponse, HTMLResponse, RedirectResponse
 
 from loraplex.platform.console import (
     adapter_pages,
+    admin_keys,
     auth_routes,
     dashboard,
     playground,
@@ -66,6 +67,6 @@ def _error_page(request: Request, status: int, message: str) -> HTMLResponse:
 # JSON helpers under /console/api answer in JSON, like the API.
 answer_errors_in_html("/console", _error_page, json_under=("/console/api/",))
 
-PAGE_MODULES = (auth_routes, dashboard, tenant_pages, adapter_pages, usage_pages, playground)
+PAGE_MODULES = (auth_routes, dashboard, tenant_pages, adapter_pages, usage_pages, playground, admin_keys)
 for module in PAGE_MODULES:
     router.include_router(module.router)

@@ -117,17 +117,23 @@ def _plan_quotas(form) -> dict[str, int]:
 @router.post("/plans/{plan_id}")
 async def plan_update(request: Request, _context: ConsolePostDep, services: ServicesDep,
                       plan_id: IdPath) -> RedirectResponse:
-    """Every quota field is sent; its tenants without overrides take the new values at once."""
+    """Every quota field is sent, and the name (a form without one keeps the plan's); its tenants without
+    overrides take the new values at once."""
     form = await request.form()
     try:
-        data = PlanUpdate(**_plan_quotas(form))
+        name = forms.text(form, "name", required=True) if "name" in form else None
+        data = PlanUpdate(**_plan_quotas(form), **({"name": name} if name is not None else {}))
         with services.sessions() as session:
-            name = update_plan(session, get_plan(session, plan_id), data).name
+            plan = get_plan(session, plan_id)
+            before = plan.name
+            name = update_plan(session, plan, data).name
             session.commit()
     except (TenantError, ValidationError, forms.FormError) as exc:
         return redirect(request, "/console/tenants", error=f"Plan not saved: {_problem(exc)}",
                         kept=(f"plan-edit-{plan_id}", form))
-    return redirect(request, "/console/tenants", flash=f"Plan {name} saved: its tenants have the new quotas.")
+    renamed = f" (renamed from {before})" if name != before else ""
+    return redirect(request, "/console/tenants",
+                    flash=f"Plan {name}{renamed} saved: its tenants have the new quotas.")
 
 
 @router.post("/plans/{plan_id}/delete")

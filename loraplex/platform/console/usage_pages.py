@@ -57,19 +57,27 @@ def _parse_date(q, name: str) -> date | None:
 
 
 def _filters(request: Request) -> tuple[date, date, int | None]:
+    start, end = _date_filter(request)
+    return start, end, _tenant_filter(request)
+
+
+def _date_filter(request: Request) -> tuple[date, date]:
     q = request.query_params
     start, end = _parse_date(q, "start"), _parse_date(q, "end")
     try:
-        start, end = resolve_range(start, end)
+        return resolve_range(start, end)
     except ValueError as exc:
         raise ValueError(f"Bad date range: {exc}") from exc
-    tenant = q.get("tenant_id")
+
+
+def _tenant_filter(request: Request) -> int | None:
+    tenant = request.query_params.get("tenant_id")
     tenant_id = parse_row_id(tenant)
     if tenant and tenant_id is None:
         # never widen a filter that cannot be read (0 included) to every tenant
         shown = tenant if len(tenant) <= 40 else tenant[:40] + "..."
         raise ValueError(f"tenant_id must be a tenant's numeric id, got {shown!r}")
-    return start, end, tenant_id
+    return tenant_id
 
 
 def _export_format(request: Request) -> Format:
@@ -81,19 +89,27 @@ def _export_format(request: Request) -> Format:
 
 @router.get("/usage", response_class=HTMLResponse)
 def usage_page(request: Request, context: ConsoleDep, services: ServicesDep) -> HTMLResponse:
-    error = None
+    # a filter that cannot be read is said so and falls back to its default; the other one is kept (a typo in
+    # a date does not widen a tenant's page to every tenant's usage)
+    errors = []
     try:
-        start, end, tenant_id = _filters(request)
+        start, end = _date_filter(request)
     except ValueError as exc:
-        error = str(exc)
         start, end = resolve_range(None, None)
+        errors.append(f"{exc}; showing {start} to {end}.")
+    try:
+        tenant_id = _tenant_filter(request)
+    except ValueError as exc:
         tenant_id = None
+        errors.append(f"{exc}; showing all tenants.")
+    error = " ".join(errors) or None
     tenant_ids = [tenant_id] if tenant_id else None
     with services.sessions() as session:
         tenants = list(session.scalars(select(Tenant).order_by(Tenant.name)))
         if tenant_id and all(t.id != tenant_id for t in tenants):
             # all zeros under a select that reads "All tenants" would say the wrong thing
-            error, tenant_id, tenant_ids = f"There is no tenant {tenant_id}; showing all tenants.", None, None
+            missing = f"There is no tenant {tenant_id}; showing all tenants."
+            error, tenant_id, tenant_ids = " ".join(filter(None, [error, missing])), None, None
         by_day = usage_report(session, start, end, group_by=("day",), tenant_ids=tenant_ids)
         by_adapter = usage_report(session, start, end, group_by=("adapter",), tenant_ids=tenant_ids)
         by_tenant = usage_report(session, start, end, group_by=("tenant", "adapter"), tenant_ids=tenant_ids)
@@ -138,7 +154,7 @@ def usage_export(request: Request, _context: ConsoleDep, services: ServicesDep) 
         return Response(f"{exc}\n", status_code=400, media_type="text/plain; charset=utf-8")
     with services.sessions() as session:
         rows = usage_report(session, start, end, group_by=dims, tenant_ids=[tenant_id] if tenant_id else None)
-    return report_response(rows, dims, start, end, fmt, "usage", download=True)
+    return _private(report_response(rows, dims, start, end, fmt, "usage", download=True))
 
 
 @router.get("/billing", response_class=HTMLResponse)
@@ -173,10 +189,18 @@ def billing_export(request: Request, _context: ConsoleDep, services: ServicesDep
         views = [get_statement(session, t, period)
                  for t in sorted(tenants_of_period(session, period), key=lambda t: t.name)]
     if fmt == "csv":
-        return Response(statements_summary_csv(views), media_type="text/csv; charset=utf-8",
-                        headers={"content-disposition": f'attachment; filename="statements-{period}.csv"'})
-    return JSONResponse({"object": "list", "period": period, "data": [statement_dict(v) for v in views]},
-                        headers={"content-disposition": f'attachment; filename="statements-{period}.json"'})
+        return _private(Response(statements_summary_csv(views), media_type="text/csv; charset=utf-8",
+                                 headers={"content-disposition": f'attachment; filename="statements-{period}.csv"'}))
+    return _private(JSONResponse({"object": "list", "period": period, "data": [statement_dict(v) for v in views]},
+                                 headers={"content-disposition": f'attachment; filename="statements-{period}.json"'}))
+
+
+def _private(response: Response) -> Response:
+    """An export holds tenants' usage and money, as the pages do: no browser or proxy keeps a copy of it
+    (one left in a shared machine's cache after signing out), as no console page is kept."""
+    response.headers["cache-control"] = "no-store"
+    response.headers["x-content-type-options"] = "nosniff"
+    return response
 
 
 def by_currency(rows) -> list[tuple[str, int]]:
@@ -248,5 +272,5 @@ def statement_page(request: Request, context: ConsoleDep, services: ServicesDep,
             return render(request, "not_found.html", context, status_code=404,
                           what=f"statement {period} of tenant {tenant_id}")
     if fmt in ("csv", "json"):
-        return statement_response(view, fmt, download=True)
+        return _private(statement_response(view, fmt, download=True))
     return render(request, "statement.html", context, s=view)

@@ -14,7 +14,7 @@ from loraplex.platform.adapter_registry import adapter_public, pin_version
 from loraplex.platform.deps import AdminDep, IdPath, RowId, ServicesDep, SessionDep
 from loraplex.platform.errors import APIError, bad_request, from_engine_error, not_found
 from loraplex.platform.models import Adapter, AdapterVersion, Tenant, VersionStatus
-from loraplex.platform.pin_sync import prefetch_in_engines
+from loraplex.platform.pin_sync import prefetch_keeping_pin_honest
 from loraplex.platform.routes.adapters import handle_delete, handle_upload, handle_version_delete
 from loraplex.platform.schemas.adapters import (
     AdapterDeleted,
@@ -96,16 +96,12 @@ async def prefetch_version(*, _admin: AdminDep, services: ServicesDep, version_i
         content_hash = version.content_hash
         session.commit()
     try:
-        where = await prefetch_in_engines(services, version_id, engine_pin)
+        where = await prefetch_keeping_pin_honest(services, version_id, engine_pin, pin=body.pin,
+                                                  was_pinned=was_pinned)
     except EngineOverloadedError as exc:  # a prefetch alone with no engine to take it: 503 as for inference
         log.warning("prefetch of adapter version %s not done: %s", version_id, exc)
         raise from_engine_error(exc) from exc
     except (AdapterLoadError, InvalidRequestError) as exc:  # the engines cannot load it: no pin recorded
-        with services.sessions() as session:
-            version = session.get(AdapterVersion, version_id)
-            if version is not None and body.pin is not None:
-                version.pinned = was_pinned
-                session.commit()
         log.warning("adapter version %s could not be loaded: %s", version_id, exc)
         raise APIError(422, f"Adapter version {version_id} could not be loaded by the engine: {exc}",
                        param="version_id", code="adapter_load_failed") from exc

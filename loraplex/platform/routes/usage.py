@@ -37,7 +37,7 @@ def read_usage(*, tenant: UsageKeyDep, session: SessionDep,
         raise bad_request(f"start {start} is after end {end}: start must not be after end", param="start")
     if (end - start).days >= MAX_DAYS:
         raise bad_request(f"the range may span at most {MAX_DAYS} days", param="start")
-    wanted = adapter_filter(session, adapter, [tenant.tenant_id])
+    wanted = adapter_filter(session, adapter, [tenant.tenant_id], own=True)
     data = usage_by_day(session, tenant.tenant_id, start, end, adapter=wanted, api_key_id=api_key_id)
     if format == "csv":
         from loraplex.platform.billing.export import rows_to_csv
