@@ -93,8 +93,9 @@ class LoraStep:
             if r == 0:
                 continue
             rows = b.sorted_token_ids[start : start + count]
-            shrunk = w.slot_a(slot)[:r].index_select(1, input_ids.index_select(0, rows)).t()
-            x.index_add_(0, rows, (shrunk @ w.slot_b(slot)[:r]).to(x.dtype))
+            # in the activations' dtype, as the projections' kernels sum (slots may hold fp16/bf16 weights)
+            shrunk = w.slot_a(slot)[:r].index_select(1, input_ids.index_select(0, rows)).t().to(x.dtype)
+            x.index_add_(0, rows, shrunk @ w.slot_b(slot)[:r].to(x.dtype))
         return x
 
     def apply_logits(self, rows: list[int], hidden: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
