@@ -169,9 +169,9 @@ def make_peft_adapter(
 ) -> Path:
     """Train-free PEFT LoRA adapter for a model made by make_tiny_model (or any HF causal LM directory).
 
-    Uses real peft (LoraConfig + get_peft_model + save_pretrained with safetensors). PEFT initialises B to
-    zero, which would make the adapter a no-op; B is redrawn from N(0, init_scale) so the adapter changes
-    the model's outputs. lora_alpha defaults to 2 * r. Extra keyword arguments go to LoraConfig
+    Uses real peft (LoraConfig + get_peft_model + save_pretrained with safetensors). PEFT initialises B (an
+    embedding's lora_embedding_A) to zero, which would make the adapter a no-op; it is redrawn from
+    N(0, init_scale) so the adapter changes the model's outputs. lora_alpha defaults to 2 * r. Extra keyword arguments go to LoraConfig
     (rank_pattern, alpha_pattern, layers_to_transform, ...). Returns the adapter directory.
     """
     import torch
@@ -195,7 +195,8 @@ def make_peft_adapter(
     generator = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for name, p in peft_model.named_parameters():
-            if "lora_B" in name:
+            # PEFT zeroes lora_B of a linear layer and lora_embedding_A of an embedding
+            if "lora_B" in name or "lora_embedding_A" in name:
                 p.copy_(torch.randn(p.shape, generator=generator) * init_scale)
     peft_model.save_pretrained(str(out), safe_serialization=True)
     return out

@@ -18,7 +18,10 @@ message names the problem and whose `code` is an `ErrorCode`.
 
 Canonical weights are keyed by (layer, module) with module one of `MODULES` (q_proj, k_proj, v_proj, o_proj,
 gate_proj, up_proj, down_proj); fused PEFT modules (qkv_proj, gate_up_proj) arrive split into those.
-The delta a module adds is `x @ a.T @ b.T`. Also: `adapter.layer(i)` (module -> weights), `.rank` (largest),
+The delta a module adds is `x @ a.T @ b.T`. LoRA on the LM head and on the input embedding is keyed
+(TOP_LEVEL, "lm_head") and (TOP_LEVEL, "embed_tokens") (`TOP_MODULES`): the head's a is [r, hidden] and b
+[vocab, r]; the embedding's a is [r, vocab] (PEFT's lora_embedding_A) and b [hidden, r], the delta of token t
+being `a[:, t] @ b.T`. Also: `adapter.layer(i)` (module -> weights), `.rank` (largest),
 `.target_modules`, `.layers`, `.nbytes`, `.check_compatible(spec)` (for entries read back from a store).
 
 `AdapterStore` is the storage protocol: put(adapter) -> location, get(hash, verify=False), exists(hash),
@@ -31,13 +34,15 @@ from .canonical import CanonicalAdapter, LoraWeights, content_hash
 from .errors import AdapterValidationError, ErrorCode
 from .limits import AdapterLimits
 from .loader import load_adapter
-from .spec import ARCHITECTURES, MODULES, BaseModelSpec, ModuleShape, ModuleSlice
+from .spec import ARCHITECTURES, MODULES, TOP_LEVEL, TOP_MODULES, BaseModelSpec, ModuleShape, ModuleSlice
 from .store import AdapterStore, LocalAdapterStore, read_entry
 from .store_s3 import S3AdapterStore, open_store
 
 __all__ = [
     "ARCHITECTURES",
     "MODULES",
+    "TOP_LEVEL",
+    "TOP_MODULES",
     "AdapterLimits",
     "AdapterStore",
     "AdapterValidationError",

@@ -118,8 +118,8 @@ def _load(path: Path, spec: BaseModelSpec, limits: AdapterLimits) -> CanonicalAd
 
 
 # An adapter refused for its size may declare in its adapter_config.json (always small) something refused
-# whatever the size: modules_to_save or LoRA on lm_head make the weights file large, and that is the reason
-# to give, for a smaller file would be refused too.
+# whatever the size: modules_to_save makes the weights file large, and that is the reason to give, for a
+# smaller file would be refused too.
 _SIZE_CODES = (ErrorCode.ARCHIVE_MEMBER_TOO_LARGE, ErrorCode.ARCHIVE_TOO_LARGE)
 
 

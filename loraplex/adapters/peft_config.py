@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from .errors import AdapterValidationError, ErrorCode
 from .limits import AdapterLimits
-from .spec import BaseModelSpec
+from .spec import TOP_LEVEL, BaseModelSpec
 from .targets import resolve_targets
 
 # PiSSA, OLoRA, CorDA and LoRA-GA subtract their initial A/B from the base weights; LoftQ replaces them with a
@@ -112,6 +112,10 @@ def _json_kind(value: object) -> str:
     return "null" if value is None else kinds.get(type(value), type(value).__name__)
 
 
+def place(layer: int, module: str) -> str:
+    return module if layer == TOP_LEVEL else f"layer {layer} {module}"
+
+
 def _check_rank_limit(settings: LoraSettings, spec: BaseModelSpec, limits: AdapterLimits) -> None:
     # The limit applies to the ranks modules really get: a large default r that rank_pattern overrides
     # everywhere costs nothing.
@@ -122,7 +126,7 @@ def _check_rank_limit(settings: LoraSettings, spec: BaseModelSpec, limits: Adapt
         if rank > limits.max_rank:
             where = f"rank_pattern[{key!r}]" if key is not None else "r"
             raise AdapterValidationError(
-                f"adapter_config.json: {where} is {rank} (layer {layer} {module}), over the rank limit of "
+                f"adapter_config.json: {where} is {rank} ({place(layer, module)}), over the rank limit of "
                 f"{limits.max_rank} (the max_lora_rank setting)", ErrorCode.RANK_TOO_LARGE)
 
 

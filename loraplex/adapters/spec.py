@@ -12,6 +12,13 @@ from .errors import AdapterValidationError, ErrorCode
 
 # The seven projections LoRA may target, in the order canonical weights are serialized.
 MODULES: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# LoRA on the model's input embedding and on its LM head (PEFT's Embedding and Linear LoRA). They sit outside
+# the decoder layers: canonical weights key them by layer TOP_LEVEL. The embedding's A is [r, vocab] (PEFT's
+# lora_embedding_A) and B [hidden, r], so a token's delta is column `token` of A times B^T; the head's A is
+# [r, hidden] and B [vocab, r], as any projection.
+TOP_LEVEL = -1
+TOP_MODULES: tuple[str, ...] = ("embed_tokens", "lm_head")
+_TOP_PATHS = {"embed_tokens": "model.embed_tokens", "lm_head": "lm_head"}
 _PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
            "qkv_proj": "self_attn", "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp",
            "gate_up_proj": "mlp"}
@@ -64,23 +71,48 @@ class BaseModelSpec:
     modules: Mapping[str, ModuleShape]
     peft_modules: Mapping[str, tuple[ModuleSlice, ...]]
     layer_prefix: str = "model.layers"
+    vocab_size: int = 0
+    # lm_head shares the embedding's weight (SmolLM2); LoRA on lm_head is still a delta on the logits only
+    tie_word_embeddings: bool = False
 
     def parent(self, peft_module: str) -> str:
         return _PARENT[peft_module]
 
     def module_path(self, layer: int, peft_module: str) -> str:
-        """The module's name inside the HF model, as PEFT sees it: model.layers.3.self_attn.q_proj."""
+        """The module's name inside the HF model, as PEFT sees it: model.layers.3.self_attn.q_proj (and
+        model.embed_tokens, lm_head for layer TOP_LEVEL)."""
+        if layer == TOP_LEVEL:
+            return _TOP_PATHS[peft_module]
         return f"{self.layer_prefix}.{layer}.{_PARENT[peft_module]}.{peft_module}"
 
+    def top_shape(self, module: str) -> ModuleShape:
+        """in/out features of embed_tokens (in: the vocabulary, as its one-hot input) or lm_head."""
+        if module == "embed_tokens":
+            return ModuleShape(self.vocab_size, self.hidden_size)
+        return ModuleShape(self.hidden_size, self.vocab_size)
+
+    def shape(self, layer: int, module: str) -> ModuleShape | None:
+        """in/out features of a canonical (layer, module) entry; None where the model has no such module."""
+        if layer == TOP_LEVEL:
+            return self.top_shape(module) if module in TOP_MODULES and self.vocab_size > 0 else None
+        if not 0 <= layer < self.num_layers:
+            return None
+        return self.modules.get(module)
+
     def peft_shape(self, peft_module: str) -> ModuleShape:
+        if peft_module in TOP_MODULES:
+            return self.top_shape(peft_module)
         slices = self.peft_modules[peft_module]
         return ModuleShape(self.modules[slices[0].module].in_features, slices[-1].stop)
 
     def max_adapter_bytes(self, max_rank: int) -> int:
         """The most the weights of a LoRA adapter of rank <= max_rank can take for this model: A and B of all
-        seven projections in every layer, in fp32 (the widest dtype accepted); fused names cover no more."""
+        seven projections in every layer, of embed_tokens and lm_head, in fp32 (the widest dtype accepted);
+        fused names cover no more. PEFT also saves copies of the embedding and head weights beside LoRA on
+        them (save_embedding_layers): two [vocab, hidden] matrices more."""
         per_layer = sum(shape.in_features + shape.out_features for shape in self.modules.values())
-        return self.num_layers * per_layer * max_rank * 4
+        top = 2 * (self.vocab_size + self.hidden_size) * max_rank + 2 * self.vocab_size * self.hidden_size
+        return (self.num_layers * per_layer * max_rank + top) * 4
 
     @classmethod
     def from_model_dir(cls, model_dir: str | Path) -> BaseModelSpec:
@@ -105,6 +137,7 @@ class BaseModelSpec:
             head_dim = int(cfg.get("head_dim") or (128 if architecture == "Qwen3ForCausalLM" else hidden // heads))
             intermediate = int(cfg["intermediate_size"])
             num_layers = int(cfg["num_hidden_layers"])
+            vocab = int(cfg.get("vocab_size") or 0)
         except (KeyError, TypeError, ValueError) as exc:
             raise AdapterValidationError(f"base model config lacks a usable {exc}",
                                          ErrorCode.BASE_MODEL_MISMATCH) from exc
@@ -130,7 +163,8 @@ class BaseModelSpec:
             else:
                 peft_modules[name] = (ModuleSlice(name, 0, modules[name].out_features),)
         return cls(architecture=architecture, num_layers=num_layers, hidden_size=hidden,
-                   modules=MappingProxyType(modules), peft_modules=MappingProxyType(peft_modules))
+                   modules=MappingProxyType(modules), peft_modules=MappingProxyType(peft_modules),
+                   vocab_size=vocab, tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)))
 
 
 def _architecture(cfg: Mapping) -> str:

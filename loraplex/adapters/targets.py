@@ -9,9 +9,8 @@ from __future__ import annotations
 import re
 
 from .errors import AdapterValidationError, ErrorCode
-from .spec import BaseModelSpec
+from .spec import TOP_LEVEL, TOP_MODULES, BaseModelSpec
 
-_EMBEDDING_NAMES = ("embed_tokens", "lm_head", "wte", "embed_out")
 _ALL_LINEAR = "all-linear"
 # PEFT's TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING for the architectures served: what a config without
 # target_modules targets. Phi-3 has no entry there, so PEFT asks for target_modules.
@@ -34,21 +33,18 @@ def resolve_targets(config: dict, spec: BaseModelSpec) -> frozenset[tuple[int, s
         target = _default_targets(spec)
     layers = _layers_to_transform(config, target, spec)
     exclude = _exclude(config.get("exclude_modules"))
-    paths = {(i, m): spec.module_path(i, m) for i in range(spec.num_layers) for m in spec.peft_modules}
+    projections = {(i, m): spec.module_path(i, m) for i in range(spec.num_layers) for m in spec.peft_modules}
+    # LoRA on the input embedding and the LM head, where a name or pattern targets them
+    paths = {**projections, **{(TOP_LEVEL, m): spec.module_path(TOP_LEVEL, m) for m in TOP_MODULES}}
     if isinstance(target, str) and target.lower() == _ALL_LINEAR:
-        matched = set(paths)
+        matched = set(projections)  # PEFT's all-linear leaves the output layer (lm_head) out
     elif isinstance(target, str):
         pattern = _compile("target_modules pattern", target)
-        if pattern.fullmatch("model.embed_tokens") or pattern.fullmatch("lm_head"):
-            raise _embedding(target)
         _refuse_other_modules(spec, exclude, lambda p: pattern.fullmatch(p) is not None, target)
         matched = {k for k, p in paths.items() if pattern.fullmatch(p)}
         if not matched:
             raise _unknown(target, spec)
     elif isinstance(target, list) and target and all(isinstance(t, str) for t in target):
-        for name in target:
-            if name.rsplit(".", 1)[-1] in _EMBEDDING_NAMES:
-                raise _embedding(name)
         named = {k for k, p in paths.items() if _named(target, p)}
         if not named:
             # As PEFT does, names that match nothing are passed over (training scripts often list the names
@@ -63,6 +59,11 @@ def resolve_targets(config: dict, spec: BaseModelSpec) -> frozenset[tuple[int, s
         raise _invalid(f"target_modules must be a non-empty list of module names or a pattern, got {target!r}")
     if exclude is not None:
         matched = {k for k in matched if not _excluded(exclude, paths[k])}
+    top = sorted(m for layer, m in matched if layer == TOP_LEVEL)
+    if top and spec.vocab_size <= 0:
+        raise AdapterValidationError(
+            f"adapter_config.json: the adapter puts LoRA on {' and '.join(top)}, but the base model's config gives "
+            f"no vocab_size to check its weights against", ErrorCode.EMBEDDING_LORA_UNSUPPORTED)
     if not matched:
         raise _invalid("the adapter targets no module of the base model (after exclude_modules and "
                        "layers_to_transform / layers_pattern)")
@@ -189,14 +190,8 @@ def _invalid(why: str) -> AdapterValidationError:
     return AdapterValidationError(f"adapter_config.json: {why}", ErrorCode.CONFIG_INVALID)
 
 
-def _embedding(name: str) -> AdapterValidationError:
-    return AdapterValidationError(
-        f"adapter_config.json: target module {name!r} is an embedding or the LM head; LoRA on embeddings and "
-        f"lm_head is not supported", ErrorCode.EMBEDDING_LORA_UNSUPPORTED)
-
-
 def _unknown(name: str | list[str], spec: BaseModelSpec, hint: str = "") -> AdapterValidationError:
     what = f"target module {name!r} is not" if isinstance(name, str) else f"none of the target modules {name!r} is"
     return AdapterValidationError(
         f"adapter_config.json: {what} a projection of {spec.architecture}; known modules: "
-        f"{', '.join(spec.peft_modules)}{hint}", ErrorCode.UNKNOWN_TARGET_MODULE)
+        f"{', '.join((*spec.peft_modules, *TOP_MODULES))}{hint}", ErrorCode.UNKNOWN_TARGET_MODULE)

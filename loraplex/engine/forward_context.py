@@ -58,11 +58,22 @@ class LoraStepState(Protocol):
         output_slices: tuple[int, ...],
     ) -> torch.Tensor: ...
 
+    def apply_embedding(self, input_ids: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """The embedded tokens x [num_tokens, hidden] with each token's adapter's embedding delta added."""
+        ...
+
+    def apply_logits(self, rows: list[int], hidden: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        """The logits of the step's tokens `rows` (hidden: their final hidden states) with each row's
+        adapter's LM-head delta added."""
+        ...
+
 
 @dataclass
 class ForwardContext:
     attn: AttentionMetadata
     lora: LoraStepState | None = None  # None when no token in the step uses an adapter
+    # the tokens whose logits the step computes (the LM head runs for these rows only), in logits order
+    sample_rows: list[int] | None = None
 
 
 _current: ForwardContext | None = None

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from loraplex.adapters import AdapterValidationError, ErrorCode
+from loraplex.adapters import TOP_LEVEL, AdapterValidationError, ErrorCode
 from loraplex.engine.errors import AdapterLoadError, AdapterMissingError
 from loraplex.engine.lora_layers import LoraProjection, LoraStep, model_projections
 from loraplex.engine.lora_request import LoRARequest
@@ -206,12 +206,13 @@ class LoraManager:
         self.device = torch.device(device)
         # On a GPU, allocated once: loading an adapter is a copy into these, never an allocation. On the
         # CPU the slots are views of the host copies: loading one into a slot copies nothing.
-        views = self.device.type == "cpu"
+        # The LM head's and the embedding's slots (layer TOP_LEVEL) are made when the first adapter with LoRA
+        # on them takes a slot: on a GPU they hold max_loras * max_rank * (vocab + hidden) values each (for
+        # SmolLM2, 8 slots of rank 64: 2 x 102 MB in fp32), which adapters without them must not cost.
         self.weights: dict[tuple[int, str], LoraSlotWeights] = {
-            p.key: LoraSlotWeights(max_loras, p.in_features, p.output_sizes, max_rank, dtype=dtype, device=device,
-                                   views=views)
-            for p in self.projections
+            p.key: self._slot_weights(p) for p in self.projections if p.layer_idx != TOP_LEVEL
         }
+        self._projection = {p.key: p for p in self.projections}
         self._widest = max((w.a_rows for w in self.weights.values()), default=0)
         self._last_step: tuple[list[int], LoraStep | None] | None = None  # (slot list, state) of the last step
         self._lock = threading.RLock()
@@ -240,6 +241,10 @@ class LoraManager:
         self._recycler = TensorRecycler() if self.device.type == "cpu" else None
         self.source = None  # an AdapterSource when built for an engine: resolves user paths
         self._names: dict[str, LoRARequest] = {}  # register(): names that stand for an adapter version
+
+    def _slot_weights(self, p: LoraProjection) -> LoraSlotWeights:
+        return LoraSlotWeights(self.max_loras, p.in_features, p.output_sizes, self.max_rank, dtype=self.dtype,
+                               device=self.device, views=self.device.type == "cpu")
 
     @classmethod
     def for_engine(cls, model: torch.nn.Module, model_dir, config, *, device, dtype) -> LoraManager:
@@ -627,6 +632,12 @@ class LoraManager:
 
     def _activate(self, key: str, slot: int) -> None:
         host = self._host[key]
+        for pkey in host.fused.keys() - self.weights.keys():
+            # LoRA on the LM head or embedding, for the first time: their slots, for every slot at once. The
+            # dict is the one every step's LoraStep reads, so steps see them from now on.
+            w = self._slot_weights(self._projection[pkey])
+            self._widest = max(self._widest, w.a_rows)
+            self.weights[pkey] = w
         for pkey, w in self.weights.items():
             fused = host.fused.get(pkey)
             if fused is None:

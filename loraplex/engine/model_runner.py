@@ -116,7 +116,7 @@ class ModelRunner:
             lora = self.adapter_slots.build_step([-1 if k is None else slot_of[k] for k in token_adapters])
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
-        return ids, pos, ForwardContext(meta, lora), sample_rows, sample_seqs
+        return ids, pos, ForwardContext(meta, lora, sample_rows), sample_rows, sample_seqs
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> tuple[list[Sequence], SamplerOutput | None]:
@@ -125,10 +125,10 @@ class ModelRunner:
         ids, pos, ctx, sample_rows, sample_seqs = self._prepare(batch)
         with forward_context(ctx):
             hidden = self.model(ids, pos)
-        if not sample_rows:
-            return [], None
-        rows = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
-        logits = self.model.compute_logits(hidden.index_select(0, rows))
+            if not sample_rows:
+                return [], None
+            rows = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
+            logits = self.model.compute_logits(hidden.index_select(0, rows))
         return sample_seqs, self.sampler(logits, sample_seqs)
 
     @torch.inference_mode()
@@ -138,4 +138,4 @@ class ModelRunner:
         ids, pos, ctx, sample_rows, _ = self._prepare(batch)
         with forward_context(ctx):
             hidden = self.model(ids, pos)
-        return self.model.compute_logits(hidden[torch.tensor(sample_rows, dtype=torch.long, device=self.device)])
+            return self.model.compute_logits(hidden[torch.tensor(sample_rows, dtype=torch.long, device=self.device)])

@@ -38,6 +38,7 @@ class LoraBatch:
     counts_t: torch.Tensor
     # per-step values a kernel derives from the grouping, computed by the first layer that needs them
     scratch: dict = field(default_factory=dict)
+    token_slots: tuple[int, ...] = ()  # every token's slot (-1: none), in the step's order
 
     @property
     def num_lora_tokens(self) -> int:
@@ -81,6 +82,7 @@ class LoraBatch:
             slot_ids_t=table[0],
             starts_t=table[1],
             counts_t=table[2],
+            token_slots=tuple(int(s) for s in slots),
         )
 
 

@@ -28,12 +28,16 @@ def peft_deltas(base_dir, adapter_dir) -> dict:
 
     model = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.float32)
     peft_model = PeftModel.from_pretrained(model, str(adapter_dir))
+    from loraplex.adapters import TOP_LEVEL
+
     deltas = {}
     for name, module in peft_model.named_modules():
-        if isinstance(module, LoraLayer) and "default" in module.lora_A:
+        if isinstance(module, LoraLayer) and ("default" in module.lora_A or "default" in module.lora_embedding_A):
             parts = name.split(".")
-            layer = int(parts[parts.index("layers") + 1])
-            deltas[(layer, parts[-1])] = module.get_delta_weight("default").detach()
+            layer = int(parts[parts.index("layers") + 1]) if "layers" in parts else TOP_LEVEL
+            delta = module.get_delta_weight("default").detach()
+            # PEFT gives an embedding's update in the embedding's layout, [vocab, hidden]
+            deltas[(layer, parts[-1])] = delta.t() if parts[-1] == "embed_tokens" else delta
     return deltas
 
 

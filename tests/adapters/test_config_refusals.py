@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from adapter_helpers import refused
 
-from loraplex.adapters import AdapterLimits, ErrorCode, load_adapter
+from loraplex.adapters import MODULES, AdapterLimits, ErrorCode, load_adapter
 
 
 def test_good_adapter_loads(adapter_copy, llama_spec):
@@ -41,9 +41,10 @@ def test_good_adapter_loads(adapter_copy, llama_spec):
     ({"target_modules": ["foo_proj", "query_key_value"]}, ErrorCode.UNKNOWN_TARGET_MODULE,
      ["none of the target modules", "foo_proj", "LlamaForCausalLM"]),
     ({"target_modules": ["qkv_proj"]}, ErrorCode.UNKNOWN_TARGET_MODULE, ["qkv_proj"]),
-    ({"target_modules": ["q_proj", "embed_tokens"]}, ErrorCode.EMBEDDING_LORA_UNSUPPORTED, ["embed_tokens"]),
-    ({"target_modules": ["lm_head"]}, ErrorCode.EMBEDDING_LORA_UNSUPPORTED, ["lm_head"]),
-    ({"target_modules": r".*(embed_tokens|q_proj)"}, ErrorCode.EMBEDDING_LORA_UNSUPPORTED, ["embed_tokens"]),
+    # LoRA on embed_tokens / lm_head is served; the file must then hold their weights
+    ({"target_modules": [*MODULES, "embed_tokens"]}, ErrorCode.MISSING_TENSOR, ["embed_tokens.lora_embedding_A"]),
+    ({"target_modules": ["lm_head"]}, ErrorCode.UNKNOWN_TENSOR, ["does not target"]),
+    ({"target_modules": r".*(embed_tokens|q_proj)"}, ErrorCode.UNKNOWN_TENSOR, ["does not target"]),
     ({"target_modules": r".*\.nothing"}, ErrorCode.UNKNOWN_TARGET_MODULE, ["nothing"]),
     ({"target_modules": []}, ErrorCode.CONFIG_INVALID, ["target_modules"]),
     ({"layers_to_transform": [0, 5]}, ErrorCode.LAYER_OUT_OF_RANGE, ["layer 5", "0..1"]),

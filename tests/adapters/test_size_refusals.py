@@ -1,5 +1,5 @@
 """An adapter refused for its size whose adapter_config.json declares something refused anyway (modules_to_save,
-LoRA on lm_head, DoRA): the refusal names that reason, which a smaller file would meet too. PEFT's
+trainable_token_indices, DoRA): the refusal names that reason, which a smaller file would meet too. PEFT's
 modules_to_save=["lm_head"] on SmolLM2-135M makes a 116 MB weights file; here small limits stand in for it."""
 
 from __future__ import annotations
@@ -21,8 +21,7 @@ LARGE = b"\0" * (128 * 1024)  # over LIMITS' per-file limit, and cheap to compre
 
 REFUSED_ANYWAY = [
     ({"modules_to_save": ["lm_head"]}, ErrorCode.MODULES_TO_SAVE_UNSUPPORTED, "modules_to_save=['lm_head']"),
-    ({"target_modules": ["q_proj", "embed_tokens", "lm_head"]}, ErrorCode.EMBEDDING_LORA_UNSUPPORTED,
-     "'embed_tokens' is an embedding"),
+    ({"trainable_token_indices": [1, 2]}, ErrorCode.OPTION_UNSUPPORTED, "trainable_token_indices=[1, 2]"),
     ({"use_dora": True}, ErrorCode.DORA_UNSUPPORTED, "DoRA"),
 ]
 

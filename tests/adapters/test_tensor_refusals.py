@@ -85,10 +85,13 @@ def test_missing_module(adapter_copy, llama_spec):
     # past the model's depth: says so (an adapter for a deeper model), not "unknown tensor"
     ("base_model.model.model.layers.7.self_attn.q_proj.lora_A.weight", ErrorCode.LAYER_OUT_OF_RANGE, "for layer 7"),
     ("base_model.model.model.layers.0.self_attn.q_proj.lora_magnitude_vector", ErrorCode.DORA_UNSUPPORTED, "DoRA"),
-    ("base_model.model.model.embed_tokens.lora_embedding_A", ErrorCode.EMBEDDING_LORA_UNSUPPORTED, "embed"),
-    ("base_model.model.lm_head.lora_A.weight", ErrorCode.EMBEDDING_LORA_UNSUPPORTED, "lm_head"),
+    # LoRA on the embedding or the head of an adapter whose config does not target them
+    ("base_model.model.model.embed_tokens.lora_embedding_A", ErrorCode.UNKNOWN_TENSOR, "does not target"),
+    ("base_model.model.lm_head.lora_A.weight", ErrorCode.UNKNOWN_TENSOR, "does not target"),
+    ("base_model.model.model.embed_tokens.token_adapter.trainable_tokens_delta", ErrorCode.OPTION_UNSUPPORTED,
+     "trainable_token_indices"),
     ("base_model.model.model.layers.0.self_attn.q_proj.bias", ErrorCode.BIAS_UNSUPPORTED, "bias"),
-    ("base_model.model.lm_head.modules_to_save.weight", ErrorCode.EMBEDDING_LORA_UNSUPPORTED, "lm_head"),
+    ("base_model.model.lm_head.modules_to_save.weight", ErrorCode.MODULES_TO_SAVE_UNSUPPORTED, "modules_to_save"),
     ("base_model.model.model.norm.modules_to_save.weight", ErrorCode.MODULES_TO_SAVE_UNSUPPORTED,
      "modules_to_save"),
 ])

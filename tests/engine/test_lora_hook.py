@@ -28,6 +28,14 @@ class RecordingStep:
             y[self.token_slots >= 0] += self.scale
         return y
 
+    def apply_embedding(self, input_ids, x):
+        self.calls.append(("embed_tokens", tuple(input_ids.shape), tuple(x.shape)))
+        return x
+
+    def apply_logits(self, rows, hidden, logits):
+        self.calls.append(("lm_head", list(rows), tuple(hidden.shape), tuple(logits.shape)))
+        return logits
+
 
 class FakeAdapterSlots:
     def __init__(self, scale=0.5):
@@ -74,7 +82,13 @@ def test_projections_call_the_step_state_with_layer_modules_and_slices(tiny_qwen
     lora = LoRARequest("a", "hash-a", "/nowhere")
     outs = llm.generate(["Hello world", "The quick"], GREEDY, adapter=[lora, None], use_tqdm=False)
     arch = llm.engine.arch
-    first_step = slots.calls[: 4 * arch.num_layers]
+    n_a = len(llm.tokenizer.encode("Hello world"))
+    n_b = len(llm.tokenizer.encode("The quick"))
+    # the embedding hook sees every token of the step, the head's only the rows sampled (one per sequence)
+    assert slots.calls[0] == ("embed_tokens", (n_a + n_b,), (n_a + n_b, arch.hidden_size))
+    assert slots.calls[4 * arch.num_layers + 1] == ("lm_head", [n_a - 1, n_a + n_b - 1], (2, arch.hidden_size),
+                                                    (2, arch.vocab_size))
+    first_step = [c for c in slots.calls if c[0] not in ("embed_tokens", "lm_head")][: 4 * arch.num_layers]
     expected = []
     for layer in range(arch.num_layers):
         expected += [
@@ -85,8 +99,6 @@ def test_projections_call_the_step_state_with_layer_modules_and_slices(tiny_qwen
         ]
     assert [c[:3] for c in first_step] == expected
     # the mapping marks exactly the adapter request's tokens
-    n_a = len(llm.tokenizer.encode("Hello world"))
-    n_b = len(llm.tokenizer.encode("The quick"))
     assert all(sorted(step) == [-1, 3] for step in slots.steps[-5:])  # decodes: one token each
     prefill_step = next(s for s in slots.steps if len(s) == n_a + n_b)
     assert sorted(prefill_step) == [-1] * n_b + [3] * n_a

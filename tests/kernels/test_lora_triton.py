@@ -58,6 +58,17 @@ def test_mixed_ranks_fused_qkv_with_base_rows():
     )
 
 
+def test_lm_head_shape_vocab_wide_output():
+    """LoRA on the LM head: one slice as wide as a vocabulary (not a multiple of any block), on the few sampled
+    rows of a step, some without an adapter or with one that leaves the head alone (rank 0)."""
+    _case(
+        4, hidden=64, out_slices=(1003,),
+        slot_ranks={0: [4], 1: [0], 2: [16]},
+        token_slots=[2, -1, 0, 1, 2, 0],
+        num_slots=3,
+    )
+
+
 def test_every_row_a_different_adapter():
     ranks = [1, 3, 8, 16, 31, 33, 64]
     _case(

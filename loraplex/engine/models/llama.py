@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from loraplex.engine import forward_context as fctx
-from loraplex.engine.lora_layers import LoraStep
+from loraplex.engine.lora_layers import LoraStep, top_projections
 from loraplex.engine.models.arch import ModelArch
 from loraplex.engine.models.layers import (
     SHORT_PREFILL_CONTEXT,
@@ -260,6 +260,9 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
+        ctx = fctx._current
+        if ctx is not None and ctx.lora is not None:
+            x = ctx.lora.apply_embedding(input_ids, x)  # LoRA on embed_tokens, before either path below
         rope = self.rotary.lookup(positions)  # once per step, shared by every layer
         out = self._stack.run(x, rope) if self._stack is not None else None
         if out is not None:
@@ -311,10 +314,21 @@ class LlamaForCausalLM(nn.Module):
         self.model._stack = DecoderStack.for_model(self.model)
         return packed_any or self._packed_head is not None
 
+    def lora_top_projections(self) -> list:
+        """LoRA on the LM head and the input embedding (tied or not: LoRA on lm_head changes the logits only)."""
+        return top_projections(self.arch.vocab_size, self.arch.hidden_size)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits of `hidden`, the final hidden states of the forward context's `sample_rows` (the LM head's
+        LoRA, if the step has adapters, needs to know whose rows they are)."""
         if self._packed_head is not None:
-            return packed_linear(hidden, self._packed_head, None)
-        return F.linear(hidden, self.lm_head_weight)
+            logits = packed_linear(hidden, self._packed_head, None)
+        else:
+            logits = F.linear(hidden, self.lm_head_weight)
+        ctx = fctx._current
+        if ctx is not None and ctx.lora is not None and ctx.sample_rows is not None:
+            logits = ctx.lora.apply_logits(ctx.sample_rows, hidden, logits)
+        return logits
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load Hugging Face tensors by name; fused projections take their shards. Every parameter must
