@@ -106,15 +106,16 @@ def matching(search: str | None, *columns: Any) -> Any:
     return or_(*(column.icontains(search, autoescape=True) for column in columns))
 
 
-def fetch_page(session: Session, stmt: Select, key: Any, params: PageParams, *, scalars: bool = True
-               ) -> tuple[list[Any], bool]:
-    """The rows of one page of `stmt`, ordered by the unique column `key`, and whether more lie beyond it."""
+def fetch_page(session: Session, stmt: Select, key: Any, params: PageParams, *, scalars: bool = True,
+               descending: bool = False) -> tuple[list[Any], bool]:
+    """The rows of one page of `stmt`, ordered by the unique column `key` (newest first with `descending`), and
+    whether more lie beyond it in the direction it was read."""
     if params.after is not None:
-        stmt = stmt.where(key > params.after)
+        stmt = stmt.where(key < params.after if descending else key > params.after)
     if params.before is not None:
-        stmt = stmt.where(key < params.before)
+        stmt = stmt.where(key > params.before if descending else key < params.before)
     backwards = params.before is not None and params.after is None
-    stmt = stmt.order_by(key.desc() if backwards else key).limit(params.limit + 1)
+    stmt = stmt.order_by(key.desc() if descending != backwards else key).limit(params.limit + 1)
     rows = list(session.scalars(stmt) if scalars else session.execute(stmt))
     has_more = len(rows) > params.limit
     rows = rows[:params.limit]
