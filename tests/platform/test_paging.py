@@ -163,3 +163,12 @@ def test_keys_listing_is_scoped_to_the_tenant(app, client, admin_key, make_tenan
     page = client.get(f"/admin/api/tenants/{one.tenant_id}/keys", headers=_admin(admin_key),
                       params={"limit": 10}).json()
     assert [k["id"] for k in page["data"]] == [one.key_id]
+
+
+def test_openapi_documents_the_paging_parameters(client):
+    spec = client.get("/openapi.json").json()
+    for path in ("/v1/adapters", "/admin/api/tenants", "/admin/api/tenants/{tenant_id}/keys", "/admin/api/adapters"):
+        params = {p["name"]: p for p in spec["paths"][path]["get"]["parameters"]}
+        assert {"limit", "after", "before", "q"} <= set(params), path
+        assert "1000" in params["limit"]["description"]
+    assert {"first_id", "last_id", "has_more"} <= set(spec["components"]["schemas"]["AdapterList"]["properties"])
