@@ -35,6 +35,35 @@ class KeyId(click.ParamType):
         return number
 
 
+def page_options(fn):
+    """--limit/--after/--search on a list command. Without any of them it lists every row, as it always has."""
+    fn = click.option("--search", default=None, help="only rows whose name (or key prefix) contains this text, "
+                      "any case")(fn)
+    fn = click.option("--after", default=None, help="the id the previous page ended on (stderr names it)")(fn)
+    return click.option("--limit", default=None, help="at most this many rows (1 to 1000), in id order")(fn)
+
+
+def _listed(session, stmt, key, columns, limit, after, search) -> list:
+    """Every row of `stmt` by `key`, or one page of them when a page option was given; where more rows follow, a
+    line on stderr says how to list them."""
+    from loraplex.platform.paging import PagingError, fetch_page, matching, page_params
+
+    given = {name: value for name, value in (("limit", limit), ("after", after), ("q", search)) if value is not None}
+    if not given:
+        return list(session.scalars(stmt.order_by(key)))
+    try:
+        params = page_params(given)
+    except PagingError as exc:
+        option = "--search" if exc.param == "q" else f"--{exc.param}"
+        raise click.BadParameter(str(exc).replace("q must", "the search must"), param_hint=option) from exc
+    if params.search:
+        stmt = stmt.where(matching(params.search, *columns))
+    rows, has_more = fetch_page(session, stmt, key, params)
+    if has_more:
+        click.echo(f"more rows follow: add --after {rows[-1].id} for the next page", err=True)
+    return rows
+
+
 @contextmanager
 def _session():
     from pydantic import ValidationError
@@ -110,7 +139,8 @@ def create_plan_cmd(name, **quotas):
 
 
 @admin.command("list-plans")
-def list_plans_cmd():
+@page_options
+def list_plans_cmd(limit, after, search):
     """Every plan with its quotas and how many tenants are on it."""
     from sqlalchemy import func, select
 
@@ -118,7 +148,7 @@ def list_plans_cmd():
 
     with _session() as (session, _):
         counts = dict(session.execute(select(Tenant.plan_id, func.count()).group_by(Tenant.plan_id)).all())
-        plans = session.scalars(select(Plan).order_by(Plan.id)).all()
+        plans = _listed(session, select(Plan), Plan.id, (Plan.name,), limit, after, search)
         if not plans:  # on stderr: stdout stays one line per plan for scripts
             click.echo("no plans yet; `loraplex admin create-plan NAME --rpm ... --tpm ... --concurrent ... "
                        "--monthly-tokens ...` makes one", err=True)
@@ -186,7 +216,8 @@ _QUOTA_NAMES = {"rpm": "requests_per_minute", "tpm": "tokens_per_minute", "concu
 
 
 @admin.command("list-tenants")
-def list_tenants_cmd():
+@page_options
+def list_tenants_cmd(limit, after, search):
     """Every tenant with its status, plan and effective quotas; each quota says where it comes from:
     (own) the tenant's override, (plan) its plan, (default) the service default."""
     from sqlalchemy import select
@@ -195,7 +226,7 @@ def list_tenants_cmd():
     from loraplex.platform.tenants import quota_sources, tenant_public
 
     with _session() as (session, settings):
-        tenants = session.scalars(select(Tenant).order_by(Tenant.id)).all()
+        tenants = _listed(session, select(Tenant), Tenant.id, (Tenant.name,), limit, after, search)
         if not tenants:  # on stderr: stdout stays one line per tenant for scripts
             click.echo("no tenants yet; `loraplex admin create-tenant NAME` makes one", err=True)
         for tenant in tenants:
@@ -303,7 +334,8 @@ def create_key_cmd(tenant, name, scopes, expires_at):
 
 @admin.command("list-keys")
 @click.argument("tenant")
-def list_keys_cmd(tenant):
+@page_options
+def list_keys_cmd(tenant, limit, after, search):
     """TENANT's keys: id, display prefix, name, scopes, state, last use (to the minute; never the secret)."""
     from sqlalchemy import select
 
@@ -312,7 +344,8 @@ def list_keys_cmd(tenant):
 
     with _session() as (session, _):
         t = get_tenant(session, tenant)
-        keys = session.scalars(select(ApiKey).where(ApiKey.tenant_id == t.id).order_by(ApiKey.id)).all()
+        keys = _listed(session, select(ApiKey).where(ApiKey.tenant_id == t.id), ApiKey.id,
+                       (ApiKey.name, ApiKey.prefix), limit, after, search)
         if not keys:  # on stderr: stdout stays one line per key for scripts
             click.echo(f"tenant {t.name} has no keys yet; `loraplex admin create-key {t.name}` makes one", err=True)
         for key in keys:
@@ -359,14 +392,15 @@ def create_admin_key_cmd(name):
 
 
 @admin.command("list-admin-keys")
-def list_admin_keys_cmd():
+@page_options
+def list_admin_keys_cmd(limit, after, search):
     """Admin keys: id, display prefix, name, created, state (never the secret)."""
     from sqlalchemy import select
 
     from loraplex.platform.models import AdminKey
 
     with _session() as (session, _):
-        keys = session.scalars(select(AdminKey).order_by(AdminKey.id)).all()
+        keys = _listed(session, select(AdminKey), AdminKey.id, (AdminKey.name, AdminKey.prefix), limit, after, search)
         if not keys:  # a database `loraplex serve` has not started on yet (it makes the first one)
             click.echo("no admin keys yet; `loraplex serve` makes one on its first start, "
                        "`loraplex admin create-admin-key` makes one now", err=True)

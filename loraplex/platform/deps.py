@@ -7,7 +7,7 @@ from collections.abc import Iterator
 from typing import Annotated
 
 from annotated_types import Interval
-from fastapi import Depends, Header, Path, Request
+from fastapi import Depends, Header, Path, Query, Request
 from sqlalchemy.orm import Session
 
 from loraplex.platform.auth import (
@@ -17,7 +17,17 @@ from loraplex.platform.auth import (
     authenticate_tenant_fast,
     require_scope,
 )
+from loraplex.platform.errors import bad_request
 from loraplex.platform.models import MAX_ROW_ID, Scope
+from loraplex.platform.paging import (
+    DEFAULT_LIMIT,
+    MAX_LIMIT,
+    PageParams,
+    PagingError,
+    page_params,
+    parse_id_cursor,
+    parse_name_cursor,
+)
 from loraplex.platform.scoping import TenantScope
 from loraplex.platform.security import bearer_token
 from loraplex.platform.services import Services
@@ -98,3 +108,27 @@ AdminDep = Annotated[AdminContext, Depends(get_admin)]
 # overflow (a 500) later.
 RowId = Annotated[int, Interval(ge=1, le=MAX_ROW_ID)]
 IdPath = Annotated[RowId, Path()]
+
+
+# Paging parameters: declared here so they appear in the OpenAPI schema, read as text so that a bad value is a
+# 400 naming the parameter with the accepted range.
+_LIMIT = Query(description=f"rows per page, 1 to {MAX_LIMIT} (default {DEFAULT_LIMIT})")
+_AFTER = Query(description="the `last_id` of the previous page: the page of rows after it")
+_BEFORE = Query(description="the `first_id` of the next page: the page of rows before it")
+_SEARCH = Query(description="case-insensitive substring of the name (% and _ match themselves)")
+
+
+def _page_dependency(cursor):
+    def dependency(request: Request, limit: Annotated[str | None, _LIMIT] = None,
+                   after: Annotated[str | None, _AFTER] = None, before: Annotated[str | None, _BEFORE] = None,
+                   q: Annotated[str | None, _SEARCH] = None) -> PageParams:
+        try:
+            return page_params(request.query_params, cursor)
+        except PagingError as exc:
+            raise bad_request(str(exc), param=exc.param) from exc
+
+    return dependency
+
+
+PageDep = Annotated[PageParams, Depends(_page_dependency(parse_id_cursor))]
+NamePageDep = Annotated[PageParams, Depends(_page_dependency(parse_name_cursor))]

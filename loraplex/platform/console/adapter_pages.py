@@ -9,6 +9,7 @@ import uuid
 from fastapi import APIRouter, HTTPException, Request
 from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse
 from sqlalchemy import select
+from sqlalchemy.orm import selectinload
 
 from loraplex.platform.adapter_registry import (
     adapter_public,
@@ -16,11 +17,13 @@ from loraplex.platform.adapter_registry import (
     uploads_root,
 )
 from loraplex.platform.console.deps import ConsoleDep, ConsolePostDep
+from loraplex.platform.console.paging import page_of
 from loraplex.platform.console.templating import redirect, render
 from loraplex.platform.deps import IdPath, ServicesDep
 from loraplex.platform.errors import APIError
 from loraplex.platform.metrics import get_metrics
 from loraplex.platform.models import Adapter, AdapterVersion, Tenant, VersionStatus
+from loraplex.platform.paging import parse_name_cursor
 from loraplex.platform.routes.adapters import (
     MULTIPART_OVERHEAD,
     handle_delete,
@@ -54,14 +57,18 @@ def adapters_page(request: Request, context: ConsoleDep, services: ServicesDep) 
             raise HTTPException(404, f"No tenant {shown!r}.")
         tenant = tenant or (tenants[0] if tenants else None)
         adapters = []
+        pager = None
         pinned: set[int] = set()  # the versions an operator pinned (each tenant's own, whatever the content)
         if tenant is not None:
             scope = TenantScope(session, tenant.id)
-            adapters = [adapter_public(a) for a in scope.all(Adapter, order_by=Adapter.name)]
+            rows, pager = page_of(request, session, scope.select(Adapter).options(selectinload(Adapter.versions)),
+                                  Adapter.name, lambda a: a.name, search_columns=(Adapter.name,),
+                                  cursor=parse_name_cursor)
+            adapters = [adapter_public(a) for a in rows]
             pinned = set(session.scalars(select(AdapterVersion.id).where(
                 AdapterVersion.tenant_id == tenant.id, AdapterVersion.pinned.is_(True))))
     device, host, _ = _residency(request)
-    return render(request, "adapters.html", context, tenants=tenants, tenant=tenant, adapters=adapters,
+    return render(request, "adapters.html", context, tenants=tenants, tenant=tenant, adapters=adapters, pager=pager,
                   device=device, host=host, pinned=pinned, engine_ready=services.engine is not None,
                   max_upload_mb=services.settings.max_upload_bytes // (1024 * 1024))
 

@@ -18,10 +18,12 @@ from loraplex.platform.billing.pricing import PriceOverride
 from loraplex.platform.billing.statements import get_statement
 from loraplex.platform.console import forms
 from loraplex.platform.console.deps import ConsoleDep, ConsolePostDep
+from loraplex.platform.console.paging import page_of
 from loraplex.platform.console.session import cookie_secure
 from loraplex.platform.console.templating import redirect, render
 from loraplex.platform.deps import IdPath, ServicesDep
 from loraplex.platform.models import ALL_SCOPES, ApiKey, Plan, Tenant, utcnow
+from loraplex.platform.paging import parse_name_cursor
 from loraplex.platform.schemas.messages import plain_errors
 from loraplex.platform.schemas.tenants import (
     QUOTA_MAX,
@@ -67,16 +69,20 @@ def _problem(exc: Exception) -> str:
 @router.get("/tenants", response_class=HTMLResponse)
 def tenants_page(request: Request, context: ConsoleDep, services: ServicesDep) -> HTMLResponse:
     with services.sessions() as session:
-        tenants = [tenant_public(t, services.settings) for t in session.scalars(select(Tenant).order_by(Tenant.name))]
+        # by name (unique), a page at a time: the name is the cursor
+        rows, pager = page_of(request, session, select(Tenant), Tenant.name, lambda t: t.name,
+                              search_columns=(Tenant.name,), cursor=parse_name_cursor)
+        tenants = [tenant_public(t, services.settings) for t in rows]
         plans = list(session.scalars(select(Plan).order_by(Plan.name)))
         plan_tenants = dict(session.execute(select(Tenant.plan_id, func.count()).group_by(Tenant.plan_id)).all())
         counts = dict(session.execute(
             select(ApiKey.tenant_id, func.count(ApiKey.id))
-            .where(ApiKey.revoked_at.is_(None), or_(ApiKey.expires_at.is_(None), ApiKey.expires_at > utcnow()))
+            .where(ApiKey.tenant_id.in_([t.id for t in tenants]), ApiKey.revoked_at.is_(None),
+                   or_(ApiKey.expires_at.is_(None), ApiKey.expires_at > utcnow()))
             .group_by(ApiKey.tenant_id)
         ).all())
     return render(request, "tenants.html", context, tenants=tenants, plans=plans, key_counts=counts,
-                  plan_tenants=plan_tenants, quota_fields=QUOTA_FIELDS)
+                  plan_tenants=plan_tenants, quota_fields=QUOTA_FIELDS, pager=pager)
 
 
 @router.post("/tenants")
@@ -162,8 +168,9 @@ def _tenant_page(request: Request, context, services, tenant_id: int, *, new_key
         override = tenant_override(session, tenant.id, period)
         price = price_for_tenant(session, tenant, period)
         this_month = get_statement(session, tenant, periods[0])
-        keys = [key_public(k) for k in session.scalars(
-            select(ApiKey).where(ApiKey.tenant_id == tenant.id).order_by(ApiKey.id.desc()))]
+        rows, key_pager = page_of(request, session, select(ApiKey).where(ApiKey.tenant_id == tenant.id), ApiKey.id,
+                                  lambda k: k.id, search_columns=(ApiKey.name, ApiKey.prefix), descending=True)
+        keys = [key_public(k) for k in rows]
         plans = list(session.scalars(select(Plan).order_by(Plan.name)))
         public = tenant_public(tenant, services.settings)
     override_values = {
@@ -172,7 +179,7 @@ def _tenant_page(request: Request, context, services, tenant_id: int, *, new_key
     }
     return render(
         request, "tenant.html", context, status_code=status_code, tenant=public, keys=keys, plans=plans,
-        new_key=new_key, quota_fields=QUOTA_FIELDS, price_fields=PRICE_FIELDS, price=vars(price) | {"currency": price.currency},
+        new_key=new_key, key_pager=key_pager, quota_fields=QUOTA_FIELDS, price_fields=PRICE_FIELDS, price=vars(price) | {"currency": price.currency},
         override_values=override_values, scopes=ALL_SCOPES, period=period, periods=periods, this_month=this_month,
         now=datetime.now(UTC),
     )

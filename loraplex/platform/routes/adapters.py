@@ -10,6 +10,7 @@ import uuid
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse
 from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import selectinload
 
 from loraplex.platform.adapter_registry import (
     TERMINAL,
@@ -23,9 +24,10 @@ from loraplex.platform.adapter_registry import (
     uploads_root,
 )
 from loraplex.platform.db import session_scope
-from loraplex.platform.deps import AdaptersKeyDep, IdPath, ServicesDep, TenantScopeDep
+from loraplex.platform.deps import AdaptersKeyDep, IdPath, NamePageDep, ServicesDep, TenantScopeDep
 from loraplex.platform.errors import APIError, not_found
 from loraplex.platform.models import Adapter, AdapterVersion, VersionStatus
+from loraplex.platform.paging import fetch_page, matching
 from loraplex.platform.schemas.adapters import (
     AdapterDeleted,
     AdapterList,
@@ -155,8 +157,16 @@ def _forget_failed(services: Services, version_id: int) -> None:
 
 
 @router.get("", response_model=AdapterList)
-def list_adapters(*, _tenant: AdaptersKeyDep, scope: TenantScopeDep) -> AdapterList:
-    return AdapterList(data=[adapter_public(a) for a in scope.all(Adapter, order_by=Adapter.name)])
+def list_adapters(*, _tenant: AdaptersKeyDep, scope: TenantScopeDep, page: NamePageDep) -> AdapterList:
+    """One page of the caller's adapters, ordered by id (the name): `after`/`before` take the `last_id`/`first_id`
+    of a previous page; `q` matches the name."""
+    stmt = scope.select(Adapter).options(selectinload(Adapter.versions))
+    if page.search:
+        stmt = stmt.where(matching(page.search, Adapter.name))
+    adapters, has_more = fetch_page(scope.session, stmt, Adapter.name, page)
+    data = [adapter_public(a) for a in adapters]
+    return AdapterList(data=data, first_id=data[0].id if data else None, last_id=data[-1].id if data else None,
+                       has_more=has_more)
 
 
 @router.get("/{name}", response_model=AdapterPublic)

@@ -1,13 +1,19 @@
-"""/admin/api: operators manage plans, tenants and keys with the admin credential."""
+"""/admin/api: operators manage plans, tenants and keys with the admin credential.
+
+The lists answer a bare JSON array of every row, as they always have, unless a paging parameter (`limit`,
+`after`, `before`, `q`) is sent: then one page, `{"object": "list", "data", "first_id", "last_id", "has_more"}`,
+ordered by id.
+"""
 
 from __future__ import annotations
 
 from fastapi import APIRouter, status
 from sqlalchemy import select
 
-from loraplex.platform.deps import AdminDep, IdPath, ServicesDep, SessionDep
+from loraplex.platform.deps import AdminDep, IdPath, PageDep, ServicesDep, SessionDep
 from loraplex.platform.errors import not_found
 from loraplex.platform.models import AdminKey, ApiKey, Plan, Tenant
+from loraplex.platform.paging import Page, PageParams, fetch_page, make_page, matching
 from loraplex.platform.schemas.tenants import (
     AdminKeyPublic,
     KeyCreate,
@@ -39,9 +45,21 @@ from loraplex.platform.tenants import (
 router = APIRouter(route_class=StrictJsonRoute, prefix="/admin/api", tags=["admin"])
 
 
-@router.get("/plans", response_model=list[PlanPublic])
-def list_plans(*, _admin: AdminDep, session: SessionDep) -> list[Plan]:
-    return list(session.scalars(select(Plan).order_by(Plan.id)))
+def _listed(session, stmt, key, page: PageParams, public):
+    """The bare list of every row (no paging parameter sent), or one page of them."""
+    if not page.requested:
+        return [public(row) for row in session.scalars(stmt.order_by(key))]
+    rows, has_more = fetch_page(session, stmt, key, page)
+    return make_page([public(row) for row in rows], has_more, lambda item: item.id)
+
+
+@router.get("/plans", response_model=list[PlanPublic] | Page[PlanPublic])
+def list_plans(*, _admin: AdminDep, session: SessionDep, page: PageDep) -> list[PlanPublic] | Page[PlanPublic]:
+    """`q` matches the plan's name."""
+    stmt = select(Plan)
+    if page.search:
+        stmt = stmt.where(matching(page.search, Plan.name))
+    return _listed(session, stmt, Plan.id, page, PlanPublic.model_validate)
 
 
 @router.post("/plans", response_model=PlanPublic, status_code=status.HTTP_201_CREATED)
@@ -64,9 +82,14 @@ def remove_plan(*, _admin: AdminDep, session: SessionDep, plan_id: IdPath) -> Pl
     return deleted
 
 
-@router.get("/tenants", response_model=list[TenantPublic])
-def list_tenants(*, _admin: AdminDep, session: SessionDep, services: ServicesDep) -> list[TenantPublic]:
-    return [tenant_public(t, services.settings) for t in session.scalars(select(Tenant).order_by(Tenant.id))]
+@router.get("/tenants", response_model=list[TenantPublic] | Page[TenantPublic])
+def list_tenants(*, _admin: AdminDep, session: SessionDep, services: ServicesDep,
+                 page: PageDep) -> list[TenantPublic] | Page[TenantPublic]:
+    """`q` matches the tenant's name."""
+    stmt = select(Tenant)
+    if page.search:
+        stmt = stmt.where(matching(page.search, Tenant.name))
+    return _listed(session, stmt, Tenant.id, page, lambda t: tenant_public(t, services.settings))
 
 
 @router.post("/tenants", response_model=TenantPublic, status_code=status.HTTP_201_CREATED)
@@ -85,11 +108,15 @@ def edit_tenant(*, _admin: AdminDep, session: SessionDep, services: ServicesDep,
     return tenant_public(update_tenant(session, get_tenant(session, tenant_id), body), services.settings)
 
 
-@router.get("/tenants/{tenant_id}/keys", response_model=list[KeyPublic])
-def list_keys(*, _admin: AdminDep, session: SessionDep, tenant_id: IdPath) -> list[KeyPublic]:
+@router.get("/tenants/{tenant_id}/keys", response_model=list[KeyPublic] | Page[KeyPublic])
+def list_keys(*, _admin: AdminDep, session: SessionDep, tenant_id: IdPath,
+              page: PageDep) -> list[KeyPublic] | Page[KeyPublic]:
+    """`q` matches the key's name or its display prefix."""
     tenant = get_tenant(session, tenant_id)
-    keys = session.scalars(select(ApiKey).where(ApiKey.tenant_id == tenant.id).order_by(ApiKey.id))
-    return [key_public(k) for k in keys]
+    stmt = select(ApiKey).where(ApiKey.tenant_id == tenant.id)
+    if page.search:
+        stmt = stmt.where(matching(page.search, ApiKey.name, ApiKey.prefix))
+    return _listed(session, stmt, ApiKey.id, page, key_public)
 
 
 @router.post("/tenants/{tenant_id}/keys", response_model=KeyCreated, status_code=status.HTTP_201_CREATED)
@@ -106,9 +133,14 @@ def revoke_key(*, _admin: AdminDep, session: SessionDep, key_id: IdPath) -> KeyP
     return key_public(revoke_api_key(session, key))
 
 
-@router.get("/admin-keys", response_model=list[AdminKeyPublic])
-def list_admin_keys(*, _admin: AdminDep, session: SessionDep) -> list[AdminKey]:
-    return list(session.scalars(select(AdminKey).order_by(AdminKey.id)))
+@router.get("/admin-keys", response_model=list[AdminKeyPublic] | Page[AdminKeyPublic])
+def list_admin_keys(*, _admin: AdminDep, session: SessionDep,
+                    page: PageDep) -> list[AdminKeyPublic] | Page[AdminKeyPublic]:
+    """`q` matches the key's name or its display prefix."""
+    stmt = select(AdminKey)
+    if page.search:
+        stmt = stmt.where(matching(page.search, AdminKey.name, AdminKey.prefix))
+    return _listed(session, stmt, AdminKey.id, page, lambda k: AdminKeyPublic.model_validate(k, from_attributes=True))
 
 
 @router.delete("/admin-keys/{key_id}", response_model=AdminKeyPublic)

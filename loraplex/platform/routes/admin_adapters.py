@@ -8,12 +8,14 @@ from fastapi import APIRouter, Query, Request, Response
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 from sqlalchemy import select
+from sqlalchemy.orm import selectinload
 
 from loraplex.engine.errors import AdapterLoadError, EngineOverloadedError, InvalidRequestError
 from loraplex.platform.adapter_registry import adapter_public, pin_version
-from loraplex.platform.deps import AdminDep, IdPath, RowId, ServicesDep, SessionDep
+from loraplex.platform.deps import AdminDep, IdPath, PageDep, RowId, ServicesDep, SessionDep
 from loraplex.platform.errors import APIError, bad_request, from_engine_error, not_found
 from loraplex.platform.models import Adapter, AdapterVersion, Tenant, VersionStatus
+from loraplex.platform.paging import Page, fetch_page, make_page, matching
 from loraplex.platform.pin_sync import prefetch_keeping_pin_honest
 from loraplex.platform.routes.adapters import handle_delete, handle_upload, handle_version_delete
 from loraplex.platform.schemas.adapters import (
@@ -31,25 +33,34 @@ router = APIRouter(route_class=StrictJsonRoute, prefix="/admin/api", tags=["admi
 
 
 class TenantAdapter(AdapterPublic):
+    adapter_id: int  # unique across tenants (`id` is the name, unique within its tenant): the paging cursor
     tenant_id: int
     tenant: str
     resident: bool  # in an engine device slot now
 
 
-@router.get("/adapters", response_model=list[TenantAdapter])
-def list_all_adapters(*, _admin: AdminDep, session: SessionDep, services: ServicesDep,
-                      tenant_id: RowId | None = Query(default=None)) -> list[TenantAdapter]:
-    stmt = select(Adapter, Tenant.name).join(Tenant, Tenant.id == Adapter.tenant_id).order_by(Tenant.name, Adapter.name)
+@router.get("/adapters", response_model=list[TenantAdapter] | Page[TenantAdapter])
+def list_all_adapters(*, _admin: AdminDep, session: SessionDep, services: ServicesDep, page: PageDep,
+                      tenant_id: RowId | None = Query(default=None)) -> list[TenantAdapter] | Page[TenantAdapter]:
+    """Every adapter, by tenant name and adapter name; with a paging parameter (`limit`, `after`, `before`, `q`
+    matching the adapter's name), one page ordered by `adapter_id`, the cursor."""
+    stmt = (select(Adapter, Tenant.name).join(Tenant, Tenant.id == Adapter.tenant_id)
+            .options(selectinload(Adapter.versions)))
     if tenant_id is not None:
         stmt = stmt.where(Adapter.tenant_id == tenant_id)
+    if page.search:
+        stmt = stmt.where(matching(page.search, Adapter.name))
     resident = set(services.engine.stats().lora_resident) if services.engine is not None else set()
-    out = []
-    for adapter, tenant_name in session.execute(stmt):
-        public = adapter_public(adapter)
+
+    def public(adapter: Adapter, tenant_name: str) -> TenantAdapter:
         hashes = {v.content_hash for v in adapter.versions if v.content_hash}
-        out.append(TenantAdapter(**public.model_dump(), tenant_id=adapter.tenant_id, tenant=tenant_name,
-                                 resident=bool(hashes & resident)))
-    return out
+        return TenantAdapter(**adapter_public(adapter).model_dump(), adapter_id=adapter.id,
+                             tenant_id=adapter.tenant_id, tenant=tenant_name, resident=bool(hashes & resident))
+
+    if not page.requested:
+        return [public(*row) for row in session.execute(stmt.order_by(Tenant.name, Adapter.name))]
+    rows, has_more = fetch_page(session, stmt, Adapter.id, page, scalars=False)
+    return make_page([public(*row) for row in rows], has_more, lambda item: item.adapter_id)
 
 
 @router.post("/tenants/{tenant_id}/adapters", response_model=None, status_code=201)

@@ -59,6 +59,9 @@ class AdapterPublic(BaseModel):
 class AdapterList(BaseModel):
     object: Literal["list"] = "list"
     data: list[AdapterPublic]
+    first_id: str | None = None  # the first adapter's id (its name) on this page: `before` for the page before
+    last_id: str | None = None  # the last one's: `after` for the next page
+    has_more: bool = False
 
 
 class AdapterDeleted(BaseModel):
