@@ -52,3 +52,14 @@ def test_sampling_flags_out_of_range_name_the_flag(tiny_llama_dir):
         result = CliRunner().invoke(main, ["generate", "--model", str(tiny_llama_dir), flag, value, "hi"])
         assert result.exit_code == 2, (flag, result.output)
         assert f"Invalid value for '{flag}'" in result.output, (flag, result.output)
+
+
+def test_the_default_max_tokens_shrinks_to_what_the_context_leaves(tiny_llama_dir):
+    # only an explicit --max-tokens is refused: the default (128) takes what is left after a long prompt
+    prompt = "hello world " * 70
+    refused = CliRunner().invoke(main, ["generate", "--model", str(tiny_llama_dir), "--max-tokens", "128", prompt])
+    assert refused.exit_code == 2 and "does not fit" in refused.output, refused.output
+    room = int(refused.output.split("at most ")[1].split()[0])
+    assert 0 < room < 128
+    result = CliRunner().invoke(main, ["generate", "--model", str(tiny_llama_dir), prompt])
+    assert result.exit_code == 0, result.output
