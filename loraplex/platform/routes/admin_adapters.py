@@ -15,7 +15,7 @@ from loraplex.platform.deps import AdminDep, IdPath, RowId, ServicesDep, Session
 from loraplex.platform.errors import APIError, bad_request, from_engine_error, not_found
 from loraplex.platform.models import Adapter, AdapterVersion, Tenant, VersionStatus
 from loraplex.platform.pin_sync import prefetch_in_engines
-from loraplex.platform.routes.adapters import handle_delete, handle_upload, handle_version_delete
+from loraplex.platform.routes.adapters import handle_delete, handle_upload, handle_version_delete, version_ref
 from loraplex.platform.schemas.adapters import (
     AdapterDeleted,
     AdapterPublic,
@@ -67,8 +67,8 @@ async def delete_for_tenant(*, _admin: AdminDep, services: ServicesDep, tenant_i
 
 @router.delete("/tenants/{tenant_id}/adapters/{name}/versions/{version_id}", response_model=AdapterVersionDeleted)
 async def delete_version_for_tenant(*, _admin: AdminDep, services: ServicesDep, tenant_id: IdPath, name: str,
-                                    version_id: IdPath) -> AdapterVersionDeleted:
-    return await handle_version_delete(services, tenant_id, name, version_id)
+                                    version_id: str) -> AdapterVersionDeleted:
+    return await handle_version_delete(services, tenant_id, name, version_ref(version_id))
 
 
 class PrefetchResult(BaseModel):

@@ -61,6 +61,11 @@ class AdapterList(BaseModel):
     data: list[AdapterPublic]
 
 
+class AdapterVersionList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[AdapterVersionPublic]
+
+
 class AdapterDeleted(BaseModel):
     id: str
     object: Literal["adapter"] = "adapter"
