@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 from functools import lru_cache
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -26,15 +27,15 @@ class Settings(BaseSettings):
     model: str = "smollm2-135m"
     model_cache: Path | None = None  # converted/downloaded models; default ~/.cache/loraplex/models
     served_model_name: str | None = None
-    dtype: str = "float32"
-    kv_cache_memory: int = 512 * 1024 * 1024
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    max_loras: int = 8
-    max_cpu_loras: int = 64
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "float32"
+    kv_cache_memory: int = Field(default=512 * 1024 * 1024, ge=1)  # bytes
+    max_num_seqs: int = Field(default=64, ge=1)
+    max_num_batched_tokens: int = Field(default=2048, ge=1)
+    max_loras: int = Field(default=8, ge=0)
+    max_cpu_loras: int = Field(default=64, ge=0)
     max_lora_rank: int = Field(default=64, ge=1, le=4096)
-    lora_dtype: str = "auto"  # adapter weights in slots: auto (the model's) | float32 | float16 | bfloat16 (CPU)
-    max_model_len: int | None = None  # default: the model's own context length
+    lora_dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"  # adapter weights in slots: auto (the model's) | float32 | float16 | bfloat16 (CPU)
+    max_model_len: int | None = Field(default=None, ge=1)  # default: the model's own context length
 
     # request bodies other than uploads (JSON): larger ones get 413 before they are read
     max_request_bytes: int = Field(default=16 * 1024 * 1024, ge=1024)
@@ -42,14 +43,15 @@ class Settings(BaseSettings):
     # else 408 and the connection closed (0: no limit)
     request_body_timeout: float = Field(default=60.0, ge=0)
     # uploads
-    max_upload_bytes: int = 512 * 1024 * 1024
-    max_adapter_members: int = 64
+    max_upload_bytes: int = Field(default=512 * 1024 * 1024, ge=1)
+    max_adapter_members: int = Field(default=64, ge=1)
 
     # default quotas for new tenants (per plan overrides live in the database)
-    default_requests_per_minute: int = 600
-    default_tokens_per_minute: int = 200_000
-    default_max_concurrent: int = 32
-    default_monthly_token_budget: int = 100_000_000
+    # (the range a tenant's or plan's own quota takes)
+    default_requests_per_minute: int = Field(default=600, ge=1, le=2**31 - 1)
+    default_tokens_per_minute: int = Field(default=200_000, ge=1, le=2**31 - 1)
+    default_max_concurrent: int = Field(default=32, ge=1, le=2**31 - 1)
+    default_monthly_token_budget: int = Field(default=100_000_000, ge=1, le=2**63 - 1)
 
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=0, le=65535)  # 0: any free port
@@ -74,15 +76,15 @@ class Settings(BaseSettings):
     redis_deadline: float = Field(default=4.0, gt=0)
     auto_migrate: bool = True  # run `alembic upgrade head` when the API starts
     embedded_engine: bool = True  # build the engine inside the API process (AsyncEngine)
-    usage_flush_interval: float = 1.0  # seconds between batched usage inserts
-    usage_batch_size: int = 500
-    upload_wait_seconds: float = 30.0  # upper bound on `wait=true` uploads waiting for validation
+    usage_flush_interval: float = Field(default=1.0, gt=0)  # seconds between batched usage inserts
+    usage_batch_size: int = Field(default=500, ge=1)
+    upload_wait_seconds: float = Field(default=30.0, ge=0)  # upper bound on `wait=true` uploads waiting for validation
     # seconds the store keeps the weights of a deleted adapter version before a sweep removes them (after
     # checking no version refers to them again): requests that resolved to it and still wait in another
     # process's engine queue load them meanwhile. A single process with in-process tasks (the embedded
     # default) knows its own requests and removes them as soon as none uses them.
     adapter_store_grace_seconds: float = Field(default=600.0, ge=0)
-    warm_adapters_interval: float = 300.0  # seconds between "keep the busiest adapters warm" runs
+    warm_adapters_interval: float = Field(default=300.0, ge=0)  # seconds between "keep the busiest adapters warm" runs
     # seconds between the runs, in each process that holds an engine, that make the engine's pins match the
     # database's (the first right at start: an engine that restarts gets its pins back at once)
     pin_sync_interval: float = Field(default=60.0, gt=0)

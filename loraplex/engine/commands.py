@@ -6,6 +6,8 @@ import click
 
 from loraplex.engine.fetch import fetch
 
+DEFAULT_MAX_TOKENS = 128
+
 
 @click.group()
 def model() -> None:
@@ -28,9 +30,11 @@ model.add_command(fetch)
                    "(LORAPLEX_DATA_DIR or LORAPLEX_DATABASE_URL).")
 @click.option("--max-rank", type=click.IntRange(1, 4096), default=None,
               help="Largest adapter rank accepted [default: LORAPLEX_MAX_LORA_RANK, 64].")
-@click.option("--max-tokens", default=128, show_default=True, type=int)
-@click.option("--temperature", default=0.0, show_default=True, type=float)
-@click.option("--top-p", default=1.0, show_default=True, type=float)
+@click.option("--max-tokens", default=None, type=click.IntRange(min=1),
+              help="Most tokens to generate; the prompt and these must fit in the model's context "
+                   f"[default: {DEFAULT_MAX_TOKENS}, or what the context leaves after the prompt].")
+@click.option("--temperature", default=0.0, show_default=True, type=click.FloatRange(min=0.0))
+@click.option("--top-p", default=1.0, show_default=True, type=click.FloatRange(0.0, 1.0))
 @click.option("--seed", default=None, type=int)
 def generate(prompt, model_name, chat, system, adapter, tenant, max_rank, max_tokens, temperature, top_p,
              seed) -> None:
@@ -60,21 +64,41 @@ def generate(prompt, model_name, chat, system, adapter, tenant, max_rank, max_to
         except LookupError as exc:
             raise click.ClickException(str(exc)) from exc
     try:
-        params = SamplingParams(temperature=temperature, top_p=top_p, max_tokens=max_tokens, seed=seed)
         llm = LLM(model_name or settings.model, dtype=settings.dtype, kv_cache_memory=settings.kv_cache_memory,
                   max_lora_rank=max_rank or settings.max_lora_rank)
+        max_model_len = llm.engine.limits.max_model_len
         if chat:
             messages = ([{"role": "system", "content": system}] if system else []) + [
                 {"role": "user", "content": prompt}
             ]
-            out = llm.chat(messages, params, adapter=adapter, use_tqdm=False)[0]
+            prompt_ids = llm.engine.tokenizer.apply_chat_template(messages, max_model_len=max_model_len)
         else:
-            out = llm.generate(prompt, params, adapter=adapter, use_tqdm=False)[0]
+            prompt_ids = llm.engine.encode_prompt(prompt)[1]
+        max_tokens = _check_context(len(prompt_ids), max_tokens, max_model_len)
+        params = SamplingParams(temperature=temperature, top_p=top_p, max_tokens=max_tokens, seed=seed)
+        out = llm.generate({"prompt_token_ids": prompt_ids}, params, adapter=adapter, use_tqdm=False)[0]
     except EngineError as exc:
         raise click.ClickException(str(exc)) from exc
     except ValueError as exc:
         raise click.ClickException(str(exc)) from exc
     click.echo(out.outputs[0].text)
+
+
+def _check_context(prompt_len: int, max_tokens: int | None, max_model_len: int) -> int:
+    """The number of tokens to generate: a --max-tokens that the context cannot hold is refused, as the API
+    does (and vLLM's server), rather than generated for minutes up to the end of the context; without one,
+    the default or what the context leaves after the prompt."""
+    room = max_model_len - prompt_len
+    if room < 1:
+        raise click.UsageError(f"the prompt has {prompt_len} tokens but the model's context is {max_model_len} "
+                               "tokens: shorten the prompt")
+    if max_tokens is None:
+        return min(DEFAULT_MAX_TOKENS, room)
+    if max_tokens > room:
+        raise click.BadParameter(
+            f"{max_tokens} does not fit: the model's context is {max_model_len} tokens and the prompt takes "
+            f"{prompt_len}, which leaves room for at most {room} new tokens", param_hint="'--max-tokens'")
+    return max_tokens
 
 
 @click.command()

@@ -85,6 +85,46 @@ def check_model(model: str) -> tuple[Path, ModelArch]:
         raise ModelLoadError(f"{model_dir}: {exc}") from exc
 
 
+def derive_limits(config: EngineConfig, arch: ModelArch, dtype: torch.dtype, *,
+                  warn: bool = True) -> tuple[int, int]:
+    """The number of KV blocks and the context length `config` gives a model of `arch`, without loading it;
+    InvalidRequestError (a ValueError) naming the setting that cannot serve it (commands call it before they
+    start a server, so that a bad setting is a one-line error rather than a start-up traceback)."""
+    max_len = config.max_model_len or arch.max_position_embeddings
+    if max_len > arch.max_position_embeddings:
+        raise InvalidRequestError(
+            f"max_model_len {max_len} exceeds the model's {arch.max_position_embeddings} positions",
+            param="max_model_len",
+        )
+    short = arch.rope_short_positions
+    if short is not None and max_len > short:
+        # transformers rotates every token of a forward pass whose positions pass LongRoPE's
+        # original_max_position_embeddings with the long factors, so past it a token's rotation depends on
+        # how its sequence was split into passes; below it every token takes the short factors, which is
+        # what the engine computes.
+        if config.max_model_len is not None:
+            raise InvalidRequestError(
+                f"max_model_len {max_len} exceeds the {short} positions this engine serves of a LongRoPE model "
+                f"(its original_max_position_embeddings; past them the model switches to its long factors)",
+                param="max_model_len",
+            )
+        if warn:
+            log.warning("%s uses LongRoPE, whose long factors this engine does not implement: max_model_len is "
+                        "capped at its original_max_position_embeddings, %d", arch.model_type, short)
+        max_len = short
+    if config.num_kv_blocks is not None:
+        num_blocks = config.num_kv_blocks
+    else:
+        num_blocks = config.kv_cache_memory // kv_block_bytes(arch, config.block_size, dtype)
+    if num_blocks < 1:
+        raise InvalidRequestError(
+            f"the KV cache budget of {config.kv_cache_memory} bytes holds no block (a block of this model takes "
+            f"{kv_block_bytes(arch, config.block_size, dtype)} bytes); raise kv_cache_memory or num_kv_blocks",
+            param="kv_cache_memory",
+        )
+    return num_blocks, max_len
+
+
 def load_model(model_dir, arch: ModelArch, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
     with torch.device(device):
         model = LlamaForCausalLM(arch, dtype)
@@ -205,32 +245,7 @@ class LLMEngine:
             yield
 
     def _derive_limits(self) -> EngineLimits:
-        cfg = self.config
-        max_len = cfg.max_model_len or self.arch.max_position_embeddings
-        if max_len > self.arch.max_position_embeddings:
-            raise ValueError(
-                f"max_model_len {max_len} exceeds the model's {self.arch.max_position_embeddings} positions"
-            )
-        short = self.arch.rope_short_positions
-        if short is not None and max_len > short:
-            # transformers rotates every token of a forward pass whose positions pass LongRoPE's
-            # original_max_position_embeddings with the long factors, so past it a token's rotation depends on
-            # how its sequence was split into passes; below it every token takes the short factors, which is
-            # what the engine computes.
-            if cfg.max_model_len is not None:
-                raise ValueError(
-                    f"max_model_len {max_len} exceeds the {short} positions this engine serves of a LongRoPE model "
-                    f"(its original_max_position_embeddings; past them the model switches to its long factors)"
-                )
-            log.warning("%s uses LongRoPE, whose long factors this engine does not implement: max_model_len is "
-                        "capped at its original_max_position_embeddings, %d", self.arch.model_type, short)
-            max_len = short
-        if cfg.num_kv_blocks is not None:
-            num_blocks = cfg.num_kv_blocks
-        else:
-            num_blocks = cfg.kv_cache_memory // kv_block_bytes(self.model, cfg.block_size, self.dtype)
-        if num_blocks < 1:
-            raise ValueError("the KV cache budget holds no block; raise kv_cache_memory or num_kv_blocks")
+        num_blocks, max_len = derive_limits(self.config, self.arch, self.dtype)
         return EngineLimits(num_blocks, max_len, self.tokenizer.eos_token_ids)
 
     @property

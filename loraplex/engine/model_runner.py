@@ -10,6 +10,7 @@ import torch
 
 from loraplex.engine.adapter_slots import AdapterSlots
 from loraplex.engine.forward_context import AttentionMetadata, ForwardContext, PrefillSegment, forward_context
+from loraplex.engine.models.arch import ModelArch
 from loraplex.engine.models.llama import LlamaForCausalLM
 from loraplex.engine.sampler import Sampler, SamplerOutput
 from loraplex.engine.scheduler import ScheduledBatch
@@ -17,8 +18,7 @@ from loraplex.engine.sequence import Sequence
 from loraplex.kernels.attention import decode_mask
 
 
-def kv_block_bytes(model: LlamaForCausalLM, block_size: int, dtype: torch.dtype) -> int:
-    arch = model.arch
+def kv_block_bytes(arch: ModelArch, block_size: int, dtype: torch.dtype) -> int:
     elem = torch.empty((), dtype=dtype).element_size()
     return 2 * arch.num_layers * block_size * arch.num_kv_heads * arch.head_dim * elem
 

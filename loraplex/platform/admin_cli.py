@@ -300,7 +300,11 @@ def _expiry(_ctx, _param, value: str | None) -> datetime | None:
         return None
     found = _DURATION.match(value.strip().lower())
     if found:
-        return datetime.now(UTC) + timedelta(hours=int(found[1]) * _HOURS[found[2]])
+        try:
+            return datetime.now(UTC) + timedelta(hours=int(found[1]) * _HOURS[found[2]])
+        except OverflowError:  # 999999w: past the calendar's year 9999
+            raise click.BadParameter(f"{value!r} from now is past the year 9999: give a shorter time or a date "
+                                     "(2999-01-31)") from None
     try:
         return parse_expiry(value)
     except ValueError:

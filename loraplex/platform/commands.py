@@ -138,7 +138,7 @@ def serve(model, host, port, data_dir, no_engine):
         _refuse_unreachable_redis(settings)
     prepare_database_or_fail(settings)
     if settings.embedded_engine:
-        _refuse_bad_model(settings.model)
+        _refuse_bad_model(settings)
     secret = ensure_admin_key(settings)
     if secret:
         _print_admin_key(secret)
@@ -208,15 +208,24 @@ def _missing_sqlite_file(url: str) -> str | None:
     return None if Path(path).exists() else path
 
 
-def _refuse_bad_model(model: str) -> None:
-    """A model that cannot be served is a one-line error before any server starts (not a start-up traceback)."""
-    from loraplex.engine.errors import ModelLoadError
-    from loraplex.engine.llm_engine import check_model
+def _refuse_bad_model(settings) -> None:
+    """A model that cannot be served, or engine settings it cannot be served with (a context longer than the
+    model's, a KV cache too small for one block), is a one-line error before any server starts (not a start-up
+    traceback)."""
+    from loraplex.engine.errors import InvalidRequestError, ModelLoadError
+    from loraplex.engine.llm_engine import check_model, derive_limits, resolve_device, resolve_dtype
+    from loraplex.platform.engine_factory import engine_config
 
     try:
-        check_model(model)
+        _, arch = check_model(settings.model)
     except ModelLoadError as exc:
         raise click.ClickException(f"cannot serve the model: {exc}") from exc
+    config = engine_config(settings)
+    try:
+        derive_limits(config, arch, resolve_dtype(config.dtype, resolve_device(config.device)), warn=False)
+    except InvalidRequestError as exc:
+        setting = f" (LORAPLEX_{exc.param.upper()})" if exc.param else ""
+        raise click.ClickException(f"cannot serve the model {settings.model}: {exc}{setting}") from exc
 
 
 @click.command()
@@ -275,7 +284,7 @@ def engine(model, host, port, advertise):
     # uvicorn starts the app (the engine, its registration, its task queue) before it binds: an engine on a
     # busy port would register another engine's address and take tasks, then hang in its shutdown
     _refuse_busy_port(host, port)
-    _refuse_bad_model(settings.model)
+    _refuse_bad_model(settings)
     from loraplex.platform.remote.server import EngineStopped
 
     try:

@@ -25,3 +25,41 @@ def test_bench_refuses_what_it_cannot_run_with_a_message(tiny_llama_dir, tmp_pat
         assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
     result = CliRunner().invoke(main, ["bench", "--model", str(tiny_llama_dir), "--num-requests", "2", "--max-tokens", "3"])
     assert result.exit_code == 0 and result.output.startswith("6 tokens in"), result.output
+
+
+def test_max_tokens_beyond_the_context_is_refused_before_generating(tiny_llama_dir):
+    # the tiny model's context is 512 tokens: the command says so instead of generating to its end
+    for extra in ([], ["--chat"]):
+        result = CliRunner().invoke(main, ["generate", "--model", str(tiny_llama_dir), *extra,
+                                           "--max-tokens", "100000", "Hello world"])
+        assert result.exit_code == 2, result.output
+        assert "Invalid value for '--max-tokens': 100000 does not fit" in result.output
+        assert "context is 512 tokens" in result.output, result.output
+
+
+def test_max_tokens_that_fills_the_context_exactly_runs(tiny_llama_dir):
+    result = CliRunner().invoke(main, ["generate", "--model", str(tiny_llama_dir), "--max-tokens", "600", "Hello"])
+    room = int(result.output.split("at most ")[1].split()[0])
+    assert 0 < room < 512
+    for max_tokens, code in [(room, 0), (room + 1, 2)]:
+        result = CliRunner().invoke(main, ["generate", "--model", str(tiny_llama_dir), "--max-tokens",
+                                           str(max_tokens), "Hello"])
+        assert result.exit_code == code, (max_tokens, result.output)
+
+
+def test_sampling_flags_out_of_range_name_the_flag(tiny_llama_dir):
+    for flag, value in [("--max-tokens", "0"), ("--max-tokens", "-3"), ("--temperature", "-1"), ("--top-p", "2")]:
+        result = CliRunner().invoke(main, ["generate", "--model", str(tiny_llama_dir), flag, value, "hi"])
+        assert result.exit_code == 2, (flag, result.output)
+        assert f"Invalid value for '{flag}'" in result.output, (flag, result.output)
+
+
+def test_the_default_max_tokens_shrinks_to_what_the_context_leaves(tiny_llama_dir):
+    # only an explicit --max-tokens is refused: the default (128) takes what is left after a long prompt
+    prompt = "hello world " * 70
+    refused = CliRunner().invoke(main, ["generate", "--model", str(tiny_llama_dir), "--max-tokens", "128", prompt])
+    assert refused.exit_code == 2 and "does not fit" in refused.output, refused.output
+    room = int(refused.output.split("at most ")[1].split()[0])
+    assert 0 < room < 128
+    result = CliRunner().invoke(main, ["generate", "--model", str(tiny_llama_dir), prompt])
+    assert result.exit_code == 0, result.output

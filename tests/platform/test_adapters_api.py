@@ -567,6 +567,37 @@ def test_one_version_can_be_deleted_and_the_last_takes_the_adapter(app, client, 
     assert good["content_hash"] in fake_engine.removed
 
 
+def test_an_adapters_versions_are_read_and_deleted_by_id_or_by_version(app, client, admin_key, make_tenant,
+                                                                        peft_adapter_zip, tiny_llama_dir, tmp_path):
+    """GET /v1/adapters/{name}/versions[/{id}] answered a bare 404 "Not Found", and a version named as its
+    model name shows it (`bot@<version>`) was refused as "not an integer"."""
+    from loraplex.testing import make_peft_adapter
+
+    tenant, other = make_tenant(), make_tenant()
+    first = upload(client, tenant, "bot", [("a.zip", peft_adapter_zip.read_bytes())]).json()
+    second_dir = make_peft_adapter(tiny_llama_dir, tmp_path / "second", r=4, seed=5)
+    files = [(name, (second_dir / name).read_bytes()) for name in ("adapter_config.json", "adapter_model.safetensors")]
+    second = upload(client, tenant, "bot", files).json()
+    assert first["version"] != second["version"]
+    r = client.get("/v1/adapters/bot/versions", headers=tenant.headers)
+    assert r.status_code == 200, r.text
+    assert r.json()["object"] == "list" and [v["id"] for v in r.json()["data"]] == [first["id"], second["id"]]
+    for ref in (first["id"], first["version"]):
+        r = client.get(f"/v1/adapters/bot/versions/{ref}", headers=tenant.headers)
+        assert r.status_code == 200 and r.json() == first, r.text
+    assert client.get("/v1/adapters/bot/versions", headers=other.headers).json()["error"]["code"] == "adapter_not_found"
+    r = client.get("/v1/adapters/bot/versions/abcdefabcdef", headers=tenant.headers)
+    assert r.status_code == 404 and r.json()["error"]["code"] == "version_not_found", r.text
+    for bad in ("x", "0", "99999999999", "bot@" + first["version"]):
+        r = client.get(f"/v1/adapters/bot/versions/{bad}", headers=tenant.headers)
+        assert r.status_code == 400 and "names no version" in r.json()["error"]["message"], (bad, r.text)
+    r = client.delete(f"/v1/adapters/bot/versions/{first['version']}", headers=tenant.headers)
+    assert r.status_code == 200 and r.json()["id"] == first["id"] and not r.json()["adapter_deleted"], r.text
+    r = client.delete(f"/admin/api/tenants/{tenant.tenant_id}/adapters/bot/versions/{second['version']}",
+                      headers={"Authorization": f"Bearer {admin_key}"})
+    assert r.status_code == 200 and r.json()["id"] == second["id"] and r.json()["adapter_deleted"], r.text
+
+
 def test_the_admin_api_deletes_a_tenants_version(app, client, admin_key, make_tenant, peft_adapter_zip):
     tenant = make_tenant()
     good = upload(client, tenant, "bot", [("a.zip", peft_adapter_zip.read_bytes())]).json()

@@ -95,6 +95,10 @@ def test_an_expiry_past_the_calendar_is_an_error_line(env, monkeypatch):
     for when in ("9999-12-31T23:59:59-05:00", "0001-01-01T00:00:00+05:00"):
         result = CliRunner().invoke(main, ["admin", "create-key", "acme", "--expires-in", when])
         _one_error_line(result, "outside the years 1 to 9999 in UTC")
+    # a time from now that far was an OverflowError traceback
+    result = CliRunner().invoke(main, ["admin", "create-key", "acme", "--expires-in", "999999w"])
+    assert result.exit_code == 2 and "'999999w' from now is past the year 9999" in result.output, result.output
+    assert isinstance(result.exception, SystemExit), result.exception
 
 
 def test_generate_for_a_tenant_with_an_unreachable_database_is_one_line(env, monkeypatch):

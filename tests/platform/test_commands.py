@@ -200,6 +200,41 @@ def test_serve_and_engine_name_a_model_they_cannot_serve_in_one_line(cli_env, tm
     assert r.exit_code == 1 and "Error: cannot serve the model" in r.output and "config.json" in r.output, r.output
 
 
+def test_serve_and_engine_name_an_engine_setting_they_cannot_serve_with_in_one_line(cli_env, tiny_llama_dir,
+                                                                                       monkeypatch):
+    """Engine settings out of range, or ones the model cannot be served with, were a start-up traceback from
+    the server's lifespan ("Application startup failed")."""
+    from loraplex.platform.commands import engine, serve
+
+    started = []
+    monkeypatch.setattr("uvicorn.Config", lambda *args, **kwargs: started.append(args))
+    monkeypatch.setattr("loraplex.platform.remote.server.run_engine_server",
+                        lambda settings, **kwargs: started.append(settings))
+    cases = [("MAX_NUM_SEQS", "-1", "max_num_seqs (LORAPLEX_MAX_NUM_SEQS)"),
+             ("MAX_NUM_BATCHED_TOKENS", "0", "max_num_batched_tokens (LORAPLEX_MAX_NUM_BATCHED_TOKENS)"),
+             ("MAX_LORAS", "-1", "max_loras (LORAPLEX_MAX_LORAS)"),
+             ("DTYPE", "fp16", "dtype (LORAPLEX_DTYPE)"),
+             ("LORA_DTYPE", "int8", "lora_dtype (LORAPLEX_LORA_DTYPE)"),
+             ("USAGE_FLUSH_INTERVAL", "0", "usage_flush_interval (LORAPLEX_USAGE_FLUSH_INTERVAL)"),
+             ("DEFAULT_REQUESTS_PER_MINUTE", "0", "default_requests_per_minute"),
+             ("MAX_MODEL_LEN", "100000", "max_model_len 100000 exceeds the model's 512 positions "
+                                         "(LORAPLEX_MAX_MODEL_LEN)"),
+             ("KV_CACHE_MEMORY", "10", "holds no block")]
+    for name, value, words in cases:
+        monkeypatch.setenv(f"LORAPLEX_{name}", value)
+        r = CliRunner().invoke(serve, ["--model", str(tiny_llama_dir), "--port", str(free_port())])
+        assert r.exit_code == 1 and words in r.output, (name, r.output)
+        assert "Traceback" not in r.output, r.output
+        monkeypatch.delenv(f"LORAPLEX_{name}")
+    monkeypatch.setenv("LORAPLEX_REDIS_URL", "redis://127.0.0.1:6379/0")
+    monkeypatch.setattr("loraplex.platform.commands._refuse_unreachable_redis", lambda url: None)
+    monkeypatch.setattr("loraplex.platform.commands._refuse_unreachable_database", lambda settings, **_: None)
+    monkeypatch.setenv("LORAPLEX_MAX_MODEL_LEN", "100000")
+    r = CliRunner().invoke(engine, ["--model", str(tiny_llama_dir), "--port", str(free_port())])
+    assert r.exit_code == 1 and "(LORAPLEX_MAX_MODEL_LEN)" in r.output, r.output
+    assert not started
+
+
 def test_a_worker_that_cannot_reach_its_database_says_so_before_taking_tasks(cli_env, monkeypatch):
     """A worker with a wrong database URL used to start, take validation tasks off the queue and fail them,
     leaving uploads pending."""

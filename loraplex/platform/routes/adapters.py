@@ -1,9 +1,10 @@
-"""/v1/adapters: upload (multipart, streamed under a size limit), list, read, delete."""
+"""/v1/adapters: upload (multipart, streamed under a size limit), list, read, delete; an adapter's versions."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 import uuid
 
@@ -24,8 +25,9 @@ from loraplex.platform.adapter_registry import (
     uploads_root,
 )
 from loraplex.platform.db import session_scope
-from loraplex.platform.deps import AdaptersKeyDep, IdPath, NamePageDep, ServicesDep, TenantScopeDep
-from loraplex.platform.errors import APIError, not_found
+from loraplex.platform.deps import AdaptersKeyDep, NamePageDep, ServicesDep, TenantScopeDep
+from loraplex.platform.errors import APIError, bad_request, not_found, shown
+from loraplex.platform.ids import parse_row_id
 from loraplex.platform.models import Adapter, AdapterVersion, VersionStatus
 from loraplex.platform.paging import fetch_page, matching
 from loraplex.platform.schemas.adapters import (
@@ -33,6 +35,7 @@ from loraplex.platform.schemas.adapters import (
     AdapterList,
     AdapterPublic,
     AdapterVersionDeleted,
+    AdapterVersionList,
     AdapterVersionPublic,
 )
 from loraplex.platform.scoping import TenantScope
@@ -179,27 +182,62 @@ async def remove_adapter(*, tenant: AdaptersKeyDep, services: ServicesDep, name:
     return await handle_delete(services, tenant.tenant_id, name)
 
 
+# a version's `version` (what follows '@' in its model name): 12 hex digits, never read as an id (ids have at
+# most 10 digits)
+_VERSION = re.compile(r"[0-9a-f]{12}")
+
+
+def version_ref(text: str) -> int | str:
+    """A version as a path names it: its `id` or its `version`."""
+    if _VERSION.fullmatch(text):
+        return text
+    row_id = parse_row_id(text)
+    if row_id is None:
+        raise bad_request(f"'{shown(text)}' names no version: give a version's id (a number, as in its 'id') or "
+                          "its version (the 12 hex digits after '@' in its model name)", param="version_id")
+    return row_id
+
+
+def find_version(adapter: Adapter, ref: int | str) -> AdapterVersion:
+    key = "id" if isinstance(ref, int) else "version"
+    version = next((v for v in adapter.versions if getattr(v, key) == ref), None)
+    if version is None:
+        raise not_found(f"Adapter '{adapter.name}' has no version with {key} {ref}.", param="version_id",
+                        code="version_not_found")
+    return version
+
+
+@router.get("/{name}/versions", response_model=AdapterVersionList)
+def list_versions(*, _tenant: AdaptersKeyDep, scope: TenantScopeDep, name: str) -> AdapterVersionList:
+    return AdapterVersionList(data=adapter_public(get_adapter(scope, name)).versions)
+
+
+@router.get("/{name}/versions/{version_id}", response_model=AdapterVersionPublic)
+def read_version(*, _tenant: AdaptersKeyDep, scope: TenantScopeDep, name: str,
+                 version_id: str) -> AdapterVersionPublic:
+    """One version, by its `id` or its `version`."""
+    return AdapterVersionPublic.model_validate(find_version(get_adapter(scope, name), version_ref(version_id)))
+
+
 @router.delete("/{name}/versions/{version_id}", response_model=AdapterVersionDeleted)
 async def remove_adapter_version(*, tenant: AdaptersKeyDep, services: ServicesDep, name: str,
-                                 version_id: IdPath) -> AdapterVersionDeleted:
-    """One version (by its `id`, as listed under the adapter's `versions`): a failed upload, or a version no
-    longer wanted. The last version takes the adapter with it."""
-    return await handle_version_delete(services, tenant.tenant_id, name, version_id)
+                                 version_id: str) -> AdapterVersionDeleted:
+    """One version (by its `id`, as listed under the adapter's `versions`, or its `version`): a failed upload,
+    or a version no longer wanted. The last version takes the adapter with it."""
+    return await handle_version_delete(services, tenant.tenant_id, name, version_ref(version_id))
 
 
 async def handle_version_delete(services: Services, tenant_id: int, name: str,
-                                version_id: int) -> AdapterVersionDeleted:
-    def delete() -> tuple[list[str], bool, str]:
+                                ref: int | str) -> AdapterVersionDeleted:
+    def delete() -> tuple[list[str], bool, str, int]:
         with session_scope(services.sessions) as session:
             adapter = get_adapter(TenantScope(session, tenant_id), name)
-            version = next((v for v in adapter.versions if v.id == version_id), None)
-            if version is None:
-                raise not_found(f"Adapter '{adapter.name}' has no version with id {version_id}.",
-                                param="version_id", code="version_not_found")
+            version = find_version(adapter, ref)
+            version_id = version.id
             orphaned, adapter_gone = delete_version(session, services.settings, version)
-            return orphaned, adapter_gone, adapter.name
+            return orphaned, adapter_gone, adapter.name, version_id
 
-    orphaned, adapter_gone, adapter_name = await asyncio.to_thread(delete)
+    orphaned, adapter_gone, adapter_name, version_id = await asyncio.to_thread(delete)
     await drop_versions(services, orphaned)
     return AdapterVersionDeleted(id=version_id, adapter=adapter_name, adapter_deleted=adapter_gone)
 

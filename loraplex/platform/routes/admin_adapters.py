@@ -17,7 +17,7 @@ from loraplex.platform.errors import APIError, bad_request, from_engine_error, n
 from loraplex.platform.models import Adapter, AdapterVersion, Tenant, VersionStatus
 from loraplex.platform.paging import Page, fetch_page, make_page, matching
 from loraplex.platform.pin_sync import prefetch_keeping_pin_honest
-from loraplex.platform.routes.adapters import handle_delete, handle_upload, handle_version_delete
+from loraplex.platform.routes.adapters import handle_delete, handle_upload, handle_version_delete, version_ref
 from loraplex.platform.schemas.adapters import (
     AdapterDeleted,
     AdapterPublic,
@@ -78,8 +78,8 @@ async def delete_for_tenant(*, _admin: AdminDep, services: ServicesDep, tenant_i
 
 @router.delete("/tenants/{tenant_id}/adapters/{name}/versions/{version_id}", response_model=AdapterVersionDeleted)
 async def delete_version_for_tenant(*, _admin: AdminDep, services: ServicesDep, tenant_id: IdPath, name: str,
-                                    version_id: IdPath) -> AdapterVersionDeleted:
-    return await handle_version_delete(services, tenant_id, name, version_id)
+                                    version_id: str) -> AdapterVersionDeleted:
+    return await handle_version_delete(services, tenant_id, name, version_ref(version_id))
 
 
 class PrefetchResult(BaseModel):

@@ -64,6 +64,11 @@ class AdapterList(BaseModel):
     has_more: bool = False
 
 
+class AdapterVersionList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[AdapterVersionPublic]
+
+
 class AdapterDeleted(BaseModel):
     id: str
     object: Literal["adapter"] = "adapter"
