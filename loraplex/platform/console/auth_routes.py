@@ -26,7 +26,7 @@ from loraplex.platform.console.session import (
     start_session,
     verify_admin_credential,
 )
-from loraplex.platform.console.templating import SECURITY_HEADERS, environment, redirect
+from loraplex.platform.console.templating import FLASH_COOKIE, SECURITY_HEADERS, environment, redirect
 from loraplex.platform.deps import ServicesDep
 from loraplex.platform.strict_json import StrictJsonRoute
 
@@ -103,4 +103,5 @@ def logout(context: ConsolePostDep, services: ServicesDep) -> RedirectResponse:
         session.commit()
     response = RedirectResponse("/console/login", status_code=303)
     response.delete_cookie(SESSION_COOKIE, path="/console")
+    response.delete_cookie(FLASH_COOKIE, path="/console")
     return response

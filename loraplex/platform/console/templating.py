@@ -12,7 +12,7 @@ from itsdangerous import BadSignature, URLSafeTimedSerializer
 from jinja2 import Environment, FileSystemLoader, select_autoescape
 
 from loraplex.platform.billing.money import format_micros
-from loraplex.platform.console.session import ConsoleContext
+from loraplex.platform.console.session import ConsoleContext, cookie_secure
 from loraplex.resources import resource_dir
 
 WEB_DIR = resource_dir("web")
@@ -53,23 +53,34 @@ def environment() -> Environment:
     return env
 
 
+FLASH_COOKIE = "lpx_console_flash"
+FLASH_TTL_SECONDS = 120
+# Browsers keep cookies of up to 4096 bytes (name and attributes included): a message whose refused form would
+# not fit goes without the form's values
+FLASH_COOKIE_CHARS = 3500
+
+
 def _flash_signer(request: Request) -> URLSafeTimedSerializer:
     return URLSafeTimedSerializer(request.app.state.settings.secret_key, salt="loraplex.console.flash")
 
 
-# The longest value a refused form brings back of each of its fields (they ride in the redirect's URL): more than
-# any valid value holds, little enough that the URL stays far under what browsers and servers take.
+# The longest value a refused form brings back of each of its fields: more than any valid value holds, little
+# enough that the message stays within what a cookie holds.
 KEPT_VALUE_CHARS = 200
 
 
 def redirect(request: Request, url: str, *, flash: str | None = None, error: str | None = None,
              kept: tuple[str, Any] | None = None) -> RedirectResponse:
-    """Post/redirect/get; the message rides along signed, so nobody can put words in the console's mouth.
+    """Post/redirect/get; the message rides along in a signed, short-lived cookie that the next page shown
+    consumes: a reload or a copied link does not show it again, and nobody can put words in the console's mouth.
 
     `kept` is a refused form's id (its `id` in the page) and the form data it sent: the page shown after the
     refusal fills that form in again with what the user typed, not with the stored values."""
+    response = RedirectResponse(url, status_code=303)
     if flash or error:
         message: dict[str, Any] = {"ok": flash, "error": error}
+        signer = _flash_signer(request)
+        signed = signer.dumps(message)
         if error and kept is not None:
             form_id, form = kept
             values: dict[str, list[str]] = {}
@@ -79,10 +90,12 @@ def redirect(request: Request, url: str, *, flash: str | None = None, error: str
                 # never typed): its field shows what it would show anyway
                 if name != "csrf_token" and all(len(v) <= KEPT_VALUE_CHARS for v in typed):
                     values[name] = typed
-            message["form"] = {"id": form_id, "values": values}
-        signed = _flash_signer(request).dumps(message)
-        url += ("&" if "?" in url else "?") + "msg=" + signed
-    return RedirectResponse(url, status_code=303)
+            with_form = signer.dumps({**message, "form": {"id": form_id, "values": values}})
+            if len(with_form) <= FLASH_COOKIE_CHARS:
+                signed = with_form
+        response.set_cookie(FLASH_COOKIE, signed, max_age=FLASH_TTL_SECONDS, httponly=True, samesite="strict",
+                            secure=cookie_secure(request.app.state.settings), path="/console")
+    return response
 
 
 class KeptForm:
@@ -105,13 +118,14 @@ class KeptForm:
 
 
 def _flash(request: Request) -> dict:
-    raw = request.query_params.get("msg")
+    raw = request.cookies.get(FLASH_COOKIE)
     if not raw:
         return {}
     try:
-        return _flash_signer(request).loads(raw, max_age=120)
+        message = _flash_signer(request).loads(raw, max_age=FLASH_TTL_SECONDS)
     except BadSignature:
         return {}
+    return message if isinstance(message, dict) else {}
 
 
 def render(
@@ -122,4 +136,8 @@ def render(
         request=request, csrf_token=context.csrf_token if context else "", path=request.url.path,
         flash=flash, typed=KeptForm(flash), **values,
     )
-    return HTMLResponse(page, status_code=status_code, headers=SECURITY_HEADERS)
+    response = HTMLResponse(page, status_code=status_code, headers=SECURITY_HEADERS)
+    if FLASH_COOKIE in request.cookies:  # shown once: consumed by the page that showed it (or dropped, if stale)
+        response.delete_cookie(FLASH_COOKIE, path="/console", httponly=True, samesite="strict",
+                               secure=cookie_secure(request.app.state.settings))
+    return response
