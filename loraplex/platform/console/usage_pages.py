@@ -10,7 +10,14 @@ from fastapi import APIRouter, Request
 from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse, Response
 from sqlalchemy import select
 
+from loraplex.platform.billing.adapter_filter import (
+    AdapterFilter,
+    UnknownAdapter,
+    check_known,
+    parse_adapter_filter,
+)
 from loraplex.platform.billing.export import statement_dict, statements_summary_csv
+from loraplex.platform.billing.models import BASE_ADAPTER
 from loraplex.platform.billing.periods import (
     days_in,
     parse_day,
@@ -38,7 +45,7 @@ from loraplex.platform.console.deps import ConsoleDep, ConsolePostDep
 from loraplex.platform.console.templating import redirect, render
 from loraplex.platform.deps import IdPath, ServicesDep
 from loraplex.platform.ids import parse_row_id
-from loraplex.platform.models import Tenant
+from loraplex.platform.models import ApiKey, Tenant
 from loraplex.platform.strict_json import StrictJsonRoute
 from loraplex.platform.tenants import TenantError, get_tenant
 
@@ -87,9 +94,72 @@ def _export_format(request: Request) -> Format:
     return fmt
 
 
+# What the page's adapter field takes for the base model alone (the API's empty `adapter`): no adapter name
+# has a space, so it names no adapter
+BASE_MODEL_LABEL = "base model"
+DEFAULT_EXPORT_GROUPS = ("day", "tenant", "adapter")
+
+
+def _adapter_text(request: Request) -> str | None:
+    text = (request.query_params.get("adapter") or "").strip()
+    if not text:
+        return None
+    return BASE_ADAPTER if text.lower() == BASE_MODEL_LABEL else text
+
+
+def _adapter_filter(session, text: str | None, tenant_ids: list[int] | None) -> AdapterFilter | None:
+    """The adapter filter, or ValueError in words (malformed, or naming no adapter of the tenants shown)."""
+    if text is None:
+        return None
+    try:
+        wanted = parse_adapter_filter(text)
+        check_known(session, wanted, tenant_ids)
+    except UnknownAdapter as exc:
+        raise ValueError(str(exc).rstrip(".")) from None
+    except ValueError as exc:
+        raise ValueError(f"adapter {exc}") from None
+    return wanted
+
+
+def _key_filter(request: Request) -> int | None:
+    text = request.query_params.get("api_key_id")
+    key_id = parse_row_id(text)
+    if text and key_id is None:
+        shown = text if len(text) <= 40 else text[:40] + "..."
+        raise ValueError(f"api_key_id must be an API key's numeric id, got {shown!r}")
+    return key_id
+
+
+def _key_of(session, key_id: int | None, tenant_id: int | None) -> ApiKey | None:
+    """The key a filter names, or ValueError when there is none, or it is another tenant's than the one shown."""
+    if key_id is None:
+        return None
+    key = session.get(ApiKey, key_id)
+    if key is None:
+        raise ValueError(f"There is no API key {key_id}")
+    if tenant_id is not None and key.tenant_id != tenant_id:
+        raise ValueError(f"API key {key_id} ({key.prefix}…) is not one of the tenant's keys")
+    return key
+
+
+def _export_groups(request: Request) -> tuple[str, ...]:
+    """The export's group_by: a comma list, or one value per ticked box on the page; the default when none."""
+    text = ",".join(request.query_params.getlist("group_by"))
+    if not text.strip(", "):
+        return DEFAULT_EXPORT_GROUPS
+    try:
+        dims = parse_group_by(text)
+    except ValueError:
+        dims = ()
+    if not dims:
+        shown = text if len(text) <= 40 else text[:40] + "..."
+        raise ValueError(f"group_by takes some of {', '.join(DIMENSIONS)}, got {shown!r}")
+    return dims
+
+
 @router.get("/usage", response_class=HTMLResponse)
 def usage_page(request: Request, context: ConsoleDep, services: ServicesDep) -> HTMLResponse:
-    # a filter that cannot be read is said so and falls back to its default; the other one is kept (a typo in
+    # a filter that cannot be read is said so and falls back to its default; the others are kept (a typo in
     # a date does not widen a tenant's page to every tenant's usage)
     errors = []
     try:
@@ -102,18 +172,43 @@ def usage_page(request: Request, context: ConsoleDep, services: ServicesDep) -> 
     except ValueError as exc:
         tenant_id = None
         errors.append(f"{exc}; showing all tenants.")
-    error = " ".join(errors) or None
-    tenant_ids = [tenant_id] if tenant_id else None
+    try:
+        key_id = _key_filter(request)
+    except ValueError as exc:
+        key_id = None
+        errors.append(f"{exc}; showing every key's usage.")
+    try:
+        groups = _export_groups(request)
+    except ValueError as exc:
+        groups = DEFAULT_EXPORT_GROUPS
+        errors.append(f"{exc}; the export groups by {', '.join(groups)}.")
+    adapter_text = _adapter_text(request)
     with services.sessions() as session:
         tenants = list(session.scalars(select(Tenant).order_by(Tenant.name)))
         if tenant_id and all(t.id != tenant_id for t in tenants):
             # all zeros under a select that reads "All tenants" would say the wrong thing
-            missing = f"There is no tenant {tenant_id}; showing all tenants."
-            error, tenant_id, tenant_ids = " ".join(filter(None, [error, missing])), None, None
-        by_day = usage_report(session, start, end, group_by=("day",), tenant_ids=tenant_ids)
-        by_adapter = usage_report(session, start, end, group_by=("adapter",), tenant_ids=tenant_ids)
-        by_tenant = usage_report(session, start, end, group_by=("tenant", "adapter"), tenant_ids=tenant_ids)
-        by_key = usage_report(session, start, end, group_by=("key",), tenant_ids=tenant_ids) if tenant_id else []
+            errors.append(f"There is no tenant {tenant_id}; showing all tenants.")
+            tenant_id = None
+        try:
+            key = _key_of(session, key_id, tenant_id)
+        except ValueError as exc:
+            key, key_id = None, None
+            errors.append(f"{exc}; showing every key's usage.")
+        if key is not None and tenant_id is None:
+            tenant_id = key.tenant_id  # a key is one tenant's: its usage is that tenant's
+        tenant_ids = [tenant_id] if tenant_id else None
+        try:
+            adapter = _adapter_filter(session, adapter_text, tenant_ids)
+        except ValueError as exc:
+            adapter, adapter_text = None, None
+            errors.append(f"{exc}; showing every adapter's usage.")
+        filters = {"tenant_ids": tenant_ids, "adapter": adapter, "api_key_id": key_id}
+        by_day = usage_report(session, start, end, group_by=("day",), **filters)
+        by_adapter = usage_report(session, start, end, group_by=("adapter",), **filters)
+        by_tenant = usage_report(session, start, end, group_by=("tenant", "adapter"), **filters)
+        by_key = usage_report(session, start, end, group_by=("key",), **filters) if tenant_id else []
+        keys = list(session.scalars(select(ApiKey).where(ApiKey.tenant_id == tenant_id).order_by(ApiKey.id))) \
+            if tenant_id else []
     per_day = {r.day: r for r in by_day}
     chart_data = {
         # every day of the range, zeros included, so the time axis has no gaps
@@ -123,10 +218,12 @@ def usage_page(request: Request, context: ConsoleDep, services: ServicesDep) -> 
         "by_adapter": [{"adapter": r.adapter, "prompt_tokens": r.prompt_tokens, "completion_tokens": r.completion_tokens}
                        for r in by_adapter],
     }
-    query = f"start={start}&end={end}" + (f"&tenant_id={tenant_id}" if tenant_id else "")
+    shown_adapter = "" if adapter is None else BASE_MODEL_LABEL if adapter.name == BASE_ADAPTER else adapter.label
     return render(
         request, "usage.html", context, tenants=tenants, start=start, end=end, tenant_id=tenant_id,
-        by_day=by_day, by_adapter=by_adapter, by_tenant=by_tenant, by_key=by_key, query=query, error=error,
+        keys=keys, api_key_id=key_id, adapter=shown_adapter, groups=groups, dimensions=DIMENSIONS,
+        adapter_names=sorted({r.adapter for r in by_adapter if r.adapter}), base_model_label=BASE_MODEL_LABEL,
+        by_day=by_day, by_adapter=by_adapter, by_tenant=by_tenant, by_key=by_key, error=" ".join(errors) or None,
         # </script> cannot appear: json.dumps escapes "/" only if asked, so escape "<" instead
         chart_json=json.dumps(chart_data).replace("<", "\\u003c"),
         totals={
@@ -138,22 +235,24 @@ def usage_page(request: Request, context: ConsoleDep, services: ServicesDep) -> 
 
 @router.get("/usage/export")
 def usage_export(request: Request, _context: ConsoleDep, services: ServicesDep) -> Response:
-    q = request.query_params
     try:
         start, end, tenant_id = _filters(request)
         fmt = _export_format(request)
-        group_by = q.get("group_by") or "day,tenant,adapter"
-        try:
-            dims = parse_group_by(group_by)
-        except ValueError:
-            dims = ()
-        if not dims:
-            shown = group_by if len(group_by) <= 40 else group_by[:40] + "..."
-            raise ValueError(f"group_by takes some of {', '.join(DIMENSIONS)}, got {shown!r}")
+        dims = _export_groups(request)
+        key_id = _key_filter(request)
     except ValueError as exc:
         return Response(f"{exc}\n", status_code=400, media_type="text/plain; charset=utf-8")
     with services.sessions() as session:
-        rows = usage_report(session, start, end, group_by=dims, tenant_ids=[tenant_id] if tenant_id else None)
+        try:
+            if tenant_id is not None:
+                get_tenant(session, tenant_id)
+            _key_of(session, key_id, tenant_id)
+            tenant_ids = [tenant_id] if tenant_id else None
+            adapter = _adapter_filter(session, _adapter_text(request), tenant_ids)
+        except (TenantError, ValueError) as exc:
+            return Response(f"{str(exc).rstrip('.')}.\n", status_code=400, media_type="text/plain; charset=utf-8")
+        rows = usage_report(session, start, end, group_by=dims, tenant_ids=tenant_ids, adapter=adapter,
+                            api_key_id=key_id)
     return _private(report_response(rows, dims, start, end, fmt, "usage", download=True))
 
 
