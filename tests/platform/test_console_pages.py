@@ -380,8 +380,8 @@ def test_the_dashboard_lists_every_tenant_whose_adapter_a_cached_copy_serves(con
                                  content_hash=content))
         s.commit()
     names = _adapter_names(console.app.state.services, {shared, other})
-    assert sorted(names[shared]) == [("bot", "acme"), ("helper", "beta")]
-    assert names[other] == [("solo", "acme")]
+    assert sorted((e["name"], e["tenant"]) for e in names[shared]) == [("bot", "acme"), ("helper", "beta")]
+    assert [(e["name"], e["tenant"]) for e in names[other]] == [("solo", "acme")]
 
 
 def test_a_pin_shows_on_the_version_pinned_only(console, make_tenant, peft_adapter_zip, fake_engine):

@@ -144,7 +144,8 @@ async def delete_version(request: Request, _context: ConsolePostDep, services: S
 async def prefetch(request: Request, _context: ConsolePostDep, services: ServicesDep, tenant_id: IdPath,
                    version_id: IdPath) -> RedirectResponse:
     form = await request.form()
-    back = f"/console/adapters?tenant_id={tenant_id}"
+    # the dashboard's Unpin comes back to the dashboard; nothing else the form names is a place to go
+    back = "/console/dashboard" if form.get("back") == "dashboard" else f"/console/adapters?tenant_id={tenant_id}"
     raw_pin = form.get("pin")
     try:  # no pin field (the Prefetch button) leaves the pin as it is; a value it cannot read is refused
         pin = parse_pin(raw_pin if raw_pin != "" else None)

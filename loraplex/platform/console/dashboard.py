@@ -22,39 +22,52 @@ def dashboard_page(request: Request, context: ConsoleDep) -> HTMLResponse:
     return render(request, "dashboard.html", context)
 
 
-def _adapter_names(services, hashes: set[str]) -> dict[str, list[tuple[str, str]]]:
+def _adapter_names(services, hashes: set[str]) -> dict[str, list[dict]]:
     """content hash -> every (adapter, tenant) whose ready version it is: tenants who uploaded the same
-    weights share one cached copy, and each of them is listed."""
+    weights share one cached copy, and each of them is listed, with whether an operator pinned that version
+    (a pin is each tenant's own: the copy stays pinned while any of them holds one)."""
     if not hashes:
         return {}
     with services.sessions() as session:
         rows = session.execute(
-            select(AdapterVersion.content_hash, Adapter.name, Tenant.name)
+            select(AdapterVersion.content_hash, Adapter.name, Tenant.name, Tenant.id, AdapterVersion.id,
+                   AdapterVersion.pinned)
             .join(Adapter, Adapter.id == AdapterVersion.adapter_id)
             .join(Tenant, Tenant.id == AdapterVersion.tenant_id)
             .where(AdapterVersion.content_hash.in_(sorted(hashes)),
                    AdapterVersion.status == VersionStatus.ready.value)
+            .order_by(AdapterVersion.id)
         ).all()
-    out: dict[str, list[tuple[str, str]]] = {}
-    for h, name, tenant in rows:
-        if (name, tenant) not in out.setdefault(h, []):
-            out[h].append((name, tenant))
+    out: dict[str, list[dict]] = {}
+    for h, name, tenant, tenant_id, version_id, pinned in rows:
+        listed = out.setdefault(h, [])
+        same = next((e for e in listed if (e["name"], e["tenant"]) == (name, tenant)), None)
+        if same is None:
+            listed.append({"name": name, "tenant": tenant, "tenant_id": tenant_id, "version_id": version_id,
+                           "pinned": bool(pinned)})
+        elif pinned and not same["pinned"]:  # the version to unpin is the one pinned
+            same.update(version_id=version_id, pinned=True)
     return out
 
 
 @router.get("/api/dashboard")
 def dashboard_data(request: Request, _context: ConsoleDep, services: ServicesDep) -> JSONResponse:
     metrics = get_metrics(request.app)
-    engine = engine_summary(metrics.engine_stats())
+    stats = metrics.engine_stats()
+    engine = engine_summary(stats)
     adapters = []
     if engine["available"]:
+        engine_pinned = set(stats.extra.get("lora_pinned", ()))
         where = {h: "device" for h in engine["lora_resident"]}
         for h in engine["lora_host_cached"]:
             where.setdefault(h, "host")
         names = _adapter_names(services, set(where))
+        unknown = {"name": None, "tenant": None, "tenant_id": None, "version_id": None, "pinned": False}
         for content_hash, level in where.items():
-            for name, tenant in names.get(content_hash) or [(None, None)]:
-                adapters.append({"content_hash": content_hash, "where": level, "name": name, "tenant": tenant})
+            for entry in names.get(content_hash) or [unknown]:
+                adapters.append({"content_hash": content_hash, "where": level, **entry,
+                                 # the engine holds the copy pinned (for this version's pin or another's)
+                                 "engine_pinned": content_hash in engine_pinned})
         adapters.sort(key=lambda a: (a["where"] != "device", a["tenant"] or "", a["name"] or ""))
     return JSONResponse(
         {"window": metrics.recent.summary(), "engine": engine, "adapters": adapters},

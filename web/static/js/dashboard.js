@@ -8,19 +8,39 @@
   const set = (id, text) => { const n = document.getElementById(id); if (n) n.textContent = text; };
   const meter = (id, ratio) => { const n = document.getElementById(id); if (n) n.style.width = `${Math.min(100, (ratio || 0) * 100)}%`; };
 
+  // Unpin posts the adapters page's own form (CSRF token included) and comes back to the dashboard.
+  function unpinForm(a) {
+    const label = `Unpin ${a.name} of ${a.tenant}`;
+    return Console.el("form", { method: "post", action: `/console/tenants/${a.tenant_id}/versions/${a.version_id}/prefetch`, class: "inline" },
+      Console.el("input", { type: "hidden", name: "csrf_token", value: Console.csrf() }),
+      Console.el("input", { type: "hidden", name: "pin", value: "0" }),
+      Console.el("input", { type: "hidden", name: "back", value: "dashboard" }),
+      Console.el("button", { type: "submit", class: "secondary small", "aria-label": label, text: "Unpin" }));
+  }
+
+  let shownAdapters = null;
   function renderAdapters(rows) {
     const body = document.getElementById("resident-body");
+    const key = JSON.stringify(rows);
+    if (key === shownAdapters) return;  // rebuilt only when it changed: a button is not swapped under the pointer
+    shownAdapters = key;
     body.innerHTML = "";
     if (!rows.length) {
-      body.append(Console.el("tr", {}, Console.el("td", { colspan: 4, class: "empty", text: "No adapter is cached." })));
+      body.append(Console.el("tr", {}, Console.el("td", { colspan: 5, class: "empty", text: "No adapter is cached." })));
       return;
     }
     for (const a of rows) {
+      const pin = a.pinned
+        ? [Console.el("span", { class: "badge pinned", text: "pinned" }), " ", unpinForm(a)]
+        : a.engine_pinned
+          ? [Console.el("span", { class: "badge pinned", title: "the engine holds these weights pinned for another version's pin", text: "pinned (shared)" })]
+          : [Console.el("span", { class: "muted", text: "–" })];
       body.append(Console.el("tr", {},
         Console.el("td", { text: a.name || "(unknown)" }),
         Console.el("td", { text: a.tenant || "–" }),
         Console.el("td", {}, Console.el("span", { class: `badge ${a.where === "device" ? "ready" : ""}`, text: a.where })),
-        Console.el("td", { class: "mono", text: a.content_hash.slice(0, 12) })));
+        Console.el("td", { class: "mono", text: a.content_hash.slice(0, 12) }),
+        Console.el("td", { class: "nowrap" }, ...pin)));
     }
   }
 
