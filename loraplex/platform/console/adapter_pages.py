@@ -19,8 +19,10 @@ from loraplex.platform.adapter_registry import (
 from loraplex.platform.console.deps import ConsoleDep, ConsolePostDep
 from loraplex.platform.console.paging import page_of
 from loraplex.platform.console.templating import redirect, render
+from loraplex.platform.console.tenant_search import TENANT_MATCHES, choose_tenant, tenant_matches
 from loraplex.platform.deps import IdPath, ServicesDep
 from loraplex.platform.errors import APIError
+from loraplex.platform.ids import parse_row_id
 from loraplex.platform.metrics import get_metrics
 from loraplex.platform.models import Adapter, AdapterVersion, Tenant, VersionStatus
 from loraplex.platform.paging import parse_name_cursor
@@ -48,14 +50,24 @@ def _residency(request: Request) -> tuple[set[str], set[str], set[str]]:
 
 @router.get("/adapters", response_class=HTMLResponse)
 def adapters_page(request: Request, context: ConsoleDep, services: ServicesDep) -> HTMLResponse:
+    """The tenant is named by `tenant_id` (links) or by `tenant`, a name typed in the page's tenant field."""
+    status_code, error, matches = 200, None, ()
     with services.sessions() as session:
-        tenants = list(session.scalars(select(Tenant).order_by(Tenant.name)))
         raw = request.query_params.get("tenant_id")
-        tenant = next((t for t in tenants if raw and str(t.id) == raw), None)
-        if raw and tenant is None:
-            shown = raw if len(raw) <= 40 else raw[:40] + "..."
-            raise HTTPException(404, f"No tenant {shown!r}.")
-        tenant = tenant or (tenants[0] if tenants else None)
+        typed = request.query_params.get("tenant")
+        if raw:
+            tenant_id = parse_row_id(raw)
+            tenant = session.get(Tenant, tenant_id) if tenant_id is not None else None
+            if tenant is None:
+                shown = raw if len(raw) <= 40 else raw[:40] + "..."
+                raise HTTPException(404, f"No tenant {shown!r}.")
+        elif typed is not None and typed.strip():
+            choice = choose_tenant(session, typed)
+            tenant, error, matches = choice.tenant, choice.error, choice.matches
+            if tenant is None:
+                status_code = 404
+        else:
+            tenant = session.scalar(select(Tenant).order_by(Tenant.name).limit(1))
         adapters = []
         pager = None
         pinned: set[int] = set()  # the versions an operator pinned (each tenant's own, whatever the content)
@@ -67,10 +79,16 @@ def adapters_page(request: Request, context: ConsoleDep, services: ServicesDep) 
             adapters = [adapter_public(a) for a in rows]
             pinned = set(session.scalars(select(AdapterVersion.id).where(
                 AdapterVersion.tenant_id == tenant.id, AdapterVersion.pinned.is_(True))))
+        # the datalist starts with the first few names; the script refills it as the operator types
+        suggestions = tenant_matches(session, None)
+        any_tenant = bool(suggestions)
     device, host, _ = _residency(request)
-    return render(request, "adapters.html", context, tenants=tenants, tenant=tenant, adapters=adapters, pager=pager,
-                  device=device, host=host, pinned=pinned, engine_ready=services.engine is not None,
-                  max_upload_mb=services.settings.max_upload_bytes // (1024 * 1024))
+    return render(request, "adapters.html", context, status_code=status_code, tenant=tenant, adapters=adapters,
+                  pager=pager, device=device, host=host, pinned=pinned, engine_ready=services.engine is not None,
+                  max_upload_mb=services.settings.max_upload_bytes // (1024 * 1024), tenant_error=error,
+                  tenant_typed=typed.strip() if tenant is None and typed else (tenant.name if tenant else ""),
+                  tenant_choices=matches, suggestions=suggestions, any_tenant=any_tenant,
+                  tenant_matches_limit=TENANT_MATCHES)
 
 
 @router.post("/api/tenants/{tenant_id}/adapters")

@@ -14,6 +14,7 @@ from loraplex.platform.console import (
     dashboard,
     playground,
     tenant_pages,
+    tenant_search,
     usage_pages,
 )
 from loraplex.platform.console.session import SESSION_COOKIE, ConsoleContext, load_session
@@ -67,6 +68,7 @@ def _error_page(request: Request, status: int, message: str) -> HTMLResponse:
 # JSON helpers under /console/api answer in JSON, like the API.
 answer_errors_in_html("/console", _error_page, json_under=("/console/api/",))
 
-PAGE_MODULES = (auth_routes, dashboard, tenant_pages, adapter_pages, usage_pages, playground, admin_keys)
+PAGE_MODULES = (auth_routes, dashboard, tenant_pages, tenant_search, adapter_pages, usage_pages, playground,
+                admin_keys)
 for module in PAGE_MODULES:
     router.include_router(module.router)

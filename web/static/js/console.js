@@ -59,5 +59,32 @@ const Console = (() => {
     if (ev.target.matches("select[data-autosubmit]")) ev.target.form.submit();
   });
 
+  // A tenant field (input[data-tenant-search]) offers the names that match what is typed so far, a few at a
+  // time from the console's paged tenant search, instead of a list of every tenant; picking one shows it.
+  const tenantSearch = { timer: null, seq: 0 };
+  document.addEventListener("input", (ev) => {
+    const field = ev.target;
+    if (!field.matches("input[data-tenant-search]")) return;
+    const list = document.getElementById(field.getAttribute("list"));
+    const picked = !ev.inputType || ev.inputType === "insertReplacementText";
+    if (picked && [...list.options].some((o) => o.value === field.value)) {
+      field.form.requestSubmit();  // a name picked from the list (no keystroke): show that tenant
+      return;
+    }
+    clearTimeout(tenantSearch.timer);
+    tenantSearch.timer = setTimeout(async () => {
+      const seq = ++tenantSearch.seq;
+      const params = new URLSearchParams({ q: field.value.trim(), limit: field.dataset.limit || "20" });
+      let page;
+      try {
+        page = await api("GET", `${field.dataset.tenantSearch}?${params}`);
+      } catch (e) {
+        return;  // the field still takes a typed name
+      }
+      if (seq !== tenantSearch.seq) return;  // an answer to an older prefix
+      list.replaceChildren(...page.data.map((t) => el("option", { value: t.name })));
+    }, 150);
+  });
+
   return { api, flash, el, fmt, csrf };
 })();
