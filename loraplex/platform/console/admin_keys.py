@@ -6,9 +6,10 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request
 from fastapi.responses import HTMLResponse, RedirectResponse
-from sqlalchemy import select
+from sqlalchemy import func, select
 
 from loraplex.platform.console.deps import ConsoleDep, ConsolePostDep
+from loraplex.platform.console.paging import back_to, page_of
 from loraplex.platform.console.templating import redirect, render
 from loraplex.platform.deps import IdPath, ServicesDep
 from loraplex.platform.models import AdminKey
@@ -21,16 +22,19 @@ router = APIRouter(route_class=StrictJsonRoute)
 @router.get("/admin-keys", response_class=HTMLResponse)
 def admin_keys_page(request: Request, context: ConsoleDep, services: ServicesDep) -> HTMLResponse:
     with services.sessions() as session:
-        keys = list(session.scalars(select(AdminKey).order_by(AdminKey.id)))
+        keys, pager = page_of(request, session, select(AdminKey), AdminKey.id, lambda k: k.id,
+                              search_columns=(AdminKey.name, AdminKey.prefix))
+        # over every key, not the page: revoking the last active one is warned about wherever it is listed
+        active = session.scalar(select(func.count()).select_from(AdminKey).where(AdminKey.revoked_at.is_(None)))
         session.expunge_all()
-    active = sum(1 for k in keys if k.revoked_at is None)
-    return render(request, "admin_keys.html", context, keys=keys, active=active, own_key_id=context.admin_key_id)
+    return render(request, "admin_keys.html", context, keys=keys, active=active, own_key_id=context.admin_key_id,
+                  pager=pager)
 
 
 @router.post("/admin-keys/{key_id}/revoke")
 async def admin_key_revoke(request: Request, context: ConsolePostDep, services: ServicesDep,
                            key_id: IdPath) -> RedirectResponse:
-    back = "/console/admin-keys"
+    back = back_to(request, "/console/admin-keys")
     try:
         with services.sessions() as session:
             key = revoke_admin_key(session, key_id)

@@ -18,7 +18,7 @@ from loraplex.platform.billing.pricing import PriceOverride
 from loraplex.platform.billing.statements import get_statement
 from loraplex.platform.console import forms
 from loraplex.platform.console.deps import ConsoleDep, ConsolePostDep
-from loraplex.platform.console.paging import page_of
+from loraplex.platform.console.paging import back_to, page_of
 from loraplex.platform.console.session import cookie_secure
 from loraplex.platform.console.templating import redirect, render
 from loraplex.platform.deps import IdPath, ServicesDep
@@ -73,8 +73,13 @@ def tenants_page(request: Request, context: ConsoleDep, services: ServicesDep) -
         rows, pager = page_of(request, session, select(Tenant), Tenant.name, lambda t: t.name,
                               search_columns=(Tenant.name,), cursor=parse_name_cursor)
         tenants = [tenant_public(t, services.settings) for t in rows]
-        plans = list(session.scalars(select(Plan).order_by(Plan.name)))
-        plan_tenants = dict(session.execute(select(Tenant.plan_id, func.count()).group_by(Tenant.plan_id)).all())
+        plans = list(session.scalars(select(Plan).order_by(Plan.name)))  # the new tenant's choices
+        # the plans table is paged apart from the tenants: its parameters are plans_q, plans_after, ...
+        plan_rows, plan_pager = page_of(request, session, select(Plan), Plan.name, lambda p: p.name,
+                                        search_columns=(Plan.name,), cursor=parse_name_cursor, prefix="plans_")
+        plan_tenants = dict(session.execute(
+            select(Tenant.plan_id, func.count()).where(Tenant.plan_id.in_([p.id for p in plan_rows]))
+            .group_by(Tenant.plan_id)).all())
         counts = dict(session.execute(
             select(ApiKey.tenant_id, func.count(ApiKey.id))
             .where(ApiKey.tenant_id.in_([t.id for t in tenants]), ApiKey.revoked_at.is_(None),
@@ -82,7 +87,8 @@ def tenants_page(request: Request, context: ConsoleDep, services: ServicesDep) -
             .group_by(ApiKey.tenant_id)
         ).all())
     return render(request, "tenants.html", context, tenants=tenants, plans=plans, key_counts=counts,
-                  plan_tenants=plan_tenants, quota_fields=QUOTA_FIELDS, pager=pager)
+                  plan_rows=plan_rows, plan_pager=plan_pager, plan_tenants=plan_tenants, quota_fields=QUOTA_FIELDS,
+                  pager=pager)
 
 
 @router.post("/tenants")
@@ -126,6 +132,7 @@ async def plan_update(request: Request, _context: ConsolePostDep, services: Serv
     """Every quota field is sent, and the name (a form without one keeps the plan's); its tenants without
     overrides take the new values at once."""
     form = await request.form()
+    back = back_to(request, "/console/tenants")
     try:
         name = forms.text(form, "name", required=True) if "name" in form else None
         data = PlanUpdate(**_plan_quotas(form), **({"name": name} if name is not None else {}))
@@ -135,16 +142,17 @@ async def plan_update(request: Request, _context: ConsolePostDep, services: Serv
             name = update_plan(session, plan, data).name
             session.commit()
     except (TenantError, ValidationError, forms.FormError) as exc:
-        return redirect(request, "/console/tenants", error=f"Plan not saved: {_problem(exc)}",
+        return redirect(request, back, error=f"Plan not saved: {_problem(exc)}",
                         kept=(f"plan-edit-{plan_id}", form))
     renamed = f" (renamed from {before})" if name != before else ""
-    return redirect(request, "/console/tenants",
+    return redirect(request, back,
                     flash=f"Plan {name}{renamed} saved: its tenants have the new quotas.")
 
 
 @router.post("/plans/{plan_id}/delete")
 async def plan_delete(request: Request, _context: ConsolePostDep, services: ServicesDep,
                       plan_id: IdPath) -> RedirectResponse:
+    back = back_to(request, "/console/tenants")
     try:
         with services.sessions() as session:
             plan = get_plan(session, plan_id)
@@ -152,8 +160,8 @@ async def plan_delete(request: Request, _context: ConsolePostDep, services: Serv
             delete_plan(session, plan)
             session.commit()
     except TenantError as exc:
-        return redirect(request, "/console/tenants", error=f"Plan not deleted: {exc}")
-    return redirect(request, "/console/tenants", flash=f"Plan {name} deleted.")
+        return redirect(request, back, error=f"Plan not deleted: {exc}")
+    return redirect(request, back, flash=f"Plan {name} deleted.")
 
 
 def _tenant_page(request: Request, context, services, tenant_id: int, *, new_key=None, status_code=200):
