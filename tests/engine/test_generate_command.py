@@ -82,3 +82,14 @@ def test_an_engine_setting_the_model_cannot_take_is_named(tiny_llama_dir):
     result = CliRunner().invoke(main, [*args[:3], "--max-model-len", "100000", "Hello"])
     assert result.exit_code == 1 and "(--max-model-len)" in result.output, result.output
     assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
+
+
+def test_every_engine_setting_reaches_the_engine():
+    """Each setting named as an EngineConfig field is among those serve and generate pass on (engine_options)."""
+    import dataclasses
+
+    from loraplex.config import ENGINE_SETTINGS, Settings
+    from loraplex.engine.config import EngineConfig
+
+    shared = {f.name for f in dataclasses.fields(EngineConfig)} & set(Settings.model_fields) - {"model"}
+    assert shared == set(ENGINE_SETTINGS)
