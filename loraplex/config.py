@@ -5,12 +5,16 @@ from __future__ import annotations
 import re
 from functools import lru_cache
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 DEFAULT_SECRET = "dev-insecure-secret-change-me"
+
+# the settings that configure the engine, besides the model (EngineConfig's fields of the same names)
+ENGINE_SETTINGS = ("dtype", "kv_cache_memory", "max_num_seqs", "max_num_batched_tokens", "max_loras", "max_cpu_loras",
+                   "max_lora_rank", "lora_dtype", "max_model_len")
 
 
 class Settings(BaseSettings):
@@ -119,6 +123,12 @@ class Settings(BaseSettings):
     @property
     def resolved_database_url(self) -> str:
         return self.database_url or f"sqlite:///{(self.data_dir / 'loraplex.db').resolve()}"
+
+    @property
+    def engine_options(self) -> dict[str, Any]:
+        """The engine settings (EngineConfig's fields) every command that runs an engine takes from here:
+        `loraplex serve`, `loraplex engine` and `loraplex generate` alike."""
+        return {name: getattr(self, name) for name in ENGINE_SETTINGS}
 
     @property
     def resolved_adapter_store_dir(self) -> Path:

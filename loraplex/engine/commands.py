@@ -30,15 +30,23 @@ model.add_command(fetch)
                    "(LORAPLEX_DATA_DIR or LORAPLEX_DATABASE_URL).")
 @click.option("--max-rank", type=click.IntRange(1, 4096), default=None,
               help="Largest adapter rank accepted [default: LORAPLEX_MAX_LORA_RANK, 64].")
+@click.option("--max-model-len", type=click.IntRange(min=1), default=None,
+              help="Context length in tokens [default: LORAPLEX_MAX_MODEL_LEN, else the model's own].")
+@click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default=None,
+              help="Model weights' dtype [default: LORAPLEX_DTYPE, float32].")
 @click.option("--max-tokens", default=None, type=click.IntRange(min=1),
               help="Most tokens to generate; the prompt and these must fit in the model's context "
                    f"[default: {DEFAULT_MAX_TOKENS}, or what the context leaves after the prompt].")
 @click.option("--temperature", default=0.0, show_default=True, type=click.FloatRange(min=0.0))
 @click.option("--top-p", default=1.0, show_default=True, type=click.FloatRange(0.0, 1.0))
 @click.option("--seed", default=None, type=int)
-def generate(prompt, model_name, chat, system, adapter, tenant, max_rank, max_tokens, temperature, top_p,
-             seed) -> None:
-    """Print a completion of PROMPT."""
+def generate(prompt, model_name, chat, system, adapter, tenant, max_rank, max_model_len, dtype, max_tokens,
+             temperature, top_p, seed) -> None:
+    """Print a completion of PROMPT.
+
+    The engine takes the LORAPLEX_* engine settings `loraplex serve` takes (LORAPLEX_MODEL, LORAPLEX_DTYPE,
+    LORAPLEX_MAX_MODEL_LEN, LORAPLEX_KV_CACHE_MEMORY, LORAPLEX_MAX_LORA_RANK, LORAPLEX_LORA_DTYPE, ...); a flag
+    overrides its setting."""
     if system is not None and not chat:
         raise click.UsageError("--system applies only with --chat (the chat template places it)")
     if tenant is not None and adapter is None:
@@ -47,7 +55,6 @@ def generate(prompt, model_name, chat, system, adapter, tenant, max_rank, max_to
 
     from loraplex.config import Settings
     from loraplex.engine.errors import EngineError
-    from loraplex.engine.llm import LLM
     from loraplex.engine.sampling_params import SamplingParams
 
     try:
@@ -64,8 +71,9 @@ def generate(prompt, model_name, chat, system, adapter, tenant, max_rank, max_to
         except LookupError as exc:
             raise click.ClickException(str(exc)) from exc
     try:
-        llm = LLM(model_name or settings.model, dtype=settings.dtype, kv_cache_memory=settings.kv_cache_memory,
-                  max_lora_rank=max_rank or settings.max_lora_rank)
+        flags = {"max_lora_rank": max_rank, "max_model_len": max_model_len, "dtype": dtype}
+        options = settings.engine_options | {name: value for name, value in flags.items() if value is not None}
+        llm = _start(model_name or settings.model, options, flags)
         max_model_len = llm.engine.limits.max_model_len
         if chat:
             messages = ([{"role": "system", "content": system}] if system else []) + [
@@ -82,6 +90,23 @@ def generate(prompt, model_name, chat, system, adapter, tenant, max_rank, max_to
     except ValueError as exc:
         raise click.ClickException(str(exc)) from exc
     click.echo(out.outputs[0].text)
+
+
+def _start(model: str, options: dict, flags: dict):
+    """The offline engine; a setting it cannot run with is refused naming the flag or variable it came from."""
+    from loraplex.engine.errors import InvalidRequestError
+    from loraplex.engine.llm import LLM
+
+    try:
+        return LLM(model, **options)
+    except InvalidRequestError as exc:
+        if not exc.param:
+            raise
+        source = (f"--{exc.param.replace('_', '-')}" if flags.get(exc.param) is not None
+                  else f"LORAPLEX_{exc.param.upper()}")
+        if exc.param == "max_lora_rank" and flags.get("max_lora_rank") is not None:
+            source = "--max-rank"
+        raise click.ClickException(f"cannot run the model {model}: {exc} ({source})") from exc
 
 
 def _check_context(prompt_len: int, max_tokens: int | None, max_model_len: int) -> int:

@@ -3,8 +3,13 @@
 Decoding a token on its own is wrong in general: byte-level BPE may split one UTF-8 character over
 several tokens, and SentencePiece decodes a leading space differently at the start of a text. So each
 step decodes a short window of recent tokens twice (without and with the new ones) and emits the
-difference, holding text back while it ends in U+FFFD (an incomplete character). The window slides
-forward as text is emitted, so each step costs O(window), not O(sequence).
+difference, holding text back while it ends in an incomplete character (which decodes as U+FFFD). The
+window slides forward as text is emitted, so each step costs O(window), not O(sequence).
+
+Whether a trailing U+FFFD is an incomplete character or one the model really wrote is told from the
+tokens' bytes, not from the text: a real U+FFFD is emitted at once, and at the end of a sequence an
+incomplete character is dropped (as vLLM drops it) rather than shown as U+FFFD. The tokens that made it
+still count as generated.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ class IncrementalDetokenizer:
         self, tokenizer: Tokenizer, prompt_token_ids: Sequence[int] = (), skip_special_tokens: bool = True
     ):
         self._backend = tokenizer.backend
+        self._token_bytes = tokenizer.token_bytes
         self._skip_special = skip_special_tokens
         self._special = tokenizer.special_ids
         self.token_ids: list[int] = list(prompt_token_ids[-_INITIAL_CONTEXT:])
@@ -45,8 +51,10 @@ class IncrementalDetokenizer:
         window = self.token_ids[self._prefix_offset :]
         prefix_text = self._decode(window[: self._read_offset - self._prefix_offset])
         full_text = self._decode(window)
-        if full_text.endswith(REPLACEMENT_CHAR) or len(full_text) <= len(prefix_text):
-            return ""  # an incomplete character (or nothing visible yet): wait for more tokens
+        if len(full_text) <= len(prefix_text) or (
+            full_text.endswith(REPLACEMENT_CHAR) and self._incomplete_tail(window)
+        ):
+            return ""  # nothing visible yet, or an incomplete character: wait for more tokens
         delta = full_text[len(prefix_text) :]
         self._prefix_offset = self._read_offset
         self._read_offset = len(self.token_ids)
@@ -63,19 +71,59 @@ class IncrementalDetokenizer:
         return self._decode(window)[len(prefix_text) :]
 
     def flush(self) -> str:
-        """At the end of a sequence: emit whatever was held back, even an incomplete character."""
+        """At the end of a sequence: emit whatever was held back, except an incomplete character at the end
+        (its remaining bytes will not come): that is dropped, not shown as U+FFFD."""
         if self._read_offset == len(self.token_ids):
             return ""
         window = self.token_ids[self._prefix_offset :]
         prefix_text = self._decode(window[: self._read_offset - self._prefix_offset])
         delta = self._decode(window)[len(prefix_text) :]
+        cut = self._incomplete_tail(window)
+        if cut:
+            delta = delta[: len(delta) - min(self._tail_replacements(window, cut), _trailing_replacements(delta))]
         self._prefix_offset = self._read_offset = len(self.token_ids)
         if delta:
             self._pieces.append(delta)
         return delta
 
+    def _incomplete_tail(self, ids: Sequence[int]) -> int:
+        """How many bytes at the end of these tokens' bytes begin a character they do not finish (0: none)."""
+        tail = b""
+        for token in reversed(ids):
+            tail = self._token_bytes(token) + tail
+            if len(tail) >= 4:  # the longest UTF-8 character
+                break
+        return incomplete_utf8_suffix(tail)
+
+    def _tail_replacements(self, ids: Sequence[int], cut: int) -> int:
+        """How many U+FFFD the decoder writes for the last `cut` (incomplete) bytes: one for a byte-level
+        decoder, one per byte for SentencePiece byte-fallback tokens."""
+        covered = count = 0
+        while covered < cut and count < len(ids):
+            count += 1
+            covered += len(self._token_bytes(ids[-count]))
+        return min(_trailing_replacements(self._decode(list(ids[-count:]))), cut)
+
     def _decode(self, ids: list[int]) -> str:
         return self._backend.decode(ids, skip_special_tokens=self._skip_special)
+
+
+def incomplete_utf8_suffix(data: bytes) -> int:
+    """The length of the UTF-8 character `data` ends in the middle of (1 to 3 bytes), or 0 where it ends on a
+    character boundary or in bytes that no continuation could make valid."""
+    for size in range(1, min(3, len(data)) + 1):
+        if data[-size] & 0xC0 == 0x80:
+            continue  # a continuation byte: the character, if any, starts further back
+        try:
+            data[-size:].decode("utf-8")
+        except UnicodeDecodeError as exc:
+            return size if exc.start == 0 and exc.reason == "unexpected end of data" else 0
+        return 0
+    return 0
+
+
+def _trailing_replacements(text: str) -> int:
+    return len(text) - len(text.rstrip(REPLACEMENT_CHAR))
 
 
 class StopStringMatcher:

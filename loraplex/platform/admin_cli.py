@@ -415,12 +415,19 @@ def list_admin_keys_cmd(limit, after, search):
 
 @admin.command("revoke-admin-key")
 @click.argument("key_id", type=KeyId("list-admin-keys"))
-def revoke_admin_key_cmd(key_id):
-    """Revoke an admin key by id: /admin/api refuses it at once and its console sessions end."""
-    from loraplex.platform.tenants import active_admin_keys, revoke_admin_key
+@click.option("--force", is_flag=True,
+              help="Revoke it even if it is the last active admin key (the admin API and the console then take "
+                   "none until `loraplex admin create-admin-key` makes one).")
+def revoke_admin_key_cmd(key_id, force):
+    """Revoke an admin key by id: /admin/api refuses it at once and its console sessions end. The last active
+    admin key is revoked only with --force, as the admin API and the console refuse to."""
+    from loraplex.platform.tenants import LastAdminKey, active_admin_keys, revoke_admin_key
 
     with _session() as (session, _):
-        key = revoke_admin_key(session, key_id)
+        try:
+            key = revoke_admin_key(session, key_id, allow_last=force)
+        except LastAdminKey as exc:
+            raise click.ClickException(f"{exc}; or revoke it anyway with --force") from exc
         click.echo(f"admin key {key_id} ({key.prefix}...) revoked")
         if not active_admin_keys(session):
             click.echo("no active admin key is left: `loraplex admin create-admin-key` makes one", err=True)

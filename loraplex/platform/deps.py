@@ -132,3 +132,37 @@ def _page_dependency(cursor):
 
 PageDep = Annotated[PageParams, Depends(_page_dependency(parse_id_cursor))]
 NamePageDep = Annotated[PageParams, Depends(_page_dependency(parse_name_cursor))]
+
+
+def _query_names(route) -> frozenset[str]:
+    """The query parameters a route takes, its dependencies' included; worked out once per route."""
+    known = getattr(route, "_loraplex_query_names", None)
+    if known is None:
+        known = route._loraplex_query_names = _collect_query_names(route.dependant)
+    return known
+
+
+def _collect_query_names(dependant) -> frozenset[str]:
+    names, pending = set(), [dependant]
+    while pending:
+        dependant = pending.pop()
+        names.update(p.alias for p in dependant.query_params)
+        pending.extend(dependant.dependencies)
+    return frozenset(names)
+
+
+async def refuse_unknown_query(request: Request) -> None:
+    """A report's filters are query parameters: one it does not take (misspelt, or a path segment sent as a
+    query, as `?period=` for `/statements/{period}`) would be ignored and answer another question than the one
+    asked, so it is refused by name. Declared after the caller's authentication, which it does not precede."""
+    route = request.scope.get("route")
+    if getattr(route, "dependant", None) is None:
+        return
+    known = _query_names(route)
+    unknown = next((name for name in request.query_params if name not in known), None)
+    if unknown is not None:
+        takes = ", ".join(sorted(known)) if known else "no query parameters"
+        raise bad_request(f"unknown query parameter {unknown!r}: {route.path} takes {takes}", param=unknown)
+
+
+KnownQueryDep = Annotated[None, Depends(refuse_unknown_query)]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from datetime import UTC, datetime
 
-from sqlalchemy import func, select
+from sqlalchemy import func, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
@@ -250,15 +250,43 @@ def revoke_api_key(session: Session, key: ApiKey) -> ApiKey:
     return key
 
 
-def revoke_admin_key(session: Session, key_id: int) -> AdminKey:
+class LastAdminKey(TenantError):
+    """Revoking this key would leave no active admin key: nobody could use the admin API or the console until
+    an operator made one from the command line."""
+
+    def __init__(self, key: AdminKey):
+        super().__init__(f"admin key {key.id} ({key.prefix}...) is the last active admin key, and revoking it would "
+                         "lock everyone out of the admin API and the console; create another admin key first "
+                         "(`loraplex admin create-admin-key`), then revoke this one", status=409, param="key_id")
+
+
+def revoke_admin_key(session: Session, key_id: int, *, allow_last: bool = False) -> AdminKey:
     """Revoke an admin key: every check of it (the admin API, console sessions made with it) fails from the
-    next request on."""
+    next request on. The last active one is refused (LastAdminKey) unless `allow_last` (the CLI's --force,
+    whose operator can make a new one at once)."""
     key = session.get(AdminKey, key_id)
     if key is None:
         raise TenantError(f"no admin key with id {key_id}")
-    if key.revoked_at is None:
-        key.revoked_at = utcnow()
-        session.flush()
+    if key.revoked_at is not None:
+        return key
+    now = utcnow()
+    revoke = update(AdminKey).where(AdminKey.id == key_id, AdminKey.revoked_at.is_(None))
+    if not allow_last:
+        # the active keys locked (PostgreSQL) so that two revocations at once cannot each leave the other's key
+        # as the last and then revoke it; the count is checked in the update itself too (SQLite, which has no
+        # row locks, runs one writer at a time)
+        active = session.scalars(select(AdminKey.id).where(AdminKey.revoked_at.is_(None)).with_for_update()).all()
+        others = select(func.count()).select_from(AdminKey).where(AdminKey.revoked_at.is_(None),
+                                                                  AdminKey.id != key_id).scalar_subquery()
+        if not any(i != key_id for i in active):
+            raise LastAdminKey(key)
+        revoke = revoke.where(others > 0)
+    if session.execute(revoke.values(revoked_at=now).execution_options(synchronize_session=False)).rowcount == 0:
+        session.refresh(key)
+        if key.revoked_at is None:
+            raise LastAdminKey(key)
+        return key
+    session.refresh(key)
     return key
 
 

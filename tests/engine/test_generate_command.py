@@ -63,3 +63,33 @@ def test_the_default_max_tokens_shrinks_to_what_the_context_leaves(tiny_llama_di
     assert 0 < room < 128
     result = CliRunner().invoke(main, ["generate", "--model", str(tiny_llama_dir), prompt])
     assert result.exit_code == 0, result.output
+
+
+def test_generate_takes_the_engine_settings_serve_takes(tiny_llama_dir):
+    """LORAPLEX_MAX_MODEL_LEN (like every LORAPLEX_* engine setting) sets generate's engine, a flag overriding it."""
+    args = ["generate", "--model", str(tiny_llama_dir), "--max-tokens", "100000", "Hello"]
+    result = CliRunner().invoke(main, args, env={"LORAPLEX_MAX_MODEL_LEN": "64"})
+    assert result.exit_code == 2 and "context is 64 tokens" in result.output, result.output
+    result = CliRunner().invoke(main, [*args[:3], "--max-model-len", "128", *args[3:]],
+                                env={"LORAPLEX_MAX_MODEL_LEN": "64"})
+    assert result.exit_code == 2 and "context is 128 tokens" in result.output, result.output
+
+
+def test_an_engine_setting_the_model_cannot_take_is_named(tiny_llama_dir):
+    args = ["generate", "--model", str(tiny_llama_dir), "Hello"]
+    result = CliRunner().invoke(main, args, env={"LORAPLEX_MAX_MODEL_LEN": "100000"})
+    assert result.exit_code == 1 and "(LORAPLEX_MAX_MODEL_LEN)" in result.output, result.output
+    result = CliRunner().invoke(main, [*args[:3], "--max-model-len", "100000", "Hello"])
+    assert result.exit_code == 1 and "(--max-model-len)" in result.output, result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
+
+
+def test_every_engine_setting_reaches_the_engine():
+    """Each setting named as an EngineConfig field is among those serve and generate pass on (engine_options)."""
+    import dataclasses
+
+    from loraplex.config import ENGINE_SETTINGS, Settings
+    from loraplex.engine.config import EngineConfig
+
+    shared = {f.name for f in dataclasses.fields(EngineConfig)} & set(Settings.model_fields) - {"model"}
+    assert shared == set(ENGINE_SETTINGS)

@@ -9,6 +9,7 @@ import itertools
 
 import pytest
 
+from loraplex.engine.detokenizer import incomplete_utf8_suffix
 from loraplex.engine.llm import LLM
 from loraplex.engine.sampling_params import SamplingParams
 
@@ -46,8 +47,12 @@ def _run(llm: LLM, params: SamplingParams):
 
 
 def _before(llm: LLM, base, k: int) -> str | None:
-    """The text of the first k tokens, where it ends on a character boundary of the completion's text."""
-    text = llm.engine.tokenizer.decode(base.token_ids[:k])
+    """The text of the first k tokens, where it ends on a character boundary of the completion's text (and
+    not inside a character, which a completion cut there would drop)."""
+    tokenizer = llm.engine.tokenizer
+    if incomplete_utf8_suffix(b"".join(tokenizer.token_bytes(t) for t in base.token_ids[:k])):
+        return None
+    text = tokenizer.decode(base.token_ids[:k])
     return text if base.text.startswith(text) else None
 
 

@@ -179,13 +179,42 @@ def test_detokenizer_special_tokens(tokenizer):
     assert "".join(_stream(keeping, ids)) == "Hi there<|im_end|>"
 
 
-def test_detokenizer_flush_releases_incomplete_character(tokenizer):
+def test_detokenizer_flush_drops_an_incomplete_character(tokenizer):
+    """A sequence cut in the middle of a character ends before it, as vLLM's does, not in U+FFFD."""
     ids = tokenizer.encode("🙂")
     assert len(ids) > 1
+    for cut in range(1, len(ids)):
+        detok = IncrementalDetokenizer(tokenizer)
+        assert detok.step(ids[:cut]) == ""
+        assert detok.flush() == "" and detok.text == ""
     detok = IncrementalDetokenizer(tokenizer)
-    assert detok.step(ids[:1]) == ""
-    assert detok.flush() == tokenizer.decode(ids[:1])
-    assert detok.flush() == ""
+    text = "".join(_stream(detok, tokenizer.encode("Hi ") + ids[:-1])) + detok.flush()
+    assert text == detok.text == "Hi "
+
+
+def test_detokenizer_emits_a_real_replacement_character(tokenizer):
+    """U+FFFD the model writes (its three bytes complete) is text like any other: emitted when its last
+    byte comes, and kept at the end; only an incomplete character is held back and dropped."""
+    ids = tokenizer.encode("a\ufffd")
+    assert len(ids) > 2  # the tiny vocabulary spells U+FFFD in bytes: held while incomplete
+    detok = IncrementalDetokenizer(tokenizer)
+    deltas = _stream(detok, ids)
+    assert deltas[-1] == REPLACEMENT_CHAR and "".join(deltas) == "a\ufffd"
+    assert detok.flush() == "" and detok.text == "a\ufffd"
+    detok = IncrementalDetokenizer(tokenizer)
+    _stream(detok, ids + tokenizer.encode("🙂")[:1])  # then a character cut short
+    assert detok.text + detok.flush() == "a\ufffd"
+
+
+def test_incomplete_utf8_suffix():
+    from loraplex.engine.detokenizer import incomplete_utf8_suffix
+
+    fire = "🔥".encode()
+    assert [incomplete_utf8_suffix(b"ab" + fire[:k]) for k in range(5)] == [0, 1, 2, 3, 0]
+    assert incomplete_utf8_suffix("\ufffd".encode()) == 0
+    assert incomplete_utf8_suffix(b"\xe0\x80") == 0  # no continuation makes this valid: not held
+    assert incomplete_utf8_suffix(b"\x9f\x94") == 0  # continuation bytes without their start
+    assert incomplete_utf8_suffix(b"") == 0
 
 
 def test_detokenizer_window_stays_short(tokenizer):

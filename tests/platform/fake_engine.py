@@ -8,6 +8,7 @@ the same request always gives the same text, and a different adapter gives diffe
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -26,6 +27,13 @@ _ALPHABET = "abcdefghijklmnopqrstuvwxyz "
 
 def _token_text(token_id: int) -> str:
     return _ALPHABET[token_id] if token_id < len(_ALPHABET) else ""
+
+
+def _snapshot(out: CompletionOutput) -> CompletionOutput:
+    copy = dataclasses.replace(out, token_ids=list(out.token_ids))
+    if out.logprobs is not None:
+        copy.logprobs = list(out.logprobs)
+    return copy
 
 
 class FakeEngine:
@@ -178,8 +186,11 @@ class FakeEngine:
                 if finished:
                     metrics.finished_time = time.time()
                     done = True
+                # a snapshot, as the engine gives: a consumer that queues outputs (several prompts merged)
+                # must not see later steps overwrite the deltas it has not read yet
                 yield RequestOutput(request_id=request_id, prompt=prompt if isinstance(prompt, str) else None,
-                                    prompt_token_ids=prompt_ids, outputs=outs, finished=finished,
+                                    prompt_token_ids=prompt_ids, outputs=[_snapshot(o) for o in outs],
+                                    finished=finished,
                                     metrics=metrics)
                 if finished:
                     self.finished.append(request_id)

@@ -30,6 +30,29 @@ def test_an_admin_key_revoked_over_the_api_stops_working_at_once(app, client, ad
     assert client.delete("/admin/api/admin-keys/999999", headers=_admin(admin_key)).status_code == 404
 
 
+def test_the_last_active_admin_key_cannot_be_revoked_over_the_api(app, client, admin_key):
+    """Revoking it would lock everyone out of the admin API and the console: a 409 saying so, the key still
+    working; with another active key, it can go."""
+    from loraplex.platform.db import session_scope
+    from loraplex.platform.tenants import create_admin_key
+
+    listed = client.get("/admin/api/admin-keys", headers=_admin(admin_key)).json()
+    (own_id,) = [k["id"] for k in listed if k["revoked_at"] is None]
+    r = client.delete(f"/admin/api/admin-keys/{own_id}", headers=_admin(admin_key))
+    assert r.status_code == 409, r.text
+    error = r.json()["error"]
+    assert error["code"] == "conflict" and error["param"] == "key_id"
+    assert "last active admin key" in error["message"] and "create-admin-key" in error["message"]
+    assert client.get("/admin/api/tenants", headers=_admin(admin_key)).status_code == 200
+    with session_scope(app.state.services.sessions) as session:
+        _, spare_secret = create_admin_key(session, app.state.services.settings, name="spare")
+    r = client.delete(f"/admin/api/admin-keys/{own_id}", headers=_admin(admin_key))
+    assert r.status_code == 200 and r.json()["revoked_at"]
+    spare_id = next(k["id"] for k in client.get("/admin/api/admin-keys", headers=_admin(spare_secret)).json()
+                    if k["revoked_at"] is None)
+    assert client.delete(f"/admin/api/admin-keys/{spare_id}", headers=_admin(spare_secret)).status_code == 409
+
+
 def test_api_key_names_with_control_characters_are_refused(client, admin_key, make_tenant):
     tenant = make_tenant()
     for name in ("evil\x1b]0;pwned\x07", "line1\nline2", "tab\there"):
@@ -51,7 +74,13 @@ def test_the_cli_lists_and_revokes_admin_keys(elsewhere):
     (row,) = [line for line in listed.stdout.splitlines() if "\tops\t" in line]
     key_id = row.split("\t")[0]
     assert row.endswith("active")
-    revoked = cli.invoke(admin, ["revoke-admin-key", key_id])
+    # the only active admin key: refused, as the admin API refuses it, unless forced
+    refused = cli.invoke(admin, ["revoke-admin-key", key_id])
+    assert refused.exit_code == 1 and "is the last active admin key" in refused.output, refused.output
+    assert "--force" in refused.output and "Traceback" not in refused.output
+    assert [line for line in cli.invoke(admin, ["list-admin-keys"]).stdout.splitlines()
+            if "\tops\t" in line][0].endswith("active")
+    revoked = cli.invoke(admin, ["revoke-admin-key", "--force", key_id])
     assert revoked.exit_code == 0 and "revoked" in revoked.stdout
     assert "no active admin key is left" in revoked.stderr
     (row,) = [line for line in cli.invoke(admin, ["list-admin-keys"]).stdout.splitlines() if "\tops\t" in line]
@@ -130,6 +159,10 @@ def test_the_console_lists_and_revokes_admin_keys(app, client, admin_key):
 
     own_id = next(k["id"] for k in client.get("/admin/api/admin-keys", headers=_admin(admin_key)).json()
                   if k["revoked_at"] is None)
+    r = console.post(f"/console/admin-keys/{own_id}/revoke")  # the last active one: refused
+    assert "Nothing revoked: admin key" in client.get(r.headers["location"]).text
+    with session_scope(app.state.services.sessions) as session:
+        create_admin_key(session, app.state.services.settings, name="spare")
     r = console.post(f"/console/admin-keys/{own_id}/revoke")
     r = client.get(r.headers["location"], follow_redirects=False)
     assert r.status_code == 303 and "reason=revoked" in r.headers["location"], r.headers

@@ -155,3 +155,36 @@ def test_v1_usage_filters_by_adapter_and_key_and_exports_csv(client, usage, make
     assert sum(int(r["prompt_tokens"]) for r in parsed) == 300
     # another tenant's adapter is none of this one's: a 404, as for a name nobody uses, never its usage
     assert client.get("/v1/usage?adapter=secret", headers=a.headers).status_code == 404
+
+
+def test_tenant_statement_list_filters_by_period(client, usage):
+    """`period` filters the list, as it does the admin list, instead of being ignored."""
+    a, _, last_month = usage
+    previous = period_of(last_month.date())
+    mine = client.get("/v1/billing/statements", headers=a.headers, params={"period": previous}).json()["data"]
+    assert [(s["period"], s["prompt_tokens"]) for s in mine] == [(previous, 1000)]
+    assert client.get("/v1/billing/statements", headers=a.headers, params={"period": "1999-01"}).json()["data"] == []
+    r = client.get("/v1/billing/statements", headers=a.headers, params={"period": "2026-13"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "period"
+
+
+@pytest.mark.parametrize("path", ["/v1/billing/statements", "/v1/billing/statements/{period}", "/v1/usage",
+                                  "/v1/usage/report"])
+def test_tenant_reports_refuse_an_unknown_query_parameter(client, usage, path):
+    a, _, _ = usage
+    r = client.get(path.format(period=period_of(today_utc())), headers=a.headers, params={"perod": "2026-01"})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == "perod" and "unknown query parameter 'perod'" in error["message"]
+    # the caller's key is checked first: no hint for a caller without one
+    assert client.get(path.format(period="2026-01"), params={"perod": "x"}).status_code == 401
+
+
+@pytest.mark.parametrize("path", ["/admin/api/billing/report", "/admin/api/billing/statements",
+                                  "/admin/api/billing/statements/{tenant}/{period}"])
+def test_admin_reports_refuse_an_unknown_query_parameter(client, usage, admin_key, path):
+    a, _, _ = usage
+    url = path.format(tenant=a.tenant_id, period=period_of(today_utc()))
+    r = client.get(url, headers=_admin(admin_key), params={"tenant": "acme"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tenant"
+    assert client.get(url, headers=_admin(admin_key), params={"format": "json"}).status_code == 200

@@ -24,7 +24,7 @@ def _revoke_all_admin_keys(app) -> None:
 
     with session_scope(app.state.services.sessions) as s:
         for key_id in s.scalars(select(AdminKey.id)).all():
-            revoke_admin_key(s, key_id)
+            revoke_admin_key(s, key_id, allow_last=True)  # as the CLI's --force does
 
 
 def test_a_revoked_admin_key_is_said_to_be_revoked(console, app, admin_key):

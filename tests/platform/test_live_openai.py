@@ -105,6 +105,27 @@ def test_streaming_chat_and_completion(live):
     assert "".join(p.choices[0].text for p in pieces if p.choices) == completion.choices[0].text
 
 
+def test_a_stream_of_several_choices_is_assembled_by_the_client(live):
+    """One choice per chunk, each with its index, as OpenAI sends them: the client's stream helper puts the
+    choices back together, each as the response that is not streamed has it."""
+    from openai.lib.streaming.chat import ChatCompletionStreamState
+
+    _, _, key = live.tenant()
+    client = live.client(key)
+    body = dict(model=live.model, messages=PROMPT, max_tokens=6, n=3, seed=11, temperature=1.0,
+                extra_body={"ignore_eos": True})
+    state = ChatCompletionStreamState()
+    chunks = list(client.chat.completions.create(**body, stream=True, stream_options={"include_usage": True}))
+    for chunk in chunks:
+        assert len(chunk.choices) <= 1
+        state.handle_chunk(chunk)
+    assert chunks[-1].usage.completion_tokens == 18
+    assembled = state.current_completion_snapshot
+    whole = client.chat.completions.create(**body)
+    assert [(c.index, c.message.content) for c in assembled.choices] == \
+        [(c.index, c.message.content) for c in whole.choices]
+
+
 def test_streamed_logprobs_match_the_whole_response(live):
     """text_offset and bytes are the same streamed or not, also where the text lags behind the tokens (a stop
     string held back until it is ruled out) and for tokens that hold part of a UTF-8 character."""

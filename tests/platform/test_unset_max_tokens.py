@@ -101,3 +101,24 @@ def test_unset_max_tokens_fits_what_is_left_of_the_minute(app, client, make_tena
     r = _chat(client, tenant)  # the minute is spent: the rate limit's 429, with the time to wait
     assert r.status_code == 429 and r.json()["error"]["code"] == "rate_limit_exceeded"
     assert int(r.headers["retry-after"]) >= 1
+
+
+def test_rate_headers_of_a_whole_response_count_the_tokens_used(client, make_tenant, fake_engine):
+    """A response that is not streamed goes out after its request settled: x-ratelimit-remaining-tokens
+    counts what it used, not the reservation an unset max_tokens made (the rest of the context)."""
+    fake_engine.eos_rate = 2  # completions end early, far below what was reserved
+    tenant = make_tenant(tokens_per_minute=10_000)
+    r = _chat(client, tenant)
+    assert r.status_code == 200, r.text
+    used = r.json()["usage"]["total_tokens"]
+    assert used < 256 - len(fake_engine.requests[-1]["prompt_ids"])  # less than the context it could take
+    assert int(r.headers["x-ratelimit-remaining-tokens"]) == 10_000 - used
+
+
+def test_rate_headers_of_a_stream_count_its_reservation(client, make_tenant, fake_engine):
+    """A stream's headers go out before its first token: they count the whole reservation."""
+    tenant = make_tenant(tokens_per_minute=10_000)
+    r = _chat(client, tenant, stream=True, max_tokens=40)
+    assert r.status_code == 200, r.text
+    prompt = len(fake_engine.requests[-1]["prompt_ids"])
+    assert int(r.headers["x-ratelimit-remaining-tokens"]) == 10_000 - prompt - 40

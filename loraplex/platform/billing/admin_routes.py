@@ -42,7 +42,7 @@ from loraplex.platform.billing.statements import (
     statement_of,
     tenants_of_period,
 )
-from loraplex.platform.deps import AdminDep, IdPath, RowId, SessionDep
+from loraplex.platform.deps import AdminDep, IdPath, KnownQueryDep, RowId, SessionDep
 from loraplex.platform.errors import bad_request, conflict, not_found
 from loraplex.platform.models import Tenant
 from loraplex.platform.strict_json import StrictJsonRoute
@@ -156,7 +156,7 @@ def put_override(*, _admin: AdminDep, session: SessionDep, tenant_id: IdPath, bo
 
 @router.get("/report", responses={200: CSV_OR_JSON})
 def report(
-    *, _admin: AdminDep, session: SessionDep, start: StartQuery = None, end: EndQuery = None,
+    *, _admin: AdminDep, _known: KnownQueryDep, session: SessionDep, start: StartQuery = None, end: EndQuery = None,
     tenant_id: Annotated[list[RowId] | None, Query(description="repeat to select several tenants")] = None,
     group_by: GroupByQuery = "tenant", adapter: AdapterQuery = None,
     api_key_id: Annotated[RowId | None, Query()] = None, format: FormatQuery = "json",
@@ -173,7 +173,7 @@ def report(
 
 @router.get("/statements", responses={200: CSV_OR_JSON})
 def statements(
-    *, _admin: AdminDep, session: SessionDep, period: Annotated[str | None, Query()] = None,
+    *, _admin: AdminDep, _known: KnownQueryDep, session: SessionDep, period: Annotated[str | None, Query()] = None,
     tenant_id: Annotated[list[RowId] | None, Query()] = None, format: FormatQuery = "json",
 ) -> Response:
     """Final statements; with `period`, the statement for it of every selected tenant that has one (a draft
@@ -193,7 +193,7 @@ def statements(
 
 
 @router.get("/statements/{tenant_id}/{period}", responses={200: CSV_OR_JSON})
-def statement(*, _admin: AdminDep, session: SessionDep, tenant_id: IdPath, period: str,
+def statement(*, _admin: AdminDep, _known: KnownQueryDep, session: SessionDep, tenant_id: IdPath, period: str,
               format: FormatQuery = "json") -> Response:
     _check_period(period)
     try:

@@ -8,7 +8,7 @@ from fastapi import APIRouter, Query
 from fastapi.responses import Response
 
 from loraplex.platform.billing.export import statement_dict
-from loraplex.platform.billing.periods import period_of, previous_period, today_utc
+from loraplex.platform.billing.periods import parse_period, period_of, previous_period, today_utc
 from loraplex.platform.billing.reports import usage_report
 from loraplex.platform.billing.responses import (
     AdapterQuery,
@@ -36,7 +36,7 @@ from loraplex.platform.billing.statements import (
     statement_of,
     tenants_of_period,
 )
-from loraplex.platform.deps import RowId, SessionDep, UsageKeyDep
+from loraplex.platform.deps import KnownQueryDep, RowId, SessionDep, UsageKeyDep
 from loraplex.platform.errors import bad_request, not_found
 from loraplex.platform.models import Tenant
 from loraplex.platform.strict_json import StrictJsonRoute
@@ -60,7 +60,7 @@ def tenant_usage(
 @router.get("/usage/report", response_model=None,
             responses={200: {"model": UsageReportPublic, **CSV_OR_JSON}})
 def usage_report_route(
-    *, caller: UsageKeyDep, session: SessionDep, start: StartQuery = None, end: EndQuery = None,
+    *, caller: UsageKeyDep, _known: KnownQueryDep, session: SessionDep, start: StartQuery = None, end: EndQuery = None,
     group_by: GroupByQuery = "day,adapter", adapter: AdapterQuery = None,
     api_key_id: Annotated[RowId | None, Query()] = None, format: FormatQuery = "json",
 ) -> Response:
@@ -69,21 +69,32 @@ def usage_report_route(
 
 
 @router.get("/billing/statements", response_model=StatementList)
-def statements(*, caller: UsageKeyDep, session: SessionDep) -> StatementList:
-    """Final statements, newest first, with drafts for this month and last month while they are not final."""
+def statements(*, caller: UsageKeyDep, _known: KnownQueryDep, session: SessionDep,
+               period: Annotated[str | None, Query(description="only this month's statement, YYYY-MM")] = None,
+               ) -> StatementList:
+    """Final statements, newest first, with drafts for this month and last month while they are not final.
+    With `period` (as the admin list takes it), the statement of that month alone: final, or a draft where
+    not final; none for a month that has not begun or one before the tenant."""
+    if period is not None:
+        try:
+            parse_period(period)
+        except ValueError as exc:
+            raise bad_request(str(exc), param="period") from exc
     tenant = session.get(Tenant, caller.tenant_id)
     today = today_utc()
     final = {r.period for r in list_statements(session, tenant_ids=[caller.tenant_id])}
     # a month before the tenant existed (and had no usage) has no statement, as the admin views say
-    drafts = [p for p in (period_of(today), previous_period(today))
-              if p not in final and tenants_of_period(session, p, [caller.tenant_id])]
-    data = [statement_dict(get_statement(session, tenant, p)) for p in sorted(set(drafts) | final, reverse=True)]
+    candidates = (period_of(today), previous_period(today)) if period is None else (period,)
+    drafts = [p for p in candidates if p not in final and tenants_of_period(session, p, [caller.tenant_id])]
+    shown = set(drafts) | (final if period is None else final & {period})
+    data = [statement_dict(get_statement(session, tenant, p)) for p in sorted(shown, reverse=True)]
     return StatementList(data=[StatementSummary.model_validate(item) for item in data])
 
 
 @router.get("/billing/statements/{period}", response_model=None,
             responses={200: {"model": StatementPublic, **CSV_OR_JSON}})
-def statement(*, caller: UsageKeyDep, session: SessionDep, period: str, format: FormatQuery = "json") -> Response:
+def statement(*, caller: UsageKeyDep, _known: KnownQueryDep, session: SessionDep, period: str,
+              format: FormatQuery = "json") -> Response:
     try:
         view = statement_of(session, session.get(Tenant, caller.tenant_id), period)
     except NoStatement as exc:

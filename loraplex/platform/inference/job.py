@@ -56,6 +56,7 @@ class InferenceJob:
     generated: dict[int, int] = field(default_factory=dict)  # prompt index -> tokens generated so far
     # prompt index -> prompt tokens the engine processed, as its abort answered (None: it could not tell)
     prefilled: dict[int, int | None] = field(default_factory=dict)
+    settled_tokens: int | None = None  # what the reservation was settled with (None: not settled yet)
     finished_ok: bool = False
     failed: bool = False
     refused: bool = False  # the engine refused it as a client error (InvalidRequestError): not usage
@@ -99,7 +100,19 @@ class InferenceJob:
 
     @property
     def rate_headers(self) -> dict[str, str]:
-        return dict(self.reservation.headers) if self.reservation else {}
+        """The x-ratelimit-* headers. Before the request settles (a stream's, whose headers go out before its
+        first token) they count its whole reservation, its prompt plus max_tokens (or the budget an unset
+        max_tokens was given), as OpenAI counts max_tokens; once it has settled (a response that is not
+        streamed), the tokens it really used, as its reservation was given back in part."""
+        if self.reservation is None:
+            return {}
+        headers = dict(self.reservation.headers)
+        remaining = headers.get("x-ratelimit-remaining-tokens")
+        if self.settled_tokens is not None and remaining is not None:
+            unused = self.reservation.reserved_tokens - self.settled_tokens
+            limit = int(headers.get("x-ratelimit-limit-tokens", remaining))
+            headers["x-ratelimit-remaining-tokens"] = str(max(0, min(limit, int(remaining) + unused)))
+        return headers
 
     def engine_request_id(self, index: int) -> str:
         return self.request_id if len(self.prompts) == 1 else f"{self.request_id}-{index}"
@@ -335,6 +348,7 @@ class InferenceJob:
         used = 0 if status == "error" else self.billed_prompt_tokens + self.completion_tokens
         try:
             await self.services.limiter.settle(self.reservation, used)
+            self.settled_tokens = used
         except Exception:
             log.exception("quota settle failed for %s", self.request_id)
         now = time.perf_counter()

@@ -221,13 +221,13 @@ async def _replay(first, outputs: AsyncIterator) -> AsyncIterator[tuple[int, Req
 async def _chat_events(job: InferenceJob, outputs, first, response_id: str, created: int, model: str,
                        include_usage: bool) -> AsyncIterator[bytes]:
     try:
-        n = job.params.n
-        roles = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                  "finish_reason": None} for i in range(n)]
-        yield fmt.sse(fmt.chat_chunk(response_id, created, model, roles, include_usage))
+        # one choice per chunk, each with its own index, as OpenAI and vLLM stream n > 1
+        for i in range(job.params.n):
+            role = {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                    "finish_reason": None}
+            yield fmt.sse(fmt.chat_chunk(response_id, created, model, [role], include_usage))
         finished: set[int] = set()
         async for _index, out in _replay(first, outputs):
-            choices = []
             for o in out.outputs:
                 if o.index in finished:
                     continue
@@ -236,10 +236,9 @@ async def _chat_events(job: InferenceJob, outputs, first, response_id: str, crea
                     continue
                 if reason:
                     finished.add(o.index)
-                choices.append({"index": o.index, "delta": {"content": o.delta_text} if o.delta_text else {},
-                                "logprobs": fmt.chat_logprobs(o.delta_logprobs), "finish_reason": reason})
-            if choices:
-                yield fmt.sse(fmt.chat_chunk(response_id, created, model, choices, include_usage))
+                choice = {"index": o.index, "delta": {"content": o.delta_text} if o.delta_text else {},
+                          "logprobs": fmt.chat_logprobs(o.delta_logprobs), "finish_reason": reason}
+                yield fmt.sse(fmt.chat_chunk(response_id, created, model, [choice], include_usage))
         if include_usage:
             yield fmt.sse({"id": response_id, "object": "chat.completion.chunk", "created": created,
                            "model": model, "choices": [],
@@ -258,8 +257,7 @@ async def _completion_events(job: InferenceJob, outputs, first, response_id: str
         finished: set[int] = set()
         offsets: dict[int, int] = {}
         async for index, out in _replay(first, outputs):
-            choices = []
-            for o in out.outputs:
+            for o in out.outputs:  # one choice per chunk, as for chat
                 choice_index = index * n + o.index
                 if choice_index in finished:
                     continue
@@ -272,11 +270,9 @@ async def _completion_events(job: InferenceJob, outputs, first, response_id: str
                 # may lag behind them: a stop string held back, a character's UTF-8 pieces)
                 offset = offsets.get(choice_index, 0)
                 offsets[choice_index] = offset + sum(fmt.text_width(e.chosen) for e in o.delta_logprobs or ())
-                choices.append({"index": choice_index, "text": o.delta_text,
-                                "logprobs": fmt.completion_logprobs(o.delta_logprobs, offset),
-                                "finish_reason": reason})
-            if choices:
-                yield fmt.sse(fmt.completion_chunk(response_id, created, model, choices, include_usage))
+                choice = {"index": choice_index, "text": o.delta_text,
+                          "logprobs": fmt.completion_logprobs(o.delta_logprobs, offset), "finish_reason": reason}
+                yield fmt.sse(fmt.completion_chunk(response_id, created, model, [choice], include_usage))
         if include_usage:
             yield fmt.sse({"id": response_id, "object": "text_completion", "created": created, "model": model,
                            "choices": [], "usage": fmt.usage_dict(job.prompt_tokens, job.completion_tokens)})

@@ -145,7 +145,8 @@ def list_admin_keys(*, _admin: AdminDep, session: SessionDep,
 
 @router.delete("/admin-keys/{key_id}", response_model=AdminKeyPublic)
 def revoke_admin(*, _admin: AdminDep, session: SessionDep, key_id: IdPath) -> AdminKey:
-    """Revoke an admin key (this request's own too: it is refused from the next request on)."""
+    """Revoke an admin key (this request's own too: it is refused from the next request on). The last active
+    admin key is refused with a 409: revoking it would lock everyone out of the admin API and the console."""
     if session.get(AdminKey, key_id) is None:
         raise not_found(f"no admin key with id {key_id}", param="key_id")
     return revoke_admin_key(session, key_id)

@@ -10,7 +10,7 @@ from fastapi.responses import Response
 
 from loraplex.platform.billing.periods import Day
 from loraplex.platform.billing.responses import AdapterQuery, adapter_filter
-from loraplex.platform.deps import RowId, SessionDep, UsageKeyDep
+from loraplex.platform.deps import KnownQueryDep, RowId, SessionDep, UsageKeyDep
 from loraplex.platform.errors import bad_request
 from loraplex.platform.schemas.usage import UsageBucket, UsageReport
 from loraplex.platform.strict_json import StrictJsonRoute
@@ -21,7 +21,7 @@ MAX_DAYS = 366
 
 
 @router.get("/usage", response_model=UsageReport, responses={200: {"content": {"text/csv": {}}}})
-def read_usage(*, tenant: UsageKeyDep, session: SessionDep,
+def read_usage(*, tenant: UsageKeyDep, _known: KnownQueryDep, session: SessionDep,
                start: Day | None = Query(default=None, description="first UTC day, YYYY-MM-DD (default: 30 days ago)"),
                end: Day | None = Query(default=None,
                                        description="last UTC day, YYYY-MM-DD, inclusive (default: today)"),
