@@ -541,10 +541,14 @@ using LoraFn = void (*)(torch::Tensor, torch::Tensor, torch::Tensor, torch::Tens
                         torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor,
                         int64_t);
 
-// x [T, hidden]: the step's embeddings (used as the first residual, overwritten); cos/sin [T, 1, D/2].
+// x [T, hidden]: the step's embeddings (used as the first residual, overwritten); cos/sin [T, 1, rotary_dim/2].
 // layers: 6 per layer: input norm weight, qkv panels, o panels, post-attention norm weight, gate_up panels,
-//   down panels. qkv_bias: none, or one per layer. caches: k and v per layer [Hkv, blocks, block_size, D].
-// sizes: num_heads, num_kv_heads, head_dim, hidden, intermediate. slots [T]: where each token's K/V go;
+//   down panels. biases: none, or 4 per layer (qkv, o, gate_up, down), an empty tensor where that projection
+//   has none. caches: k and v per layer [Hkv, blocks, block_size, D].
+// qk_norms: none, or 2 per layer: the per-head RMSNorm weights [D] of q and of k (Qwen3), applied before the
+//   rotation with the same eps as the other norms.
+// sizes: num_heads, num_kv_heads, head_dim, hidden, intermediate, rotary_dim (the leading dims of each head
+//   that rotate: head_dim, or less with a partial_rotary_factor). slots [T]: where each token's K/V go;
 //   tables [T, W] / lens [T]: every row's blocks and context length (the attention kernel's arguments).
 // lora: none, or 5 per projection (a_ptrs, b_ptrs, ranks, rank_offsets, out_meta), 4 projections per layer
 //   (qkv, o, gate_up, down), lora_dims 3 per projection (in_features, out_features, weight dtype code) and
@@ -553,18 +557,20 @@ using LoraFn = void (*)(torch::Tensor, torch::Tensor, torch::Tensor, torch::Tens
 // windows: none, or one per layer: its sliding window (0: the whole context).
 // Returns the final norm's output [T, hidden].
 torch::Tensor decoder_stack(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, std::vector<torch::Tensor> layers,
-                            std::vector<torch::Tensor> qkv_bias, std::vector<torch::Tensor> caches,
+                            std::vector<torch::Tensor> biases, std::vector<torch::Tensor> caches,
                             torch::Tensor final_norm, std::vector<int64_t> sizes, double eps, double scale,
                             torch::Tensor slots, torch::Tensor tables, torch::Tensor lens,
                             std::vector<torch::Tensor> lora, std::vector<int64_t> lora_dims,
                             std::vector<torch::Tensor> lora_shared, int64_t linear_fn, int64_t lora_fn,
-                            std::vector<int64_t> limits, std::vector<int64_t> windows) {
-  TORCH_CHECK(sizes.size() == 5 && limits.size() == 4, "decoder_stack: sizes and limits");
+                            std::vector<int64_t> limits, std::vector<int64_t> windows,
+                            std::vector<torch::Tensor> qk_norms) {
+  TORCH_CHECK(sizes.size() == 6 && limits.size() == 4, "decoder_stack: sizes and limits");
   TORCH_CHECK(layers.size() % 6 == 0 && !layers.empty(), "decoder_stack: 6 tensors per layer");
   const int64_t L = static_cast<int64_t>(layers.size() / 6);
   TORCH_CHECK(windows.empty() || windows.size() == static_cast<size_t>(L), "decoder_stack: one window per layer");
   TORCH_CHECK(caches.size() == static_cast<size_t>(2 * L), "decoder_stack: k and v caches per layer");
-  TORCH_CHECK(qkv_bias.empty() || qkv_bias.size() == static_cast<size_t>(L), "decoder_stack: qkv biases");
+  TORCH_CHECK(biases.empty() || biases.size() == static_cast<size_t>(4 * L), "decoder_stack: 4 biases per layer");
+  TORCH_CHECK(qk_norms.empty() || qk_norms.size() == static_cast<size_t>(2 * L), "decoder_stack: q/k norms");
   const bool has_lora = !lora.empty();
   TORCH_CHECK(!has_lora || (lora.size() == static_cast<size_t>(20 * L) && lora_dims.size() == static_cast<size_t>(12 * L)
                             && lora_shared.size() == 3 && lora_fn != 0), "decoder_stack: LoRA arguments");
@@ -572,7 +578,8 @@ torch::Tensor decoder_stack(torch::Tensor x, torch::Tensor cos, torch::Tensor si
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat, "decoder_stack: x [T, hidden] fp32");
   const auto linear = reinterpret_cast<LinearFn>(linear_fn);
   const auto lora_groups = reinterpret_cast<LoraFn>(lora_fn);
-  const int64_t H = sizes[0], Hkv = sizes[1], D = sizes[2], hidden = sizes[3], inter = sizes[4];
+  const int64_t H = sizes[0], Hkv = sizes[1], D = sizes[2], hidden = sizes[3], inter = sizes[4], RD = sizes[5];
+  TORCH_CHECK(RD > 0 && RD <= D && RD % 2 == 0, "decoder_stack: rotary_dim must be even, in 1..head_dim");
   const int64_t T = x.size(0), q_end = H * D, k_end = q_end + Hkv * D, qkv_n = k_end + Hkv * D;
   const int64_t gemm_cost = limits[0], attn_cost = limits[1], lora_cost = limits[2], elems = limits[3];
   auto add_lora = [&](int64_t layer, int64_t proj, torch::Tensor& y, const torch::Tensor& in) {
@@ -582,6 +589,17 @@ torch::Tensor decoder_stack(torch::Tensor x, torch::Tensor cos, torch::Tensor si
     const int64_t* d = &lora_dims[p * 3];
     lora_groups(y, in, w[0], w[1], d[0], d[1], d[2], lora_shared[0], lora_shared[1], w[2], w[3], w[4],
                 lora_shared[2], lora_cost);
+  };
+  auto bias_of = [&](int64_t layer, int64_t proj) -> c10::optional<torch::Tensor> {
+    if (biases.empty() || biases[layer * 4 + proj].numel() == 0) return c10::nullopt;
+    return biases[layer * 4 + proj];
+  };
+  // Qwen3's per-head norm, as the module path runs it: the heads copied out of the qkv rows, normed into a new
+  // [T, heads, D] tensor.
+  auto head_norm = [&](const torch::Tensor& qkv, int64_t start, int64_t heads, const torch::Tensor& weight) {
+    torch::Tensor out = torch::empty({T * heads, D}, x.options());
+    rms_norm(out, qkv.narrow(1, start, heads * D).reshape({T * heads, D}), weight, eps, elems);
+    return out.view({T, heads, D});
   };
   torch::Tensor residual = x;
   torch::Tensor h;
@@ -593,27 +611,33 @@ torch::Tensor decoder_stack(torch::Tensor x, torch::Tensor cos, torch::Tensor si
     } else {
       fused_add_rms_norm_(h, residual, w[0], eps, elems);
     }
-    c10::optional<torch::Tensor> bias;
-    if (!qkv_bias.empty()) bias = qkv_bias[l];
-    torch::Tensor qkv = linear(h, w[1], qkv_n, bias, gemm_cost);
+    torch::Tensor qkv = linear(h, w[1], qkv_n, bias_of(l, 0), gemm_cost);
     add_lora(l, 0, qkv, h);
-    rotary_(qkv.narrow(1, 0, k_end).view({T, H + Hkv, D}), cos, sin, elems);
-    torch::Tensor q = qkv.narrow(1, 0, q_end).view({T, H, D});
-    torch::Tensor k = qkv.narrow(1, q_end, Hkv * D).view({T, Hkv, D});
+    torch::Tensor q, k;
+    if (!qk_norms.empty()) {
+      q = head_norm(qkv, 0, H, qk_norms[2 * l]);
+      k = head_norm(qkv, q_end, Hkv, qk_norms[2 * l + 1]);
+      rotary_(q.narrow(2, 0, RD), cos, sin, elems);
+      rotary_(k.narrow(2, 0, RD), cos, sin, elems);
+    } else {
+      rotary_(qkv.narrow(1, 0, k_end).view({T, H + Hkv, D}).narrow(2, 0, RD), cos, sin, elems);
+      q = qkv.narrow(1, 0, q_end).view({T, H, D});
+      k = qkv.narrow(1, q_end, Hkv * D).view({T, Hkv, D});
+    }
     torch::Tensor v = qkv.narrow(1, k_end, Hkv * D).view({T, Hkv, D});
     const torch::Tensor& kc = caches[2 * l];
     const torch::Tensor& vc = caches[2 * l + 1];
     write_kv_(kc, vc, k, v, slots);
     torch::Tensor attn = paged_decode_attention(q, kc, vc, tables, lens, scale, attn_cost,
                                                 windows.empty() ? 0 : windows[l]).reshape({T, q_end});
-    torch::Tensor o = linear(attn, w[2], hidden, c10::nullopt, gemm_cost);
+    torch::Tensor o = linear(attn, w[2], hidden, bias_of(l, 1), gemm_cost);
     add_lora(l, 1, o, attn);
     fused_add_rms_norm_(o, residual, w[3], eps, elems);
-    torch::Tensor gate_up = linear(o, w[4], 2 * inter, c10::nullopt, gemm_cost);
+    torch::Tensor gate_up = linear(o, w[4], 2 * inter, bias_of(l, 2), gemm_cost);
     add_lora(l, 2, gate_up, o);
     torch::Tensor act = torch::empty({T, inter}, x.options());
     silu_and_mul(act, gate_up, elems);
-    h = linear(act, w[5], hidden, c10::nullopt, gemm_cost);
+    h = linear(act, w[5], hidden, bias_of(l, 3), gemm_cost);
     add_lora(l, 3, h, act);
   }
   fused_add_rms_norm_(h, residual, final_norm, eps, elems);
@@ -625,7 +649,7 @@ _FUNCTIONS = [
     "paged_decode_attention", "fused_add_rms_norm_", "rms_norm", "silu_and_mul", "rotary_", "write_kv_", "decoder_stack",
 ]
 
-EXTENSION_NAME = "loraplex_ops_cpu_v11"  # bump the suffix when the C++ source changes incompatibly
+EXTENSION_NAME = "loraplex_ops_cpu_v12"  # bump the suffix when the C++ source changes incompatibly
 _EXTENSION = InlineExtension(
     EXTENSION_NAME, _SOURCE, _FUNCTIONS, what="CPU fused ops",
     # no-trapping-math: lets the clamps in fast_exp become vector min/max (nothing reads FP flags)

@@ -43,17 +43,35 @@ def _run(model_dir, monkeypatch, *, stack: bool, adapters=None, **kwargs):
 @pytest.fixture(scope="module")
 def tiny_windowed_qwen2_dir(tmp_path_factory):
     """Qwen2 with a full-attention layer and a sliding one (window 6, shorter than most prompts)."""
-    from loraplex.testing import make_tiny_model
-
     return make_tiny_model(tmp_path_factory.mktemp("windowed"), "qwen2", use_sliding_window=True, sliding_window=6,
                            max_window_layers=1)
 
 
+@pytest.fixture(scope="module")
+def tiny_partial_rotary_phi3_dir(tmp_path_factory):
+    """Phi-3 rotating the leading half of each head only."""
+    return make_tiny_model(tmp_path_factory.mktemp("partial"), "phi3", partial_rotary_factor=0.5)
+
+
+@pytest.fixture(scope="module")
+def tiny_attention_bias_llama_dir(tmp_path_factory):
+    """Llama with attention_bias: biases on q, k, v and o_proj."""
+    return make_tiny_model(tmp_path_factory.mktemp("attn_bias"), "llama", attention_bias=True)
+
+
+@pytest.fixture(scope="module")
+def tiny_mlp_bias_llama_dir(tmp_path_factory):
+    """Llama with mlp_bias: biases on gate, up and down."""
+    return make_tiny_model(tmp_path_factory.mktemp("mlp_bias"), "llama", mlp_bias=True)
+
+
 @pytest.mark.parametrize("arch", ["tiny_llama_dir", "tiny_qwen2_dir", "tiny_tied_dir", "tiny_windowed_qwen2_dir",
-                                  "tiny_phi3_dir"])
+                                  "tiny_phi3_dir", "tiny_qwen3_dir", "tiny_partial_rotary_phi3_dir",
+                                  "tiny_attention_bias_llama_dir", "tiny_mlp_bias_llama_dir"])
 def test_same_tokens_and_logprobs_as_the_modules(arch, request, monkeypatch, stack_calls):
     # qwen2: biased qkv; tied: the head is the embedding; windowed: each layer's window is the kernel's argument;
-    # phi3: loaded from fused checkpoint projections
+    # phi3: loaded from fused checkpoint projections; qwen3: per-head q/k norms (head_dim 32, wider than
+    # hidden / heads); partial rotary: half of each head rotates; attention_bias: o_proj's bias too; mlp_bias
     model_dir = request.getfixturevalue(arch)
     stacked = _run(model_dir, monkeypatch, stack=True, max_loras=0)
     # the short prefill (62 tokens) and every decode step (5 rows) took it
@@ -99,18 +117,24 @@ def test_phi3_with_fused_adapters_mixed_in_the_step(tiny_phi3_dir, tmp_path, mon
     assert stacked == _run(tiny_phi3_dir, monkeypatch, stack=False, adapters=adapters, **kwargs)
 
 
-@pytest.mark.parametrize("arch,config", [
-    ("qwen3", {}),  # per-head q/k norms
-    ("phi3", {"partial_rotary_factor": 0.5}),  # half of each head rotates
-], ids=["qwen3-qk-norm", "phi3-partial-rotary"])
-def test_models_the_stack_cannot_express_take_the_modules(arch, config, tmp_path, monkeypatch, stack_calls):
-    model_dir = make_tiny_model(tmp_path / "m", arch, **config)
-    monkeypatch.setenv("LORAPLEX_CPU_DECODER_STACK", "1")
-    llm = LLM(str(model_dir), kv_cache_memory=8 << 20, max_loras=0)
-    assert llm.engine.runner.model.model._stack is None
-    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
-    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:2]], params, use_tqdm=False)
-    assert [len(o.outputs[0].token_ids) for o in outs] == [3, 3] and stack_calls == []
+@pytest.mark.parametrize("arch", ["tiny_qwen3_dir", "tiny_partial_rotary_phi3_dir", "tiny_attention_bias_llama_dir",
+                                  "tiny_mlp_bias_llama_dir"])
+def test_variants_with_adapters_mixed_in_the_step(arch, request, tmp_path, monkeypatch, stack_calls):
+    # the LoRA deltas go in after each projection's bias, before the q/k norms and the rotation
+    model_dir = request.getfixturevalue(arch)
+    every = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj") if "phi3" in arch else \
+        ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    dirs = [
+        make_peft_adapter(model_dir, tmp_path / "a0", r=8, target_modules=every, seed=0),
+        make_peft_adapter(model_dir, tmp_path / "a1", r=4, target_modules=every[:1], seed=1),
+    ]
+    adapters = [str(dirs[0]), None, str(dirs[1]), str(dirs[0]), None]
+    kwargs = dict(max_loras=2, max_cpu_loras=2, adapter_store=str(tmp_path / "store"))
+    stacked = _run(model_dir, monkeypatch, stack=True, adapters=adapters, **kwargs)
+    assert stack_calls == [sum(map(len, PROMPTS))] + [len(PROMPTS)] * 9
+    assert stacked == _run(model_dir, monkeypatch, stack=False, adapters=adapters, **kwargs)
+    base_only = _run(model_dir, monkeypatch, stack=True, max_loras=0)
+    assert stacked[1] == base_only[1] and stacked[0] != base_only[0]  # the adapters did change their rows
 
 
 def test_phi3_longrope_takes_the_stack(tmp_path, monkeypatch, stack_calls):

@@ -133,7 +133,9 @@ class DecoderStack:
     the same CPU kernels one by one: fp32 on the CPU, every projection packed as panels, the compiled kernels
     present, and steps whose attention is the paged decode kernel's (decodes, short prefill chunks; each
     layer's sliding window, if it has one, is the kernel's argument as on the module path) and
-    whose products stay on the panels (fewer than BLAS_MIN_ROWS rows). Same kernels, same order, same
+    whose products stay on the panels (fewer than BLAS_MIN_ROWS rows). It expresses the family's variants: any
+    projection's bias (Qwen2's qkv, Llama's attention_bias and mlp_bias), Qwen3's per-head q/k norms, and a
+    rotation of each head's leading rotary_dim dims only (partial_rotary_factor). Same kernels, same order, same
     arguments: the outputs are the module path's bit for bit. Any other step returns None and the modules
     run. On a 2-core EPYC a 32-row decode step of SmolLM2 spent about a tenth of its time in the Python
     around its 30 layers' kernels."""
@@ -152,15 +154,11 @@ class DecoderStack:
         linears = [m for m in model.modules() if isinstance(m, LoraLinear)]
         if not linears or any(m._packed is None or m._packed.kind != "panels" for m in linears):
             return None
-        # the C++ stack adds the qkv projection's bias only (Qwen2's); Llama's attention_bias and mlp_bias
-        # models take the module path, whose projections add their own
-        if any(m.bias is not None and m.module_names[0] != "q_proj" for m in linears):
-            return None
-        # nor does it norm q and k per head (Qwen3) or rotate part of a head only (partial_rotary_factor)
-        if model.arch.qk_norm or model.arch.rotary_dim is not None:
-            return None
-        tensors = [model.embed_tokens.weight, *(m.weight for m in model.modules() if isinstance(m, RMSNorm))]
+        norms = [m for m in model.modules() if isinstance(m, RMSNorm)]
+        tensors = [model.embed_tokens.weight, *(m.weight for m in norms), *(m.bias for m in linears if m.bias is not None)]
         if any(t.dtype != torch.float32 or t.device.type != "cpu" for t in tensors):
+            return None
+        if any(m.eps != model.norm.eps for m in norms):  # the C++ stack takes one eps for every norm
             return None
         address = linear_address()
         return None if address is None else cls(model, address)
@@ -170,22 +168,28 @@ class DecoderStack:
         layers = self.model.layers
         first = layers[0].self_attn.attn.k_cache
         if self._static is None or self._static[0] is not first:
-            flat, biases, caches = [], [], []
+            flat, biases, qk_norms, caches = [], [], [], []
+            none = torch.empty(0)  # a projection without a bias
             for layer in layers:
                 attn, mlp = layer.self_attn, layer.mlp
+                projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
                 flat += [layer.input_layernorm.weight, attn.qkv_proj._packed.data, attn.o_proj._packed.data,
                          layer.post_attention_layernorm.weight, mlp.gate_up_proj._packed.data,
                          mlp.down_proj._packed.data]
-                if attn.qkv_proj.bias is not None:
-                    biases.append(attn.qkv_proj.bias)
+                biases += [none if p.bias is None else p.bias for p in projections]
+                if attn.q_norm is not None:
+                    qk_norms += [attn.q_norm.weight, attn.k_norm.weight]
                 caches += [attn.attn.k_cache, attn.attn.v_cache]
+            if all(b is none for b in biases):
+                biases = []
             if any(c is None or not c.is_contiguous() for c in caches):
                 raise RuntimeError("the KV caches are not bound")
             a = layers[0].self_attn
             sizes = [a.num_heads, a.num_kv_heads, a.head_dim, a.o_proj.output_sizes[0],
-                     layers[0].mlp.intermediate_size]
+                     layers[0].mlp.intermediate_size, a.rotary_dim]
             windows = [layer.self_attn.attn.window or 0 for layer in layers]  # 0: the whole context
-            self._static = (first, flat, biases, caches, sizes, a.attn.scale, windows if any(windows) else [])
+            self._static = (first, flat, biases, qk_norms, caches, sizes, a.attn.scale,
+                            windows if any(windows) else [])
         return self._static
 
     def _lora_args(self, lora) -> tuple[list, list, list, int] | None:
@@ -235,13 +239,13 @@ class DecoderStack:
             if lora is None:
                 return None
             lora_tensors, lora_dims, lora_shared, lora_fn = lora
-        _, flat, biases, caches, sizes, scale, windows = self._static_args()
+        _, flat, biases, qk_norms, caches, sizes, scale, windows = self._static_args()
         cos, sin = rope
         return ops_cpu.decoder_stack(
             x.contiguous(), cos, sin, flat, biases, caches, self.model.norm.weight, sizes,
             self.model.norm.eps, scale, meta.slot_mapping, tables, lens, lora_tensors, lora_dims, lora_shared,
             self.linear_fn, lora_fn, [GEMM_COST, ops_cpu.MIN_PARALLEL_COST, LORA_COST, ops_cpu.MIN_PARALLEL_ELEMENTS],
-            windows,
+            windows, qk_norms,
         )
 
 
