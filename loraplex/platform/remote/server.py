@@ -28,6 +28,7 @@ from loraplex.platform.remote.protocol import (
     engine_token,
     output_to_json,
     params_from_json,
+    secret_fingerprint,
     stats_to_json,
 )
 
@@ -293,6 +294,8 @@ async def _heartbeat(redis, settings: Settings, engine: EngineClient, engine_id:
             record = {"engine_id": engine_id, "url": advertise, "model_name": engine.model_name,
                       # the name clients use for its base model: API processes route only to engines serving theirs
                       "served_model_name": served_name(settings.served_model_name or engine.model_name),
+                      # API processes with another secret would have every request refused: they skip it
+                      "secret_fingerprint": secret_fingerprint(settings.secret_key),
                       "max_model_len": engine.max_model_len, "running": s.num_running, "waiting": s.num_waiting,
                       "max_num_seqs": settings.max_num_seqs, "resident": list(s.lora_resident),
                       "host_cached": list(s.lora_host_cached), "updated": time.time(),
