@@ -90,8 +90,9 @@ class EngineRouter:
         if self.records or not (self.foreign or self.other_secret):
             return None
         if self.other_secret and not self.foreign:
-            return (f"No engine process accepts this API process's LORAPLEX_SECRET_KEY (the registered ones, at "
-                    f"{', '.join(sorted(self.other_secret.values()))}, were started with another one).")
+            # the log names them; this line also reaches tenants
+            return ("No engine process accepts this API process's LORAPLEX_SECRET_KEY (the registered ones were "
+                    "started with another one).")
         return (f"No engine process serves the model {served_name(self.model_name)!r} (the registered ones serve "
                 f"{', '.join(sorted(set(self.foreign.values())))}).")
 
