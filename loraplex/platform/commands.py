@@ -56,6 +56,19 @@ def prepare_database_or_fail(settings) -> None:
         raise click.ClickException(f"cannot {verb} the database {masked_url(url)}: {database_error(exc)}") from exc
 
 
+def refuse_another_key_secret(settings) -> None:
+    """Stop, in one line, a process whose LORAPLEX_SECRET_KEY is not the one the database's keys were made with."""
+    from loraplex.platform.bootstrap import key_secret_problem
+
+    try:
+        problem = key_secret_problem(settings)
+    except Exception as exc:
+        raise click.ClickException(f"cannot reach the database {masked_url(settings.resolved_database_url)}: "
+                                   f"{database_error(exc)}") from exc
+    if problem:
+        raise click.ClickException(problem)
+
+
 def _make_data_dir(data_dir) -> None:
     try:
         make_folder(data_dir)
@@ -148,6 +161,7 @@ def serve(model, host, port, data_dir, no_engine):
     if settings.redis_url:
         _refuse_unreachable_redis(settings)
     prepare_database_or_fail(settings)
+    refuse_another_key_secret(settings)
     if settings.embedded_engine:
         _refuse_bad_model(settings)
     secret = ensure_admin_key(settings)
