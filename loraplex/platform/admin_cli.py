@@ -70,7 +70,7 @@ def _session():
     from sqlalchemy.engine import make_url
 
     from loraplex.config import Settings
-    from loraplex.platform.commands import _setting_error, prepare_database_or_fail
+    from loraplex.platform.commands import _setting_error, prepare_database_or_fail, refuse_another_key_secret
     from loraplex.platform.db import make_engine, make_session_factory, session_scope
     from loraplex.platform.schemas.messages import plain_errors
     from loraplex.platform.tenants import TenantError
@@ -85,10 +85,12 @@ def _session():
     sqlite_file = Path(url.database).resolve() if url.get_backend_name() == "sqlite" and url.database else None
     is_new = sqlite_file is not None and not sqlite_file.exists()
     prepare_database_or_fail(settings)
+    refuse_another_key_secret(settings)
     if is_new:
         click.echo(f"loraplex admin: there was no database at {sqlite_file}, so a new, empty one was created. "
                    "`loraplex serve` uses the one under its data folder (LORAPLEX_DATA_DIR, by default "
-                   "./.loraplex in the folder it runs from); run `loraplex admin` there to manage its tenants.",
+                   "./.loraplex in the folder it runs from); run `loraplex admin` there to manage its tenants, "
+                   "or, for a server on PostgreSQL, set LORAPLEX_DATABASE_URL to the one its processes use.",
                    err=True)
     engine = make_engine(settings.resolved_database_url, pooled=False)
     try:

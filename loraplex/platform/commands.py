@@ -56,6 +56,19 @@ def prepare_database_or_fail(settings) -> None:
         raise click.ClickException(f"cannot {verb} the database {masked_url(url)}: {database_error(exc)}") from exc
 
 
+def refuse_another_key_secret(settings) -> None:
+    """Stop, in one line, a process whose LORAPLEX_SECRET_KEY is not the one the database's keys were made with."""
+    from loraplex.platform.bootstrap import key_secret_problem
+
+    try:
+        problem = key_secret_problem(settings)
+    except Exception as exc:
+        raise click.ClickException(f"cannot reach the database {masked_url(settings.resolved_database_url)}: "
+                                   f"{database_error(exc)}") from exc
+    if problem:
+        raise click.ClickException(problem)
+
+
 def _make_data_dir(data_dir) -> None:
     try:
         make_folder(data_dir)
@@ -74,14 +87,24 @@ def _print_admin_key(secret: str) -> None:
 def _refuse_busy_port(host: str, port: int) -> None:
     """uvicorn binds only after the database, the one-time admin key and the model are ready, so a busy port
     would show after all of them (and after the key was printed into the failed run's output)."""
+    _listen(host, port).close()
+
+
+def _listen(host: str, port: int):
+    """A socket listening on host:port, or one line saying why there can be none."""
     import errno
     import socket
 
     try:
         family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
-        with socket.socket(family, socket.SOCK_STREAM) as probe:
-            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does
-            probe.bind(address)
+        listener = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does
+            listener.bind(address)
+            listener.listen(2048)  # a bound socket that does not listen yet would not keep a second bind out
+        except BaseException:
+            listener.close()
+            raise
     except OSError as exc:
         if isinstance(exc, socket.gaierror):  # the host is no address of this machine's, nor a name it knows
             hint = "pass --host an address of this machine (127.0.0.1, 0.0.0.0)"
@@ -90,6 +113,7 @@ def _refuse_busy_port(host: str, port: int) -> None:
         else:
             hint = "pass another --host or --port"
         raise click.ClickException(f"cannot listen on {host}:{port}: {exc.strerror or exc}; {hint}") from exc
+    return listener
 
 
 def _refuse_unreachable_redis(settings) -> None:
@@ -137,6 +161,7 @@ def serve(model, host, port, data_dir, no_engine):
     if settings.redis_url:
         _refuse_unreachable_redis(settings)
     prepare_database_or_fail(settings)
+    refuse_another_key_secret(settings)
     if settings.embedded_engine:
         _refuse_bad_model(settings)
     secret = ensure_admin_key(settings)
@@ -282,12 +307,16 @@ def engine(model, host, port, advertise):
                                  why="; engine processes read adapter pins from the platform's database: set "
                                      "LORAPLEX_DATABASE_URL to the one the API processes use")
     # uvicorn starts the app (the engine, its registration, its task queue) before it binds: an engine on a
-    # busy port would register another engine's address and take tasks, then hang in its shutdown
-    _refuse_busy_port(host, port)
-    _refuse_bad_model(settings)
+    # busy port would register another engine's address and take tasks, then fail. The port is taken here,
+    # before the model loads, and handed to the server, so that two engines started on one port at the same
+    # time cannot both get past a check of it
+    listener = _listen(host, port)
     from loraplex.platform.remote.server import EngineStopped
 
     try:
-        run_engine_server(settings, host=host, port=port, advertise=advertise)
+        _refuse_bad_model(settings)
+        run_engine_server(settings, host=host, port=port, advertise=advertise, listener=listener)
     except EngineStopped as exc:  # exit status 1: a supervisor that restarts on failure starts a new engine
         raise click.ClickException(f"{exc}; the server log has the cause") from exc
+    finally:
+        listener.close()

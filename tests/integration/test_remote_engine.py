@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import sys
 import time
@@ -15,7 +16,7 @@ import pytest
 pytestmark = pytest.mark.integration
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "platform"))
 
-REDIS_URL = "redis://127.0.0.1:6379/0"
+REDIS_URL = os.environ.get("LORAPLEX_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")  # as test_platform_stack
 
 
 @pytest.fixture

@@ -15,6 +15,8 @@ def test_first_command_in_a_folder_without_a_database_says_so(elsewhere):
     db = (elsewhere / ".loraplex" / "loraplex.db").resolve()
     assert f"there was no database at {db}" in first.stderr
     assert "LORAPLEX_DATA_DIR" in first.stderr
+    # a production deployment's database is not under any folder: the hint names the setting that finds it
+    assert "LORAPLEX_DATABASE_URL" in first.stderr
     assert "tenant acme" in first.stdout and "no database" not in first.stdout
 
     again = runner.invoke(admin, ["list-tenants"])

@@ -457,3 +457,68 @@ def test_no_engine_of_the_model_is_what_the_503_and_readiness_say(client, app, m
     assert Services.engine_problem(app.state.services) == OnlyForeign.unavailable_reason
     r = client.get("/readyz")
     assert r.status_code == 503 and "serves the model 'fake-base'" in r.text
+
+
+def test_an_engine_started_with_another_secret_gets_no_request_and_readiness_says_so(caplog):
+    """An engine process given another LORAPLEX_SECRET_KEY registers in the same Redis, but refuses every
+    request this API process sends (401): it is passed over, logged once, and where it is the only engine the
+    503 and /readyz name the setting rather than reporting ready and failing each request."""
+    import asyncio
+    import logging
+
+    from loraplex.platform.remote.protocol import secret_fingerprint
+
+    settings = Settings(environment="test", model="base-7b", secret_key="api-secret-0123456789")
+    router = EngineRouter(settings, redis=None, tokenizer=None, max_model_len=64)
+    router.redis = _Registry(_record("theirs", "base-7b", secret_fingerprint=secret_fingerprint("other-0123456789ab")),
+                             _record("ours", "base-7b", running=3,
+                                     secret_fingerprint=secret_fingerprint(settings.secret_key)),
+                             _record("older", "base-7b", running=5))  # an engine that does not say: tried
+    with caplog.at_level(logging.WARNING, logger="loraplex.platform.remote.router"):
+        asyncio.run(router.refresh())
+        asyncio.run(router.refresh())
+    assert set(router.records) == {"ours", "older"} and router.other_secret == {"theirs": "http://theirs"}
+    assert router.choose(None).url == "http://ours"
+    assert len([r for r in caplog.records if "LORAPLEX_SECRET_KEY" in r.getMessage()]) == 1
+
+    router.redis = _Registry(_record("theirs", "base-7b", secret_fingerprint=secret_fingerprint("other-0123456789ab")))
+    asyncio.run(router.refresh())
+    assert not router.available
+    assert "LORAPLEX_SECRET_KEY" in router.unavailable_reason and "http://theirs" not in router.unavailable_reason
+    with pytest.raises(EngineOverloadedError):
+        router.choose(None)
+
+
+def test_an_engine_registers_the_fingerprint_of_its_secret(tmp_path):
+    """The registration carries a fingerprint that matches the API process's only for the same secret."""
+    import asyncio
+    import json
+
+    from loraplex.platform.remote.protocol import engine_token, secret_fingerprint
+    from loraplex.platform.remote.server import _heartbeat
+
+    assert secret_fingerprint("a-secret-0123456789") != secret_fingerprint("b-secret-0123456789")
+    assert engine_token("a-secret-0123456789") not in secret_fingerprint("a-secret-0123456789")
+
+    class Engine:
+        model_name, max_model_len, failure = "base-7b", 64, None
+
+        def stats(self):
+            from loraplex.engine.client import EngineStats
+
+            return EngineStats()
+
+    class Redis:
+        def __init__(self):
+            self.written = {}
+
+        async def set(self, key, value, ex=None):
+            self.written[key] = json.loads(value)
+            raise asyncio.CancelledError  # one beat is enough
+
+    redis = Redis()
+    settings = Settings(environment="test", model="base-7b", secret_key="a-secret-0123456789", data_dir=tmp_path)
+    with pytest.raises(asyncio.CancelledError):
+        asyncio.run(_heartbeat(redis, settings, Engine(), "e1", "http://e1"))
+    (record,) = redis.written.values()
+    assert record["secret_fingerprint"] == secret_fingerprint("a-secret-0123456789")

@@ -117,3 +117,56 @@ def test_engine_refuses_a_busy_port_before_registering(data_dir, tmp_path, monke
         port = holder.getsockname()[1]
         r = CliRunner().invoke(engine, ["--port", str(port), "--model", str(tmp_path / "no-model")])
     assert r.exit_code == 1 and f"cannot listen on 127.0.0.1:{port}" in r.output, r.output
+
+
+def test_engine_holds_its_port_from_the_check_on(data_dir, tmp_path, monkeypatch):
+    """The port check and the server's bind are one: the engine takes the port before it loads its model and
+    serves on that socket, so a second engine started on the same port meanwhile (a copied command line) is
+    refused in one line rather than passing the check, registering and failing in uvicorn's bind. With
+    `--port 0` the port the system chose is the one it serves on."""
+    from loraplex.platform.commands import engine
+    from loraplex.testing import make_tiny_model
+
+    model = make_tiny_model(tmp_path / "model", "llama")
+    monkeypatch.setenv("LORAPLEX_REDIS_URL", "redis://127.0.0.1:6379/0")
+    monkeypatch.setattr("loraplex.platform.commands._refuse_unreachable_redis", lambda url: None)
+    monkeypatch.setattr("loraplex.platform.commands._refuse_unreachable_database", lambda settings, **_: None)
+    seen = {}
+
+    def fake_run(settings, *, host, port, advertise=None, listener=None):
+        seen["listener_port"] = listener.getsockname()[1]
+        seen["second"] = CliRunner().invoke(engine, ["--port", str(seen["listener_port"]), "--model", str(model)])
+
+    monkeypatch.setattr("loraplex.platform.remote.server.run_engine_server", fake_run)
+    r = CliRunner().invoke(engine, ["--port", "0", "--model", str(model)])
+    assert r.exit_code == 0, r.output
+    port = seen["listener_port"]
+    assert port != 0
+    second = seen["second"]
+    assert second.exit_code == 1 and f"cannot listen on 127.0.0.1:{port}" in second.output, second.output
+    with socket.socket() as after:  # and the port is let go once the engine process is done with it
+        after.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        after.bind(("127.0.0.1", port))
+
+
+def test_engine_serves_on_the_socket_it_was_given(tmp_path, monkeypatch):
+    """`run_engine_server` advertises and serves the port of the socket it was handed."""
+    import uvicorn
+
+    from loraplex.config import Settings
+    from loraplex.platform.remote import server as engine_server
+
+    seen = {}
+    monkeypatch.setattr("loraplex.platform.engine_factory.build_engine", lambda settings: object())
+    monkeypatch.setattr("loraplex.platform.redis_clients.async_redis", lambda settings: None)
+    monkeypatch.setattr(engine_server, "build_engine_app",
+                        lambda settings, engine, *, advertise, **_: seen.update(advertise=advertise))
+    monkeypatch.setattr(uvicorn.Server, "run", lambda self, sockets=None: seen.update(sockets=sockets))
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        engine_server.run_engine_server(Settings(environment="test", data_dir=tmp_path), host="127.0.0.1", port=0,
+                                        listener=listener)
+        assert seen["sockets"] == [listener]
+    assert seen["advertise"] == f"http://127.0.0.1:{port}"

@@ -53,3 +53,15 @@ class AdminKey(Base):
     key_hash: Mapped[str] = mapped_column(String(64), unique=True)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
     revoked_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
+
+
+class KeySecret(Base):
+    """Which LORAPLEX_SECRET_KEY the database's key hashes are keyed with, as a fingerprint (one row): a
+    process given another secret would hash every key differently, so that no key works, and the keys it
+    made would work nowhere else. `loraplex serve` and `loraplex admin` refuse to run with another secret."""
+
+    __tablename__ = "key_secret"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)  # always 1
+    fingerprint: Mapped[str] = mapped_column(String(64))
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)

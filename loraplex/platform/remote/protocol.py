@@ -21,6 +21,12 @@ def engine_token(secret_key: str) -> str:
     return hmac.new(secret_key.encode(), b"loraplex-engine", hashlib.sha256).hexdigest()
 
 
+def secret_fingerprint(secret_key: str) -> str:
+    """What an engine's registration shows of its secret: enough for an API process to tell that the two
+    were started with different LORAPLEX_SECRET_KEYs (every request would be refused), nothing to drive it."""
+    return hashlib.sha256(engine_token(secret_key).encode()).hexdigest()[:16]
+
+
 def params_to_json(params: SamplingParams) -> dict[str, Any]:
     return {name: getattr(params, name) for name in _PARAM_FIELDS}
 

@@ -23,7 +23,7 @@ from loraplex.engine.outputs import RequestOutput
 from loraplex.engine.sampling_params import SamplingParams
 from loraplex.platform.outage import OutageLog, every
 from loraplex.platform.remote.client import RemoteEngine
-from loraplex.platform.remote.protocol import add_stats
+from loraplex.platform.remote.protocol import add_stats, secret_fingerprint
 from loraplex.platform.remote.server import REGISTRATION_TTL, registry_key, served_name
 
 log = logging.getLogger(__name__)
@@ -46,6 +46,10 @@ class EngineRouter:
         # left from before a model change): never routed to, as this process tokenizes for its own model and
         # answers in its name -> the model they serve
         self.foreign: dict[str, str] = {}
+        # registered engines started with another LORAPLEX_SECRET_KEY: they would refuse every request this
+        # process sends (401), so none is sent -> their URL
+        self.other_secret: dict[str, str] = {}
+        self._fingerprint = secret_fingerprint(settings.secret_key)
         self._refresher: asyncio.Task | None = None
         self._owner: dict[str, RemoteEngine] = {}  # request id -> engine serving it
         self._ended: OrderedDict[str, RemoteEngine] = OrderedDict()  # request id -> engine that served it
@@ -83,8 +87,12 @@ class EngineRouter:
     @property
     def unavailable_reason(self) -> str | None:
         """Why no engine serves, where registered engines all serve another base model; else None."""
-        if self.records or not self.foreign:
+        if self.records or not (self.foreign or self.other_secret):
             return None
+        if self.other_secret and not self.foreign:
+            # the log names them; this line also reaches tenants
+            return ("No engine process accepts this API process's LORAPLEX_SECRET_KEY (the registered ones were "
+                    "started with another one).")
         return (f"No engine process serves the model {served_name(self.model_name)!r} (the registered ones serve "
                 f"{', '.join(sorted(set(self.foreign.values())))}).")
 
@@ -97,12 +105,20 @@ class EngineRouter:
     async def refresh(self) -> None:
         keys = [k async for k in self.redis.scan_iter(registry_key(self.settings.redis_prefix))]
         values = await self.redis.mget(keys) if keys else []
-        records, foreign = {}, {}
+        records, foreign, other_secret = {}, {}, {}
         for raw in values:
             if not raw:
                 continue
             rec = json.loads(raw)
             if time.time() - rec.get("updated", 0) > REGISTRATION_TTL:
+                continue
+            # an engine of an older version does not say: it is tried, and a refusal is logged per request
+            if rec.get("secret_fingerprint", self._fingerprint) != self._fingerprint:
+                other_secret[rec["engine_id"]] = str(rec.get("url"))
+                if rec["engine_id"] not in self.other_secret:
+                    log.warning("engine %s at %s was started with another LORAPLEX_SECRET_KEY than this API "
+                                "process: it would refuse every request, so none is sent to it (give every "
+                                "process the same LORAPLEX_SECRET_KEY)", rec["engine_id"], rec.get("url"))
                 continue
             if self.serves_our_model(rec):
                 records[rec["engine_id"]] = rec
@@ -114,6 +130,7 @@ class EngineRouter:
                             "to it (give every process the same LORAPLEX_MODEL, or LORAPLEX_SERVED_MODEL_NAME)",
                             rec["engine_id"], rec.get("url"), theirs, served_name(self.model_name))
         self.foreign = foreign
+        self.other_secret = other_secret
         for engine_id, rec in records.items():
             if engine_id in self._down_at and rec.get("updated", 0.0) > self._down_at[engine_id]:
                 self._down.pop(engine_id, None)  # it beat since it failed us: alive again

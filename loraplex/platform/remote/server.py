@@ -28,6 +28,7 @@ from loraplex.platform.remote.protocol import (
     engine_token,
     output_to_json,
     params_from_json,
+    secret_fingerprint,
     stats_to_json,
 )
 
@@ -293,6 +294,8 @@ async def _heartbeat(redis, settings: Settings, engine: EngineClient, engine_id:
             record = {"engine_id": engine_id, "url": advertise, "model_name": engine.model_name,
                       # the name clients use for its base model: API processes route only to engines serving theirs
                       "served_model_name": served_name(settings.served_model_name or engine.model_name),
+                      # API processes with another secret would have every request refused: they skip it
+                      "secret_fingerprint": secret_fingerprint(settings.secret_key),
                       "max_model_len": engine.max_model_len, "running": s.num_running, "waiting": s.num_waiting,
                       "max_num_seqs": settings.max_num_seqs, "resident": list(s.lora_resident),
                       "host_cached": list(s.lora_host_cached), "updated": time.time(),
@@ -311,11 +314,16 @@ async def _heartbeat(redis, settings: Settings, engine: EngineClient, engine_id:
                 break
 
 
-def run_engine_server(settings: Settings, *, host: str, port: int, advertise: str | None = None) -> None:
+def run_engine_server(settings: Settings, *, host: str, port: int, advertise: str | None = None,
+                      listener: socket.socket | None = None) -> None:
+    """`listener`: a socket already listening on host:port, which the server then serves on (its port is the
+    one advertised, so that `--port 0` advertises the port the system chose)."""
     import uvicorn
 
     from loraplex.platform.engine_factory import build_engine
 
+    if listener is not None:
+        port = listener.getsockname()[1]
     if advertise is None:
         # a wildcard address is no address to reach: advertise the host's name (a container's service name)
         reachable = socket.gethostname() if host in ("0.0.0.0", "::", "") else host
@@ -345,13 +353,18 @@ def run_engine_server(settings: Settings, *, host: str, port: int, advertise: st
             draining.set()  # SIGTERM / Ctrl-C: leave the registry first, then drain
             super().handle_exit(sig, frame)
 
+        async def startup(self, sockets=None) -> None:
+            await super().startup(sockets=sockets)
+            if sockets is not None and not self.should_exit:  # uvicorn says where it listens only on its own bind
+                self._log_started_message(sockets)
+
     from loraplex.platform.http_protocol import http_protocol_class
 
     config = uvicorn.Config(app, host=host, port=port, log_level="info",
                             http=http_protocol_class(), timeout_keep_alive=settings.keep_alive_timeout,
                             timeout_graceful_shutdown=settings.shutdown_timeout)
     servers.append(Server(config))
-    servers[0].run()
+    servers[0].run(sockets=[listener] if listener is not None else None)
     failure = getattr(engine, "failure", None)
     if failure:
         raise EngineStopped(f"the engine stopped: {failure}")
