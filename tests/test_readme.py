@@ -107,3 +107,10 @@ def test_every_variable_named_is_a_setting_or_one_the_package_reads():
     named = set(re.findall(r"LORAPLEX_[A-Z0-9_]*[A-Z0-9]", README))
     assert named - fields - read_directly == set(), "the README names variables nothing reads"
     assert read_directly - named == set(), "variables the package reads that the README does not name"
+
+
+@pytest.mark.parametrize("name", ["docker/compose.yaml", "docker/Dockerfile"])
+def test_deployment_files_set_only_real_settings(name):
+    fields = {f"LORAPLEX_{field.upper()}" for field in Settings.model_fields}
+    named = set(re.findall(r"LORAPLEX_[A-Z0-9_]*[A-Z0-9]", (ROOT / name).read_text()))
+    assert named and named <= fields, sorted(named - fields)
