@@ -6,6 +6,7 @@ the stream rate while its GFLOP/s approaches the peak is bound by arithmetic, no
     .venv/bin/python bench/bench_decode_floor.py
 """
 
+import argparse
 import time
 
 import torch
@@ -26,6 +27,8 @@ def _cpu_flags() -> str:
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                            formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     torch.manual_seed(0)
     weights = [[torch.randn(n, k) for n, k in SHAPES] for _ in range(LAYERS)]
     gbytes = sum(w.numel() * 4 for ws in weights for w in ws) / 1e9

@@ -11,7 +11,7 @@ DEFAULT_MAX_TOKENS = 128
 
 @click.group()
 def model() -> None:
-    """Fetch and inspect base models."""
+    """Fetch the built-in demo model (other models need no fetch)."""
 
 
 model.add_command(fetch)

@@ -26,3 +26,13 @@ def test_a_streamed_completion_comes_as_the_documented_type(client, make_tenant)
     r = client.post("/v1/completions", headers=tenant.headers,
                     json={"model": "fake-base", "prompt": "hi", "max_tokens": 2, "stream": True})
     assert r.status_code == 200 and r.headers["content-type"].split(";")[0] == "text/event-stream"
+
+
+@pytest.mark.parametrize(("path", "choices"), [
+    ("/v1/usage/report", ["day", "key", "adapter"]),
+    ("/admin/api/billing/report", ["day", "tenant", "key", "adapter"]),
+])
+def test_group_by_is_documented_with_the_values_the_route_takes(client, path, choices):
+    params = client.get("/openapi.json").json()["paths"][path]["get"]["parameters"]
+    described = next(p for p in params if p["name"] == "group_by")["description"]
+    assert described == f"comma-separated subset of {', '.join(choices)}"

@@ -14,7 +14,6 @@ from loraplex.platform.billing.responses import (
     AdapterQuery,
     EndQuery,
     FormatQuery,
-    GroupByQuery,
     StartQuery,
     adapter_filter,
     date_range,
@@ -43,6 +42,8 @@ from loraplex.platform.strict_json import StrictJsonRoute
 
 router = APIRouter(route_class=StrictJsonRoute, prefix="/v1", tags=["billing"])
 TENANT_DIMENSIONS = ("day", "key", "adapter")
+# a tenant's report covers that tenant alone: it has no `tenant` dimension
+TenantGroupByQuery = Annotated[str, Query(description=f"comma-separated subset of {', '.join(TENANT_DIMENSIONS)}")]
 
 
 def tenant_usage(
@@ -61,7 +62,7 @@ def tenant_usage(
             responses={200: {"model": UsageReportPublic, **CSV_OR_JSON}})
 def usage_report_route(
     *, caller: UsageKeyDep, _known: KnownQueryDep, session: SessionDep, start: StartQuery = None, end: EndQuery = None,
-    group_by: GroupByQuery = "day,adapter", adapter: AdapterQuery = None,
+    group_by: TenantGroupByQuery = "day,adapter", adapter: AdapterQuery = None,
     api_key_id: Annotated[RowId | None, Query()] = None, format: FormatQuery = "json",
 ) -> Response:
     return tenant_usage(session, caller.tenant_id, start=start, end=end, group_by=group_by, adapter=adapter,

@@ -42,9 +42,7 @@ def configure(settings: Settings) -> Celery:
                                   "socket_timeout": settings.redis_socket_timeout, "socket_keepalive": True},
         broker_connection_retry_on_startup=True,
         worker_hijack_root_logger=False,
-        beat_schedule={
-            "warm-busiest-adapters": {"task": "loraplex.warm_popular_adapters",
-                                      "schedule": settings.warm_adapters_interval},
+        beat_schedule=_warm_schedule(settings) | {
             "rollup-usage": {"task": "loraplex.rollup_usage", "schedule": 3600.0},
             "finalize-statements": {"task": "loraplex.finalize_statements", "schedule": 6 * 3600.0},
             "resume-stuck-validations": {"task": "loraplex.resume_stuck_validations", "schedule": 60.0},
@@ -55,6 +53,15 @@ def configure(settings: Settings) -> Celery:
                     dict(app.conf.broker_transport_options or {})):
         _forget_connections()
     return app
+
+
+def _warm_schedule(settings: Settings) -> dict:
+    """The "keep the busiest adapters warm" run, every warm_adapters_interval seconds; 0 turns it off, as in
+    the embedded default (a schedule of 0 would have beat send it without pause)."""
+    if settings.warm_adapters_interval <= 0:
+        return {}
+    return {"warm-busiest-adapters": {"task": "loraplex.warm_popular_adapters",
+                                      "schedule": settings.warm_adapters_interval}}
 
 
 def _forget_connections() -> None:
