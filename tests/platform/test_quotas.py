@@ -389,3 +389,34 @@ async def test_a_settlement_redis_did_not_take_is_retried_with_the_keep_alive(mo
         assert not limiter._unsettled
         assert int(await client.get(f"{prefix}:rl:1:month:{r.month}")) == 30
         await limiter.acquire(1, limits, "b", 1, now=T0 + 3)  # the slot is free
+
+
+async def test_a_request_that_can_never_fit_is_told_so_before_any_other_limit(limiter):
+    """The per-minute request count and the concurrency slots are used up: a request larger than the token
+    limit, or than what is left of the month, still gets the 429 that says not to retry, not theirs."""
+    limits = QuotaLimits(requests_per_minute=2, tokens_per_minute=200, max_concurrent=2, monthly_token_budget=150)
+    done = await limiter.acquire(1, limits, "done", 40, now=T0)
+    await limiter.settle(done, 40)
+    running = await limiter.acquire(1, limits, "running", 30, now=T0 + 1)  # rpm now used up
+    with pytest.raises(QuotaExceeded) as info:
+        await limiter.acquire(1, limits, "fits-later", 10, now=T0 + 2)
+    assert info.value.kind == "requests" and "x-should-retry" not in info.value.headers
+    with pytest.raises(QuotaExceeded) as info:
+        await limiter.acquire(1, limits, "huge", 201, now=T0 + 2)
+    assert info.value.kind == "tokens" and "alone exceeds" in str(info.value)
+    assert info.value.headers["x-should-retry"] == "false"
+    # 40 used, 30 reserved by the running request: 111 cannot fit the month even if it used none of them
+    with pytest.raises(QuotaExceeded) as info:
+        await limiter.acquire(1, limits, "over-month", 111, now=T0 + 2)
+    assert info.value.kind == "monthly_budget" and info.value.headers["x-should-retry"] == "false"
+    # 100 would fit the month if the running request used nothing: the rpm's retryable 429 stands
+    with pytest.raises(QuotaExceeded) as info:
+        await limiter.acquire(1, limits, "maybe", 100, now=T0 + 2)
+    assert info.value.kind == "requests" and "x-should-retry" not in info.value.headers
+    # with the concurrency slots full too, the never-fits answer is the same
+    await limiter.settle(running, 30)
+    await limiter.acquire(1, limits, "a", 1, now=T0 + 60)
+    await limiter.acquire(1, limits, "b", 1, now=T0 + 60)
+    with pytest.raises(QuotaExceeded) as info:
+        await limiter.acquire(1, limits, "huge2", 201, now=T0 + 61)
+    assert info.value.kind == "tokens" and info.value.headers["x-should-retry"] == "false"

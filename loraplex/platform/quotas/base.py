@@ -109,6 +109,19 @@ def seconds_to_next_month(now: float) -> float:
     return nxt.timestamp() - now
 
 
+def never_fits(limits: QuotaLimits, reserve_tokens: int, month_used: int, month_in_flight: int) -> str | None:
+    """The limit a request can never fit, whatever else is in the way now (the rpm, the concurrency slots): one
+    larger than the per-minute token limit ("tokens"), or than what is left of the monthly budget even if the
+    tenant's running requests used none of their reservations ("monthly_budget"); None if waiting may help.
+    Checked before every other limit, so that no client is told to retry a request that cannot succeed. The
+    Redis script (quotas/redis.py) checks the same conditions, in the same order."""
+    if reserve_tokens > limits.tokens_per_minute:
+        return "tokens"
+    if month_used - month_in_flight + reserve_tokens > limits.monthly_token_budget:
+        return "monthly_budget"
+    return None
+
+
 def exceeded(kind: str, limits: QuotaLimits, used_requests: int, used_tokens: int, reset_in: float,
              now: float, reserve_tokens: int, *, month_used: int | None = None, month_in_flight: int = 0,
              window_in_flight: int = 0, slots_free_in: float | None = None) -> QuotaExceeded:

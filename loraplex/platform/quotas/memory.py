@@ -12,6 +12,7 @@ from loraplex.platform.quotas.base import (
     QuotaLimits,
     Reservation,
     exceeded,
+    never_fits,
     now_parts,
     rate_headers,
 )
@@ -50,19 +51,21 @@ class MemoryQuotaLimiter:
             for stale in [r for r, at in inflight.items() if at < t - INFLIGHT_TTL_SECONDS]:
                 del inflight[stale]
                 self._held[tenant_id].pop(stale, None)
-            kind = None
-            if len(inflight) >= limits.max_concurrent:
-                kind = "concurrent"
-            elif reqs + 1 > limits.requests_per_minute:
-                kind = "requests"
-            elif toks + reserve_tokens > limits.tokens_per_minute:
-                kind = "tokens"
-            elif spent + reserve_tokens > limits.monthly_token_budget:
-                kind = "monthly_budget"
+            held = self._held[tenant_id].values()
+            month_in_flight = sum(r for r, m, _ in held if m == month)
+            kind = never_fits(limits, reserve_tokens, spent, month_in_flight)
+            if kind is None:
+                if len(inflight) >= limits.max_concurrent:
+                    kind = "concurrent"
+                elif reqs + 1 > limits.requests_per_minute:
+                    kind = "requests"
+                elif toks + reserve_tokens > limits.tokens_per_minute:
+                    kind = "tokens"
+                elif spent + reserve_tokens > limits.monthly_token_budget:
+                    kind = "monthly_budget"
             if kind is not None:
-                held = self._held[tenant_id].values()
                 raise exceeded(kind, limits, reqs, toks, reset_in, t, reserve_tokens, month_used=spent,
-                               month_in_flight=sum(r for r, m, _ in held if m == month),
+                               month_in_flight=month_in_flight,
                                window_in_flight=sum(r for r, _, w in held if w == minute))
             self._requests[(tenant_id, minute)] = reqs + 1
             self._tokens[(tenant_id, minute)] = toks + reserve_tokens

@@ -55,6 +55,17 @@ if ARGV[13] == '1' and redis.call('EXISTS', KEYS[3]) == 0 then return {5, 0, 0, 
 local inflight = redis.call('ZCARD', KEYS[4])
 local reserve = tonumber(ARGV[6])
 local held = tonumber(redis.call('GET', KEYS[6]) or '0')
+-- never fits, whatever else is in the way (base.never_fits): larger than the per-minute token limit, or than
+-- what is left of the month even if running requests used none of their reservations
+if reserve > tonumber(ARGV[3]) then return {3, reqs, toks, spent, held} end
+if spent + reserve > tonumber(ARGV[5]) then
+  local month_held = 0
+  for _, value in ipairs(redis.call('HVALS', KEYS[5])) do
+    local amount, month = string.match(value, '^(%d+):(%d+)$')
+    if amount and month == ARGV[12] then month_held = month_held + tonumber(amount) end
+  end
+  if spent - month_held + reserve > tonumber(ARGV[5]) then return {4, reqs, toks, spent, held} end
+end
 if inflight >= tonumber(ARGV[4]) then return {1, reqs, toks, spent, held} end
 if reqs + 1 > tonumber(ARGV[2]) then return {2, reqs, toks, spent, held} end
 if toks + reserve > tonumber(ARGV[3]) then return {3, reqs, toks, spent, held} end
