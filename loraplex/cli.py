@@ -12,6 +12,7 @@ _SUBCOMMANDS = {
     "model": "loraplex.engine.commands:model",
     "engine": "loraplex.platform.commands:engine",
     "serve": "loraplex.platform.commands:serve",
+    "migrate": "loraplex.platform.commands:migrate",
     "worker": "loraplex.platform.commands:worker",
     "admin": "loraplex.platform.commands:admin",
     "bench": "loraplex.engine.commands:bench",

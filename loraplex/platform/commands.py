@@ -1,4 +1,4 @@
-"""`loraplex serve`, `loraplex worker`, `loraplex engine` and `loraplex admin`."""
+"""`loraplex serve`, `loraplex worker`, `loraplex engine`, `loraplex migrate` and `loraplex admin`."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from loraplex.platform.admin_cli import admin
 from loraplex.platform.db_errors import database_error, sqlite_path_problem
 from loraplex.resources import make_folder
 
-__all__ = ["admin", "engine", "serve", "worker"]
+__all__ = ["admin", "engine", "migrate", "serve", "worker"]
 
 
 def _settings(**overrides):
@@ -35,17 +35,26 @@ def _setting_error(error: dict) -> str:
     return f"{name} (LORAPLEX_{name.upper()}): {msg}; got {value!r}"
 
 
-def prepare_database_or_fail(settings) -> None:
-    """Create or upgrade the database, or stop with one line saying what stood in the way."""
+MIGRATE_COMMAND = "loraplex migrate"
+
+
+def prepare_database_or_fail(settings, *, migrate: bool | None = None) -> None:
+    """Create or upgrade the database (migrate=None: as LORAPLEX_AUTO_MIGRATE says), or stop with one line
+    saying what stood in the way; not migrating, stop with one line if the database is behind this version."""
     from sqlalchemy.exc import OperationalError
 
     from loraplex.platform.bootstrap import prepare_database
+    from loraplex.platform.migrate import pending_upgrade
 
     url = settings.resolved_database_url
-    if url.startswith("sqlite") and settings.database_url is None:
+    migrate = settings.auto_migrate if migrate is None else migrate
+    if migrate and url.startswith("sqlite") and settings.database_url is None:
         _make_data_dir(settings.data_dir)
     try:
-        prepare_database(settings)
+        if migrate:
+            prepare_database(settings)
+            return
+        behind = pending_upgrade(url)
     except Exception as exc:  # unreachable, not a database, or a migration that refused: said in one line
         verb = "reach" if isinstance(exc, OperationalError) else "prepare"
         # SQLite says only "unable to open database file": say which path, and what is wrong with it
@@ -54,6 +63,21 @@ def prepare_database_or_fail(settings) -> None:
             where = "LORAPLEX_DATABASE_URL" if settings.database_url else "under LORAPLEX_DATA_DIR"
             raise click.ClickException(f"cannot open the database {masked_url(url)} ({where}): {problem}") from exc
         raise click.ClickException(f"cannot {verb} the database {masked_url(url)}: {database_error(exc)}") from exc
+    if behind is not None:
+        current, head = behind
+        at = f"is at revision {current}" if current else "has not been migrated"
+        raise click.ClickException(f"the database {masked_url(url)} {at}, this version of loraplex needs {head}, "
+                                   f"and LORAPLEX_AUTO_MIGRATE is false: run `{MIGRATE_COMMAND}` first")
+
+
+@click.command()
+def migrate():
+    """Create or upgrade the database to this version's schema (what `loraplex serve` does on start unless
+    LORAPLEX_AUTO_MIGRATE is false), then exit."""
+    settings = _settings()
+    prepare_database_or_fail(settings, migrate=True)
+    click.echo(f"loraplex migrate: the database {masked_url(settings.resolved_database_url)} is up to date",
+               err=True)
 
 
 def refuse_another_key_secret(settings) -> None:

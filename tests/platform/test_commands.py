@@ -172,6 +172,64 @@ def test_serve_refuses_the_default_secret_in_production(cli_env, monkeypatch):
     assert "Traceback" not in r.output
 
 
+def test_serve_with_auto_migrate_off_never_migrates_and_names_the_migrate_command(cli_env, monkeypatch):
+    """LORAPLEX_AUTO_MIGRATE=false: `loraplex serve` migrated its database anyway before the app started.
+    It must leave the schema alone and, while the database is behind, refuse in one line naming
+    `loraplex migrate`; once that has run, serve goes on."""
+    from alembic import command
+    from alembic.script import ScriptDirectory
+    from sqlalchemy import create_engine, inspect
+
+    from loraplex.cli import main
+    from loraplex.platform.commands import serve
+    from loraplex.platform.migrate import alembic_config
+
+    monkeypatch.setenv("LORAPLEX_AUTO_MIGRATE", "false")
+    monkeypatch.setattr("loraplex.platform.commands._refuse_bad_model", lambda settings: None)
+    reached = []
+
+    def past_the_database(settings):  # the next step of serve: the database check let it through
+        reached.append(settings)
+        raise SystemExit(0)
+
+    monkeypatch.setattr("loraplex.platform.commands.refuse_another_key_secret", past_the_database)
+    database = cli_env / "loraplex.db"
+    url = f"sqlite:///{database}"
+
+    def serve_once():
+        r = CliRunner().invoke(serve, ["--port", str(free_port())])
+        return r, r.output.strip().splitlines()
+
+    r, lines = serve_once()  # a new database: nothing created, nothing served
+    assert r.exit_code == 1 and len(lines) == 1, r.output
+    assert "`loraplex migrate`" in r.output and "LORAPLEX_AUTO_MIGRATE is false" in r.output, r.output
+    assert "Traceback" not in r.output and not database.exists() and not reached
+
+    script = ScriptDirectory.from_config(alembic_config(url))
+    previous = script.get_revision(script.get_current_head()).down_revision
+    cli_env.mkdir(exist_ok=True)
+    command.upgrade(alembic_config(url), previous)  # a database one migration behind this version
+    r, lines = serve_once()
+    assert r.exit_code == 1 and len(lines) == 1 and f"is at revision {previous}" in r.output, r.output
+    assert "`loraplex migrate`" in r.output and not reached
+    engine = create_engine(url)
+    try:  # serve left the schema where it was
+        with engine.connect() as connection:
+            assert connection.exec_driver_sql("SELECT version_num FROM alembic_version").scalar() == previous
+    finally:
+        engine.dispose()
+
+    r = CliRunner().invoke(main, ["migrate"])  # the documented command, as the `loraplex` group runs it
+    assert r.exit_code == 0 and "up to date" in r.output, r.output
+    r, _ = serve_once()
+    assert r.exit_code == 0 and len(reached) == 1, r.output
+    engine = create_engine(url)
+    try:
+        assert inspect(engine).has_table("tenants")
+    finally:
+        engine.dispose()
+
+
 def test_worker_and_engine_need_redis(cli_env):
     from loraplex.platform.commands import engine, worker
 
