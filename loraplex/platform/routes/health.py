@@ -38,7 +38,7 @@ async def _redis_ready(services: Services) -> str | None:
     try:
         await asyncio.wait_for(services.redis.ping(), REDIS_PING_SECONDS)
     except TimeoutError:
-        return f"redis: no answer within REDIS_PING_SECONDS={REDIS_PING_SECONDS:g} s"
+        return f"redis: no answer to a ping within {REDIS_PING_SECONDS:g} s (the readiness check's limit)"
     except Exception as exc:
         return f"redis: {type(exc).__name__}"
     return None
