@@ -34,6 +34,8 @@ def validate(path: Path, model: str | None, max_rank: int | None, store_dir: Pat
     from loraplex.engine.errors import ModelLoadError
     from loraplex.engine.model_loader import resolve_model_dir
 
+    # a refused rank names where its limit came from: this flag, or the setting the server checks uploads with
+    rank_from = "--max-rank" if max_rank is not None else "the max_lora_rank setting, LORAPLEX_MAX_LORA_RANK"
     if model is None or max_rank is None:  # as the server checks an upload
         settings = _settings()
         model = model or settings.model
@@ -49,7 +51,7 @@ def validate(path: Path, model: str | None, max_rank: int | None, store_dir: Pat
     # The store is opened first, so that a store that cannot be used is said before a long validation.
     store = _open_store(store_dir) if store_dir is not None else None
     try:
-        canonical = load_adapter(path, spec, AdapterLimits(max_rank=max_rank))
+        canonical = load_adapter(path, spec, AdapterLimits(max_rank=max_rank, max_rank_from=rank_from))
     except AdapterValidationError as exc:
         raise click.ClickException(f"refused ({exc.code.value}): {exc}") from exc
     report = {

@@ -17,9 +17,13 @@ class AdapterLimits:
     max_members: int = 64  # files and folders in an archive or adapter directory
     max_config_bytes: int = 1 * _MiB  # adapter_config.json
     max_header_bytes: int = 16 * _MiB  # the JSON header of a safetensors file
+    # where max_rank came from, as the refusal of a larger rank names it
+    max_rank_from: str = "the max_lora_rank setting"
 
     def __post_init__(self) -> None:
         for name, value in vars(self).items():
+            if name == "max_rank_from":
+                continue
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"AdapterLimits.{name} must be a positive integer, got {value!r}")
 

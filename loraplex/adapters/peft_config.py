@@ -127,7 +127,7 @@ def _check_rank_limit(settings: LoraSettings, spec: BaseModelSpec, limits: Adapt
             where = f"rank_pattern[{key!r}]" if key is not None else "r"
             raise AdapterValidationError(
                 f"adapter_config.json: {where} is {rank} ({place(layer, module)}), over the rank limit of "
-                f"{limits.max_rank} (the max_lora_rank setting)", ErrorCode.RANK_TOO_LARGE)
+                f"{limits.max_rank} ({limits.max_rank_from})", ErrorCode.RANK_TOO_LARGE)
 
 
 def _refuse_unsupported(config: dict) -> None:

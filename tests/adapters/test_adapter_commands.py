@@ -26,6 +26,17 @@ def test_validate_refusal_names_the_problem(llama_adapter_dir, tiny_llama_dir):
                                        str(tiny_llama_dir), "--max-rank", "4"])
     assert result.exit_code == 1
     assert "refused (rank_too_large)" in result.output and "limit of 4" in result.output
+    # the limit came from the flag: the refusal names the flag, not a setting the user never touched
+    assert "limit of 4 (--max-rank)" in result.output and "max_lora_rank" not in result.output, result.output
+
+
+def test_validate_refusal_names_the_setting_its_rank_limit_came_from(llama_adapter_dir, tiny_llama_dir,
+                                                                   monkeypatch):
+    monkeypatch.setenv("LORAPLEX_MAX_LORA_RANK", "4")
+    result = CliRunner().invoke(main, ["adapter", "validate", str(llama_adapter_dir), "--model",
+                                       str(tiny_llama_dir)])
+    assert result.exit_code == 1 and "refused (rank_too_large)" in result.output, result.output
+    assert "limit of 4 (the max_lora_rank setting, LORAPLEX_MAX_LORA_RANK)" in result.output, result.output
 
 
 def test_validate_takes_the_model_as_generate_does_and_names_a_bad_one(llama_adapter_dir, tiny_llama_dir, tmp_path):
