@@ -185,8 +185,8 @@ def update_plan_cmd(name, new_name, **quotas):
 @admin.command("delete-plan")
 @click.argument("name")
 def delete_plan_cmd(name):
-    """Delete a plan no tenant is on or ever was on (a plan in a tenant's history prices its past months, so
-    it is kept)."""
+    """Delete a plan no tenant is on and no tenant's month is billed at (a plan in a tenant's history prices
+    those months, so it is kept; one joined and left within a month prices none)."""
     from loraplex.platform.tenants import delete_plan, get_plan
 
     with _session() as (session, _):

@@ -166,9 +166,11 @@ def _listed(names: list[str], limit: int = 10) -> str:
 
 
 def delete_plan(session: Session, plan: Plan) -> None:
-    """Delete a plan no tenant is on, nor ever was. Refused (409) while tenants are on it, and also while a
-    tenant's plan history refers to it: months are billed at the plan the tenant was on in them, so deleting
-    the plan (its prices go with it) would re-price those months' statements and reports at the no-plan list."""
+    """Delete a plan no tenant is on and no month of a tenant's plan history is billed at. Refused (409) while
+    tenants are on it, and also while a tenant's plan history refers to it: months are billed at the plan the
+    tenant was on in them, so deleting the plan (its prices go with it) would re-price those months' statements
+    and reports at the no-plan list. A plan joined and left within one month is not in the history: a plan
+    change applies to the whole month, which is billed at the plan the tenant ended it on."""
     on_it = list(session.scalars(select(Tenant.name).where(Tenant.plan_id == plan.id).order_by(Tenant.name)))
     if on_it:
         raise TenantError(f"plan {plan.name!r} has {len(on_it)} tenant(s): {_listed(on_it)}; move them to another "

@@ -149,7 +149,7 @@ def test_a_plan_edit_is_strict_and_names_stay_unique(client, admin_key):
     assert client.patch(f"/admin/api/plans/{plan['id']}", headers={}, json={}).status_code == 401
 
 
-def test_a_plan_is_deleted_only_when_no_tenant_is_or_was_on_it(client, admin_key):
+def test_a_plan_is_deleted_only_when_no_tenant_is_on_it_nor_its_history_names_it(client, admin_key):
     h = _admin(admin_key)
     used = client.post("/admin/api/plans", headers=h, json=PRO).json()
     unused = client.post("/admin/api/plans", headers=h, json={**PRO, "name": "spare"}).json()
@@ -162,7 +162,7 @@ def test_a_plan_is_deleted_only_when_no_tenant_is_or_was_on_it(client, admin_key
     r = client.delete(f"/admin/api/plans/{used['id']}", headers=h)
     assert r.status_code == 409, r.text
     assert "has 2 tenant(s): acme, beta" in r.json()["error"]["message"]
-    for name in ("acme", "beta"):  # off the plan, but this month and before were billed at it
+    for name in ("acme", "beta"):  # off the plan, which their history still names as the one they began on
         client.patch(f"/admin/api/tenants/{tenant['id'] if name == 'acme' else tenant['id'] + 1}", headers=h,
                      json={"plan": None})
     r = client.delete(f"/admin/api/plans/{used['id']}", headers=h)
@@ -172,6 +172,40 @@ def test_a_plan_is_deleted_only_when_no_tenant_is_or_was_on_it(client, admin_key
     assert r.status_code == 200 and r.json()["name"] == "spare"
     assert [p["name"] for p in client.get("/admin/api/plans", headers=h).json()] == ["pro"]
     assert client.delete(f"/admin/api/plans/{unused['id']}", headers=h).status_code == 404
+
+
+def test_a_plan_joined_and_left_within_one_month_prices_nothing_and_may_be_deleted(client, admin_key):
+    """A plan change applies to the whole month it is made in: a tenant moved onto a plan and off it again in
+    one month is billed that month at the plan it ended on, and no month of its history names the plan, so
+    deleting the plan changes no statement and is allowed; a plan that priced one of its months is kept."""
+    from loraplex.platform.billing.prices import plan_of, price_for_tenant
+    from loraplex.platform.db import session_scope
+    from loraplex.platform.models import Tenant
+
+    h = _admin(admin_key)
+    basic = client.post("/admin/api/plans", headers=h, json={**PRO, "name": "basic"}).json()
+    brief = client.post("/admin/api/plans", headers=h, json={**PRO, "name": "brief"}).json()
+    for plan, price in ((basic, 10), (brief, 99)):
+        r = client.put(f"/admin/api/billing/prices/plans/{plan['id']}", headers=h,
+                       json={"prompt_price": price, "completion_price": price, "adapter_surcharge_price": 0})
+        assert r.status_code == 200, r.text
+    tenant = client.post("/admin/api/tenants", headers=h, json={"name": "acme", "plan": "basic"}).json()
+    for plan in ("brief", "basic"):  # onto `brief` and back, this month
+        r = client.patch(f"/admin/api/tenants/{tenant['id']}", headers=h, json={"plan": plan})
+        assert r.status_code == 200, r.text
+
+    def this_month():
+        with session_scope(client.app.state.services.sessions) as session:
+            acme = session.get(Tenant, tenant["id"])
+            return plan_of(session, acme), price_for_tenant(session, acme)
+
+    before = this_month()
+    assert before[0] == basic["id"] and before[1].prompt == 10  # the month is priced at the plan it ended on
+    r = client.delete(f"/admin/api/plans/{brief['id']}", headers=h)
+    assert r.status_code == 200 and r.json()["name"] == "brief", r.text
+    assert this_month() == before  # the month's price did not change with the delete
+    r = client.delete(f"/admin/api/plans/{basic['id']}", headers=h)  # the plan of this month is kept
+    assert r.status_code == 409, r.text
 
 
 def test_tenant_and_plan_names_are_unique_whatever_their_case(client, admin_key, app):
