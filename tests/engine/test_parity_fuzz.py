@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import random
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -29,7 +30,7 @@ ARCHS = ("llama", "tied", "qwen2", "qwen3", "phi3", "mistral")
 SEPARATE = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 FUSED = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 TOP = ("lm_head", "embed_tokens")
-MAX_TOKENS = 6
+MAX_TOKENS = 8
 TIE_MARGIN = 1e-3
 FAST_SEEDS = (0, 1, 2, 3, 4, 5)  # one case per architecture
 SLOW_SEEDS = tuple(range(6, 48))
@@ -43,7 +44,8 @@ class Case:
     adapters: list[dict]
     engine: dict
     decoder_stack: bool
-    requests: list[tuple[list[int], int | None]] = field(default_factory=list)  # (prompt, adapter index)
+    # batches served one after the other on one engine: (prompt, adapter index or None) each
+    batches: list[list[tuple[list[int], int | None]]] = field(default_factory=list)
 
 
 def draw_case(seed: int) -> Case:
@@ -71,6 +73,16 @@ def draw_case(seed: int) -> Case:
             model["max_window_layers"] = rng.randrange(layers)
         else:
             model["layer_types"] = [rng.choice(("sliding_attention", "full_attention")) for _ in range(layers)]
+    rope = rng.random()
+    if arch in ("llama", "tied", "mistral", "qwen2") and rope < 0.3:
+        model["rope_scaling"] = rng.choice(({"rope_type": "linear", "factor": 2.0},
+                                            {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0,
+                                             "high_freq_factor": 4.0, "original_max_position_embeddings": 64}))
+    elif arch == "phi3" and rope < 0.4:  # LongRoPE, in the short factors' regime the engine serves
+        pairs = int(head_dim * model.get("partial_rotary_factor", 1.0)) // 2
+        model.update(original_max_position_embeddings=512, rope_scaling={
+            "rope_type": "longrope", "short_factor": [1.0 + 0.5 * i for i in range(pairs)],
+            "long_factor": [4.0 + i for i in range(pairs)], "original_max_position_embeddings": 512})
     if arch in ("llama", "tied"):
         model["attention_bias"] = rng.random() < 0.5
         model["mlp_bias"] = rng.random() < 0.5
@@ -84,28 +96,31 @@ def draw_case(seed: int) -> Case:
     for _ in range(rng.randint(2, 4)):
         pool = projections + TOP
         targets = rng.sample(pool, rng.randint(1, len(pool)))
-        r = rng.choice((1, 2, 4, 8, 16))
+        r = rng.choice((1, 2, 4, 8, 16, 33, 64))
         kw: dict = dict(r=r, target_modules=tuple(targets), use_rslora=rng.random() < 0.4,
                         init_scale=rng.choice((0.1, 0.2, 0.3)))
         if rng.random() < 0.5:
             kw["lora_alpha"] = rng.choice((1.0, 3.0, 7.5, 32.0))
         names = [t for t in targets if t in projections]
-        if names and rng.random() < 0.4:
-            name = rng.choice(names)
-            key = name if rng.random() < 0.5 else f"layers.{rng.randrange(layers)}.{_parent(name)}.{name}"
-            kw["rank_pattern"] = {key: rng.choice((1, 3, 5))}
-        if names and rng.random() < 0.4:
-            kw["alpha_pattern"] = {rng.choice(names): rng.choice((2.0, 11.0))}
+        if rng.random() < 0.4:
+            kw["rank_pattern"] = {_pattern_key(rng, rng.choice(targets), layers): rng.choice((1, 3, 5))}
+        if rng.random() < 0.4:
+            kw["alpha_pattern"] = {_pattern_key(rng, rng.choice(targets), layers): rng.choice((2.0, 11.0))}
         if names and rng.random() < 0.3:
             kw["layers_to_transform"] = sorted(rng.sample(range(layers), rng.randint(1, layers)))
         adapters.append(kw)
+    if rng.random() < 0.3:
+        adapters.append({"twin_of": 0})  # adapter 0's files under another name: the same content hash
 
     block_size = rng.choice((1, 2, 4, 8, 16))
     prefix = [rng.randrange(3, 380) for _ in range(rng.randint(8, 24))]
     requests = []
     for _ in range(rng.randint(6, 10)):
-        if rng.random() < 0.4:
+        kind = rng.random()
+        if kind < 0.4:
             prompt = prefix + [rng.randrange(3, 380) for _ in range(rng.randint(0, 8))]
+        elif kind < 0.45:  # past the short-prefill attention path
+            prompt = [rng.randrange(3, 380) for _ in range(rng.randint(257, 300))]
         else:
             prompt = [rng.randrange(3, 380) for _ in range(rng.randint(1, 40))]
         adapter = rng.randrange(len(adapters)) if rng.random() < 0.75 else None
@@ -121,11 +136,20 @@ def draw_case(seed: int) -> Case:
         enable_prefix_caching=rng.random() < 0.7,
     )
     engine["max_cpu_loras"] = rng.choice((engine["max_loras"], 64))
-    return Case(seed, arch, model, adapters, engine, rng.random() < 0.7, requests)
+    # a second batch on the same engine: prefix hits on blocks the first left, adapters loaded again
+    second = [(p, rng.choice([None, *range(len(adapters))])) for p, _ in rng.sample(requests, rng.randint(1, 4))]
+    return Case(seed, arch, model, adapters, engine, rng.random() < 0.7, [requests, second])
 
 
-def _parent(name: str) -> str:
-    return "self_attn" if name in ("q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj") else "mlp"
+def _pattern_key(rng: random.Random, name: str, layers: int) -> str:
+    """A rank_pattern / alpha_pattern key for module `name`: PEFT matches it (a regex) at the end of a path."""
+    if name == "lm_head":
+        return name
+    if name == "embed_tokens":
+        return rng.choice((name, "model.embed_tokens"))
+    parent = "self_attn" if name in ("q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj") else "mlp"
+    return rng.choice((name, f"layers.{rng.randrange(layers)}.{parent}.{name}", rf"layers\.\d+\.{parent}\.{name}",
+                       f"model.layers.{rng.randrange(layers)}.{parent}.{name}"))
 
 
 def _reference(model_dir: Path, adapter_dir: Path | None, prompt: list[int]) -> tuple[list[int], list[torch.Tensor]]:
@@ -151,15 +175,22 @@ def run_case(case: Case, root: Path) -> tuple[list[str], dict]:
     """Serve the case's batch; return (one line per request that differs from transformers+PEFT other than at a
     near-tie, counters of what the engine went through)."""
     model_dir = make_tiny_model(root / "model", case.arch, **case.model)
-    dirs = [make_peft_adapter(model_dir, root / f"a{i}", seed=100 * case.seed + i, **kw)
-            for i, kw in enumerate(case.adapters)]
+    dirs = []
+    for i, kw in enumerate(case.adapters):
+        if "twin_of" in kw:
+            dirs.append(shutil.copytree(dirs[kw["twin_of"]], root / f"a{i}"))
+        else:
+            dirs.append(make_peft_adapter(model_dir, root / f"a{i}", seed=100 * case.seed + i, **kw))
     old = os.environ.get("LORAPLEX_CPU_DECODER_STACK")
     os.environ["LORAPLEX_CPU_DECODER_STACK"] = "1" if case.decoder_stack else "0"
     try:
         llm = LLM(str(model_dir), **case.engine)
         params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-        outs = llm.generate([{"prompt_token_ids": p} for p, _ in case.requests], params,
-                            adapter=[None if a is None else str(dirs[a]) for _, a in case.requests], use_tqdm=False)
+        served = []
+        for batch in case.batches:
+            outs = llm.generate([{"prompt_token_ids": p} for p, _ in batch], params,
+                                adapter=[None if a is None else str(dirs[a]) for _, a in batch], use_tqdm=False)
+            served += [(p, a, list(o.outputs[0].token_ids)) for (p, a), o in zip(batch, outs, strict=True)]
     finally:
         if old is None:
             os.environ.pop("LORAPLEX_CPU_DECODER_STACK", None)
@@ -169,12 +200,11 @@ def run_case(case: Case, root: Path) -> tuple[list[str], dict]:
     stats = dict(preemptions=eng.scheduler.num_preemptions, evictions=eng.adapter_slots.evictions_total,
                  prefix_hits=eng.block_manager.prefix_hits, ties=0)
     mismatches, cache = [], {}
-    for (prompt, adapter), out in zip(case.requests, outs, strict=True):
+    for prompt, adapter, got in served:
         key = (tuple(prompt), adapter)
         if key not in cache:
             cache[key] = _reference(model_dir, None if adapter is None else dirs[adapter], prompt)
         expected, logits = cache[key]
-        got = list(out.outputs[0].token_ids)
         if got == expected:
             continue
         step = next(i for i, (g, e) in enumerate(zip(got, expected, strict=True)) if g != e)
