@@ -44,14 +44,14 @@ class Case:
     adapters: list[dict]
     engine: dict
     decoder_stack: bool
-    # batches served one after the other on one engine: (prompt, adapter index or None) each
-    batches: list[list[tuple[list[int], int | None]]] = field(default_factory=list)
+    # batches served one after the other on one engine: (prompt, adapter index or None, max_tokens) each
+    batches: list[list[tuple[list[int], int | None, int]]] = field(default_factory=list)
 
 
 def draw_case(seed: int) -> Case:
     rng = random.Random(seed)
     arch = ARCHS[seed % len(ARCHS)]
-    layers = rng.choice((2, 3))
+    layers = rng.choice((2, 3, 4))
     heads = rng.choice((2, 4, 6))
     kv_heads = rng.choice([d for d in (1, 2, heads) if heads % d == 0])
     model: dict = dict(num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
@@ -93,7 +93,7 @@ def draw_case(seed: int) -> Case:
 
     projections = FUSED if arch == "phi3" else SEPARATE
     adapters = []
-    for _ in range(rng.randint(2, 4)):
+    for _ in range(rng.randint(2, 5)):
         pool = projections + TOP
         targets = rng.sample(pool, rng.randint(1, len(pool)))
         r = rng.choice((1, 2, 4, 8, 16, 33, 64))
@@ -124,20 +124,24 @@ def draw_case(seed: int) -> Case:
         else:
             prompt = [rng.randrange(3, 380) for _ in range(rng.randint(1, 40))]
         adapter = rng.randrange(len(adapters)) if rng.random() < 0.75 else None
-        requests.append((prompt, adapter))
-    longest = max(len(p) for p, _ in requests) + MAX_TOKENS
+        # requests finishing at different steps change the batch (and its adapter mix) as it runs
+        requests.append((prompt, adapter, rng.choice((MAX_TOKENS, MAX_TOKENS, 1, rng.randint(2, MAX_TOKENS)))))
+        if rng.random() < 0.15:  # the same request twice at once: their prefills share blocks in one step
+            requests.append(requests[-1])
+    longest = max(len(p) for p, _, _ in requests) + MAX_TOKENS
     least_blocks = -(-longest // block_size) + 1
     engine = dict(
         block_size=block_size,
         num_kv_blocks=rng.choice((least_blocks, least_blocks + 3, 4 * least_blocks, 400)),
         max_num_batched_tokens=rng.choice((3, 7, 16, 2048)),
-        max_num_seqs=rng.choice((2, 5, 64)),
+        max_num_seqs=rng.choice((1, 2, 5, 64)),
         max_loras=rng.randint(1, len(adapters)),
         enable_prefix_caching=rng.random() < 0.7,
     )
     engine["max_cpu_loras"] = rng.choice((engine["max_loras"], 64))
     # a second batch on the same engine: prefix hits on blocks the first left, adapters loaded again
-    second = [(p, rng.choice([None, *range(len(adapters))])) for p, _ in rng.sample(requests, rng.randint(1, 4))]
+    second = [(p, rng.choice([None, *range(len(adapters))]), n)
+              for p, _, n in rng.sample(requests, rng.randint(1, 4))]
     return Case(seed, arch, model, adapters, engine, rng.random() < 0.7, [requests, second])
 
 
@@ -152,8 +156,7 @@ def _pattern_key(rng: random.Random, name: str, layers: int) -> str:
                        f"model.layers.{rng.randrange(layers)}.{parent}.{name}"))
 
 
-def _reference(model_dir: Path, adapter_dir: Path | None, prompt: list[int]) -> tuple[list[int], list[torch.Tensor]]:
-    """transformers+PEFT's greedy tokens and the logits each was chosen from."""
+def _reference_model(model_dir: Path, adapter_dir: Path | None):
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32, attn_implementation="eager")
@@ -161,7 +164,11 @@ def _reference(model_dir: Path, adapter_dir: Path | None, prompt: list[int]) -> 
         from peft import PeftModel
 
         model = PeftModel.from_pretrained(model, str(adapter_dir))
-    model.eval()
+    return model.eval()
+
+
+def _reference(model, prompt: list[int]) -> tuple[list[int], list[torch.Tensor]]:
+    """transformers+PEFT's greedy tokens and the logits each was chosen from."""
     ids, logits = list(prompt), []
     with torch.no_grad():
         for _ in range(MAX_TOKENS):
@@ -185,12 +192,12 @@ def run_case(case: Case, root: Path) -> tuple[list[str], dict]:
     os.environ["LORAPLEX_CPU_DECODER_STACK"] = "1" if case.decoder_stack else "0"
     try:
         llm = LLM(str(model_dir), **case.engine)
-        params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
         served = []
         for batch in case.batches:
-            outs = llm.generate([{"prompt_token_ids": p} for p, _ in batch], params,
-                                adapter=[None if a is None else str(dirs[a]) for _, a in batch], use_tqdm=False)
-            served += [(p, a, list(o.outputs[0].token_ids)) for (p, a), o in zip(batch, outs, strict=True)]
+            params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for _, _, n in batch]
+            outs = llm.generate([{"prompt_token_ids": p} for p, _, _ in batch], params,
+                                adapter=[None if a is None else str(dirs[a]) for _, a, _ in batch], use_tqdm=False)
+            served += [(p, a, n, list(o.outputs[0].token_ids)) for (p, a, n), o in zip(batch, outs, strict=True)]
     finally:
         if old is None:
             os.environ.pop("LORAPLEX_CPU_DECODER_STACK", None)
@@ -199,12 +206,16 @@ def run_case(case: Case, root: Path) -> tuple[list[str], dict]:
     eng = llm.engine
     stats = dict(preemptions=eng.scheduler.num_preemptions, evictions=eng.adapter_slots.evictions_total,
                  prefix_hits=eng.block_manager.prefix_hits, ties=0)
-    mismatches, cache = [], {}
-    for prompt, adapter, got in served:
+    mismatches, models, cache = [], {}, {}
+    for prompt, adapter, max_tokens, got in served:
         key = (tuple(prompt), adapter)
+        if adapter not in models:
+            models[adapter] = _reference_model(model_dir, None if adapter is None else dirs[adapter])
         if key not in cache:
-            cache[key] = _reference(model_dir, None if adapter is None else dirs[adapter], prompt)
+            cache[key] = _reference(models[adapter], prompt)
         expected, logits = cache[key]
+        expected = expected[:max_tokens]
+        assert len(got) == max_tokens, (case, prompt, adapter, got)
         if got == expected:
             continue
         step = next(i for i, (g, e) in enumerate(zip(got, expected, strict=True)) if g != e)
