@@ -44,6 +44,7 @@ class Case:
     adapters: list[dict]
     engine: dict
     decoder_stack: bool
+    pinned: list[int]  # adapters prefetched and pinned before the first batch
     # batches served one after the other on one engine: (prompt, adapter index or None, max_tokens) each
     batches: list[list[tuple[list[int], int | None, int]]] = field(default_factory=list)
 
@@ -142,7 +143,8 @@ def draw_case(seed: int) -> Case:
     # a second batch on the same engine: prefix hits on blocks the first left, adapters loaded again
     second = [(p, rng.choice([None, *range(len(adapters))]), n)
               for p, _, n in rng.sample(requests, rng.randint(1, 4))]
-    return Case(seed, arch, model, adapters, engine, rng.random() < 0.7, [requests, second])
+    pinned = rng.sample(range(len(adapters)), rng.randint(1, len(adapters))) if rng.random() < 0.3 else []
+    return Case(seed, arch, model, adapters, engine, rng.random() < 0.7, pinned, [requests, second])
 
 
 def _pattern_key(rng: random.Random, name: str, layers: int) -> str:
@@ -192,6 +194,8 @@ def run_case(case: Case, root: Path) -> tuple[list[str], dict]:
     os.environ["LORAPLEX_CPU_DECODER_STACK"] = "1" if case.decoder_stack else "0"
     try:
         llm = LLM(str(model_dir), **case.engine)
+        for i in case.pinned:  # pins hold their slots, or give one up only when every slot is pinned
+            llm.engine.adapter_slots.prefetch(llm.resolve_adapter(str(dirs[i])), pin=True).result()
         served = []
         for batch in case.batches:
             params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for _, _, n in batch]
