@@ -65,24 +65,7 @@ class FileJournal:
 
     def replayable(self) -> list[tuple[Path, int, list[UsageEvent]]]:
         """Journals no live process holds, each locked for the caller: (path, fd, events)."""
-        out = []
-        for path in sorted(self.dir.glob("journal-*.jsonl")):
-            if path == self._path:
-                continue
-            try:
-                fd = os.open(path, os.O_RDONLY)
-            except FileNotFoundError:
-                continue
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                os.close(fd)
-                continue
-            if not path.exists():  # replayed and removed by another flusher meanwhile
-                os.close(fd)
-                continue
-            out.append((path, fd, _read_events(path)))
-        return out
+        return [(path, fd, _read_events(path)) for path, fd in unheld_files(self.dir, "journal-*.jsonl", self._path)]
 
     @staticmethod
     def done(path: Path, fd: int) -> None:
@@ -99,6 +82,29 @@ class FileJournal:
             if self._fd is not None:
                 os.close(self._fd)
                 self._fd = None
+
+
+def unheld_files(folder: Path, pattern: str, own: Path | None) -> list[tuple[Path, int]]:
+    """The files matching `pattern` in `folder` that no live process holds (their writer's flock is gone),
+    each opened and locked for the caller, who removes it or closes the fd; `own` (this process's) is skipped."""
+    out = []
+    for path in sorted(folder.glob(pattern)):
+        if path == own:
+            continue
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            continue
+        if not path.exists():  # handled and removed by another process meanwhile
+            os.close(fd)
+            continue
+        out.append((path, fd))
+    return out
 
 
 def _read_events(path: Path) -> list[UsageEvent]:

@@ -25,6 +25,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 from loraplex.platform.usage.event import UsageEvent
+from loraplex.platform.usage.file_journal import unheld_files
 
 log = logging.getLogger(__name__)
 INTERRUPTED = "interrupted"  # the status of a usage record settled from a checkpoint
@@ -128,24 +129,8 @@ class InflightLedger:
 
     def orphaned(self) -> list[tuple[Path, int, list[Interrupted]]]:
         """Ledgers no live process holds, each locked for the caller: (path, fd, the requests left open)."""
-        out = []
-        for path in sorted(self.dir.glob("inflight-*.jsonl")):
-            if path == self._path:
-                continue
-            try:
-                fd = os.open(path, os.O_RDONLY)
-            except FileNotFoundError:
-                continue
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                os.close(fd)
-                continue
-            if not path.exists():  # settled and removed by another process meanwhile
-                os.close(fd)
-                continue
-            out.append((path, fd, interrupted_requests(path.read_bytes().splitlines())))
-        return out
+        return [(path, fd, interrupted_requests(path.read_bytes().splitlines()))
+                for path, fd in unheld_files(self.dir, "inflight-*.jsonl", self._path)]
 
     @staticmethod
     def done(path: Path, fd: int) -> None:
