@@ -11,7 +11,8 @@ from platform_helpers import make_settings, postgres_schema
 from test_admin_api import (  # noqa: F401
     test_a_plan_edit_is_strict_and_names_stay_unique,
     test_a_plan_edit_reaches_its_tenants_next_request_unless_they_override,
-    test_a_plan_is_deleted_only_when_no_tenant_is_or_was_on_it,
+    test_a_plan_is_deleted_only_when_no_tenant_is_on_it_nor_its_history_names_it,
+    test_a_plan_joined_and_left_within_one_month_prices_nothing_and_may_be_deleted,
     test_create_tenant_plan_and_key,
     test_tenant_and_plan_names_are_unique_whatever_their_case,
 )
