@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-import torch
+from engine_helpers import peft_greedy
 
 from loraplex.engine.llm import LLM
 from loraplex.engine.sampling_params import SamplingParams
@@ -36,26 +36,6 @@ def adapter_dirs(tiny_llama_dir, tmp_path_factory):
     ]
 
 
-def hf_greedy(model_dir, adapter_dir, prompts, max_tokens):
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
-    if adapter_dir is not None:
-        from peft import PeftModel
-
-        model = PeftModel.from_pretrained(model, str(adapter_dir))
-    model.eval()
-    outs = []
-    with torch.no_grad():
-        for prompt in prompts:
-            ids = list(prompt)
-            for _ in range(max_tokens):
-                logits = model(torch.tensor([ids])).logits[0, -1]
-                ids.append(int(logits.argmax()))
-            outs.append(ids[len(prompt) :])
-    return outs
-
-
 def _generate(llm, requests):
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     prompts = [{"prompt_token_ids": p} for p, _ in requests]
@@ -73,10 +53,10 @@ def test_mixed_batch_matches_peft(tiny_llama_dir, adapter_dirs):
     got = _generate(llm, [(p, str(a) if a else None) for p, a in requests])
     for adapter in [None, *adapter_dirs]:
         idx = [i for i, (_, a) in enumerate(requests) if a == adapter]
-        expected = hf_greedy(tiny_llama_dir, adapter, [requests[i][0] for i in idx], MAX_TOKENS)
+        expected = peft_greedy(tiny_llama_dir, adapter, [requests[i][0] for i in idx], MAX_TOKENS)
         assert [got[i] for i in idx] == expected, f"adapter {adapter}"
     # the adapters change the output, so equality above is not the base model's tokens
-    base = hf_greedy(tiny_llama_dir, None, [requests[0][0]], MAX_TOKENS)[0]
+    base = peft_greedy(tiny_llama_dir, None, [requests[0][0]], MAX_TOKENS)[0]
     assert got[0] != base
 
 
@@ -96,8 +76,8 @@ def test_qwen2_with_qkv_bias_matches_peft(tiny_qwen2_dir, tmp_path):
     a = make_peft_adapter(tiny_qwen2_dir, tmp_path / "q", r=8, target_modules=ALL, seed=11)
     llm = LLM(str(tiny_qwen2_dir), max_loras=2, num_kv_blocks=128)
     got = _generate(llm, [(PROMPTS[0], str(a)), (PROMPTS[1], None), (PROMPTS[2], str(a))])
-    assert [got[0], got[2]] == hf_greedy(tiny_qwen2_dir, a, [PROMPTS[0], PROMPTS[2]], MAX_TOKENS)
-    assert [got[1]] == hf_greedy(tiny_qwen2_dir, None, [PROMPTS[1]], MAX_TOKENS)
+    assert [got[0], got[2]] == peft_greedy(tiny_qwen2_dir, a, [PROMPTS[0], PROMPTS[2]], MAX_TOKENS)
+    assert [got[1]] == peft_greedy(tiny_qwen2_dir, None, [PROMPTS[1]], MAX_TOKENS)
 
 
 # Qwen3 targets the separate projections (q/k norms sit after q_proj and k_proj's LoRA); Phi-3 the fused ones,
@@ -120,10 +100,10 @@ def test_family_mixed_batch_matches_peft(arch, request, tmp_path):
     got = _generate(llm, [(p, str(a) if a else None) for p, a in requests])
     for adapter in [None, *dirs]:
         idx = [i for i, (_, a) in enumerate(requests) if a == adapter]
-        expected = hf_greedy(model_dir, adapter, [requests[i][0] for i in idx], MAX_TOKENS)
+        expected = peft_greedy(model_dir, adapter, [requests[i][0] for i in idx], MAX_TOKENS)
         assert [got[i] for i in idx] == expected, f"adapter {adapter}"
         if adapter is not None:  # each adapter changes its rows: equality above is not the base model's tokens
-            assert expected != hf_greedy(model_dir, None, [requests[i][0] for i in idx], MAX_TOKENS)
+            assert expected != peft_greedy(model_dir, None, [requests[i][0] for i in idx], MAX_TOKENS)
 
 
 def test_phi3_refuses_adapters_for_separate_projections(tiny_phi3_dir, tiny_llama_dir, tmp_path):

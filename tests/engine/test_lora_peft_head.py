@@ -5,7 +5,7 @@ adapters mixed in one batch with projection-only adapters and base-model request
 from __future__ import annotations
 
 import pytest
-import torch
+from engine_helpers import peft_greedy
 
 from loraplex.adapters import TOP_LEVEL
 from loraplex.engine.llm import LLM
@@ -30,24 +30,6 @@ def _adapters(base_dir, root):
             for i, (r, mods, rs) in enumerate(ADAPTERS)]
 
 
-def _hf_greedy(model_dir, adapter_dir, prompts):
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
-    if adapter_dir is not None:
-        model = PeftModel.from_pretrained(model, str(adapter_dir))
-    model.eval()
-    outs = []
-    with torch.no_grad():
-        for prompt in prompts:
-            ids = list(prompt)
-            for _ in range(MAX_TOKENS):
-                ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
-            outs.append(ids[len(prompt):])
-    return outs
-
-
 def _generate(llm, requests):
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p, _ in requests], params,
@@ -68,14 +50,14 @@ def test_mixed_batch_matches_peft(base_fixture, request, tmp_path):
     base_tokens = None
     for adapter in [None, *adapters]:
         idx = [i for i, (_, a) in enumerate(requests) if a == adapter]
-        expected = _hf_greedy(base_dir, adapter, [requests[i][0] for i in idx])
+        expected = peft_greedy(base_dir, adapter, [requests[i][0] for i in idx], MAX_TOKENS)
         assert [got[i] for i in idx] == expected, f"adapter {adapter}"
         if adapter is None:
             base_tokens = dict(zip((tuple(requests[i][0]) for i in idx), expected, strict=True))
     # each adapter with LoRA on the head or embedding changes the tokens, so the equality above means something
     for i, a in enumerate(adapters[:3]):
         prompt = tuple(requests[2 * i][0])
-        reference = base_tokens.get(prompt) or _hf_greedy(base_dir, None, [list(prompt)])[0]
+        reference = base_tokens.get(prompt) or peft_greedy(base_dir, None, [list(prompt)], MAX_TOKENS)[0]
         assert got[2 * i] != reference, f"adapter {a} left the tokens unchanged"
     cache = llm.engine.adapter_slots
     assert (TOP_LEVEL, "lm_head") in cache.weights and (TOP_LEVEL, "embed_tokens") in cache.weights
@@ -93,5 +75,5 @@ def test_slots_for_the_head_and_embedding_only_once_an_adapter_needs_them(tiny_l
     with_head = _generate(llm, [(PROMPTS[0], head)])
     assert (TOP_LEVEL, "lm_head") in cache.weights
     # the one slot now goes back to the projection-only adapter: its tokens are PEFT's, no head delta left over
-    assert _generate(llm, [(PROMPTS[0], plain)]) == _hf_greedy(tiny_llama_dir, plain, [PROMPTS[0]])
-    assert with_head == _hf_greedy(tiny_llama_dir, head, [PROMPTS[0]])
+    assert _generate(llm, [(PROMPTS[0], plain)]) == peft_greedy(tiny_llama_dir, plain, [PROMPTS[0]], MAX_TOKENS)
+    assert with_head == peft_greedy(tiny_llama_dir, head, [PROMPTS[0]], MAX_TOKENS)

@@ -20,6 +20,12 @@ from loraplex.platform.usage.event import UsageEvent
 log = logging.getLogger(__name__)
 
 
+def remove_and_unlock(path: Path, fd: int) -> None:
+    """A file found by unheld_files is handled: remove it, then drop its lock."""
+    path.unlink(missing_ok=True)
+    os.close(fd)
+
+
 class FileJournal:
     def __init__(self, directory: Path, *, open_now: bool = True):
         """open_now=False: this process's file is made by its first append (a spool that may never be
@@ -67,14 +73,8 @@ class FileJournal:
         """Journals no live process holds, each locked for the caller: (path, fd, events)."""
         return [(path, fd, _read_events(path)) for path, fd in unheld_files(self.dir, "journal-*.jsonl", self._path)]
 
-    @staticmethod
-    def done(path: Path, fd: int) -> None:
-        path.unlink(missing_ok=True)
-        os.close(fd)
-
-    @staticmethod
-    def release(fd: int) -> None:
-        os.close(fd)
+    done = staticmethod(remove_and_unlock)
+    release = staticmethod(os.close)  # leave a file found by unheld_files for a later pass
 
     def close(self) -> None:
         with self._lock:

@@ -25,7 +25,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 from loraplex.platform.usage.event import UsageEvent
-from loraplex.platform.usage.file_journal import unheld_files
+from loraplex.platform.usage.file_journal import remove_and_unlock, unheld_files
 
 log = logging.getLogger(__name__)
 INTERRUPTED = "interrupted"  # the status of a usage record settled from a checkpoint
@@ -132,14 +132,8 @@ class InflightLedger:
         return [(path, fd, interrupted_requests(path.read_bytes().splitlines()))
                 for path, fd in unheld_files(self.dir, "inflight-*.jsonl", self._path)]
 
-    @staticmethod
-    def done(path: Path, fd: int) -> None:
-        path.unlink(missing_ok=True)
-        os.close(fd)
-
-    @staticmethod
-    def release(fd: int) -> None:
-        os.close(fd)
+    done = staticmethod(remove_and_unlock)
+    release = staticmethod(os.close)  # leave a ledger found by unheld_files for a later pass
 
     def close_file(self) -> None:
         """At shutdown, once every request has settled: an empty ledger is removed, one with requests still
