@@ -64,7 +64,12 @@ def resolve_model(session: Session, tenant_id: int, model: str, base_model: str,
             raise ModelNotFound(_base_takes_no_version(model, base_model))
         if adapter is None:
             raise ModelNotFound(f"The model '{shown(model)}' does not exist or you do not have access to it.")
-        raise ModelNotFound(_not_ready(model, adapter, version))
+        # A validation that committed between the two reads (each statement sees what was committed when it
+        # began) left a ready version the first one missed: look again rather than say there is none.
+        if any(v.status == VersionStatus.ready.value for v in adapter.versions):
+            found = session.execute(stmt).all()
+        if not found:
+            raise ModelNotFound(_not_ready(model, adapter, version))
     if version and len(found) > 1 and found[0].content_hash != found[1].content_hash:
         raise ModelNotFound(f"The version '{shown(version)}' of '{name}' is ambiguous; give more characters.")
     content_hash, created_at = found[0]
