@@ -100,6 +100,12 @@ async def parse_upload(stream: AsyncIterator[bytes], content_type: str, director
             state.file = UploadedFile(state.field, name, target)
             state.handle = open(target, "wb")
             state.hasher = hashlib.sha256()
+        elif state.field == "file":
+            # the archive sent as a text field (curl -F file=<PATH, or a filename only as RFC 5987's filename*=,
+            # which RFC 7578 forbids): said so, rather than "too long" or "no file" about a file that was sent
+            raise _Refused(bad_request(
+                "The 'file' part must be a file: give it a filename in its Content-Disposition header "
+                "(filename=\"adapter.zip\"; with curl, -F file=@PATH), not send it as a text field.", param="file"))
 
     def on_part_data(data: bytes, start: int, end: int) -> None:
         chunk = data[start:end]

@@ -518,6 +518,26 @@ def test_a_cut_or_ambiguous_multipart_body_is_refused_as_such(app, client, make_
     _nothing_stored(app, client, tenant)
 
 
+@pytest.mark.parametrize("disposition", [
+    b'form-data; name="file"',  # curl -F file=<adapter.zip: the archive as a text field
+    b"form-data; name=\"file\"; filename*=UTF-8''%C3%A9t%C3%A9.zip",  # RFC 5987 only, which RFC 7578 forbids
+])
+@pytest.mark.parametrize("size", [10, 2_000_000])
+def test_the_file_sent_as_a_text_field_is_refused_as_such(app, client, make_tenant, peft_adapter_zip, disposition,
+                                                          size):
+    """It was answered "The form field 'file' is too long." (a large archive) or "No file was uploaded"."""
+    tenant = make_tenant()
+    data = (peft_adapter_zip.read_bytes() * (size // peft_adapter_zip.stat().st_size + 1))[:size]
+    body = (b'--XYZ\r\nContent-Disposition: form-data; name="name"\r\n\r\nbot\r\n--XYZ\r\n'
+            b"Content-Disposition: " + disposition + b"\r\n\r\n" + data + b"\r\n--XYZ--\r\n")
+    r = client.post("/v1/adapters", params={"wait": "true"}, content=body,
+                    headers={**tenant.headers, "content-type": "multipart/form-data; boundary=XYZ"})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "file" and "must be a file" in err["message"] and "filename" in err["message"], err
+    _nothing_stored(app, client, tenant)
+
+
 @pytest.mark.parametrize("boundary", ["", "b" * 71, "b" * 5000])
 def test_a_boundary_of_the_wrong_length_is_refused_by_name(app, client, make_tenant, peft_adapter_zip, boundary):
     """RFC 2046 boundaries are 1-70 characters; a longer one made the multipart parser raise where no handler
