@@ -618,6 +618,31 @@ def test_an_adapters_versions_are_read_and_deleted_by_id_or_by_version(app, clie
     assert r.status_code == 200 and r.json()["id"] == second["id"] and r.json()["adapter_deleted"], r.text
 
 
+def test_a_version_held_by_several_rows_is_read_as_the_newest_and_deleted_only_by_id(app, client, make_tenant,
+                                                                                      peft_adapter_zip,
+                                                                                      peft_adapter_dir):
+    """The same weights uploaded again in another archive make a second row with the same `version`: reading
+    by `version` answered the older row, and deleting by `version` deleted whichever came first."""
+    tenant = make_tenant()
+    first = upload(client, tenant, "bot", [("a.zip", peft_adapter_zip.read_bytes())]).json()
+    files = [(name, (peft_adapter_dir / name).read_bytes()) for name in ("adapter_config.json",
+                                                                         "adapter_model.safetensors")]
+    again = upload(client, tenant, "bot", files).json()
+    assert again["id"] != first["id"] and again["version"] == first["version"], again
+    r = client.get(f"/v1/adapters/bot/versions/{first['version']}", headers=tenant.headers)
+    assert r.status_code == 200 and r.json()["id"] == again["id"], r.text
+    r = client.delete(f"/v1/adapters/bot/versions/{first['version']}", headers=tenant.headers)
+    assert r.status_code == 409, r.text
+    message = r.json()["error"]["message"]
+    assert f"ids {first['id']}, {again['id']}" in message and "by its id" in message, message
+    assert [v["id"] for v in client.get("/v1/adapters/bot", headers=tenant.headers).json()["versions"]] == [
+        first["id"], again["id"]]
+    r = client.delete(f"/v1/adapters/bot/versions/{first['id']}", headers=tenant.headers)
+    assert r.status_code == 200 and not r.json()["adapter_deleted"], r.text
+    r = client.delete(f"/v1/adapters/bot/versions/{first['version']}", headers=tenant.headers)
+    assert r.status_code == 200 and r.json()["id"] == again["id"] and r.json()["adapter_deleted"], r.text
+
+
 def test_the_admin_api_deletes_a_tenants_version(app, client, admin_key, make_tenant, peft_adapter_zip):
     tenant = make_tenant()
     good = upload(client, tenant, "bot", [("a.zip", peft_adapter_zip.read_bytes())]).json()

@@ -26,7 +26,7 @@ from loraplex.platform.adapter_registry import (
 )
 from loraplex.platform.db import session_scope
 from loraplex.platform.deps import AdaptersKeyDep, NamePageDep, ServicesDep, TenantScopeDep
-from loraplex.platform.errors import APIError, bad_request, not_found, shown
+from loraplex.platform.errors import APIError, bad_request, conflict, not_found, shown
 from loraplex.platform.ids import parse_row_id
 from loraplex.platform.models import Adapter, AdapterVersion, VersionStatus
 from loraplex.platform.paging import fetch_page, matching
@@ -198,13 +198,20 @@ def version_ref(text: str) -> int | str:
     return row_id
 
 
-def find_version(adapter: Adapter, ref: int | str) -> AdapterVersion:
+def find_version(adapter: Adapter, ref: int | str, *, one: bool = False) -> AdapterVersion:
+    """The version a path names. Several rows may hold one `version` (the same weights uploaded again in
+    another archive, or an older version's files uploaded again as a rollback): by `version` this is the
+    newest of them, or with `one` (a delete) a 409 naming their ids unless there is just one."""
     key = "id" if isinstance(ref, int) else "version"
-    version = next((v for v in adapter.versions if getattr(v, key) == ref), None)
-    if version is None:
+    matches = sorted((v for v in adapter.versions if getattr(v, key) == ref), key=lambda v: v.id)
+    if not matches:
         raise not_found(f"Adapter '{adapter.name}' has no version with {key} {ref}.", param="version_id",
                         code="version_not_found")
-    return version
+    if one and len(matches) > 1:
+        ids = ", ".join(str(v.id) for v in matches)
+        raise conflict(f"Adapter '{adapter.name}' has {len(matches)} versions with version {ref} (the same weights "
+                       f"uploaded more than once; ids {ids}): name the one to delete by its id.", param="version_id")
+    return matches[-1]
 
 
 @router.get("/{name}/versions", response_model=AdapterVersionList)
@@ -232,7 +239,7 @@ async def handle_version_delete(services: Services, tenant_id: int, name: str,
     def delete() -> tuple[list[str], bool, str, int]:
         with session_scope(services.sessions) as session:
             adapter = get_adapter(TenantScope(session, tenant_id), name)
-            version = find_version(adapter, ref)
+            version = find_version(adapter, ref, one=True)
             version_id = version.id
             orphaned, adapter_gone = delete_version(session, services.settings, version)
             return orphaned, adapter_gone, adapter.name, version_id
