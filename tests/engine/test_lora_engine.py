@@ -304,3 +304,25 @@ def test_cli_generate_takes_the_rank_limit_from_its_option_or_the_setting(tiny_l
     monkeypatch.setenv("LORAPLEX_MAX_LORA_RANK", "many")
     bad = CliRunner().invoke(main, args)
     assert bad.exit_code != 0 and "LORAPLEX_MAX_LORA_RANK" in bad.output and "Traceback" not in bad.output, bad.output
+
+
+def test_an_adapter_given_by_a_relative_path_reloads_after_the_working_directory_changes(
+        tiny_llama_dir, adapters, tmp_path, monkeypatch):
+    """A relative path is read where it was given: once evicted, the adapter is loaded again from that same
+    folder, whatever the working directory is by then."""
+    from pathlib import Path
+
+    llm = LLM(str(tiny_llama_dir), max_loras=1, max_cpu_loras=1, num_kv_blocks=128)
+
+    def tokens(adapter):
+        out = llm.generate([{"prompt_token_ids": LONG_PROMPT[:12]}], PARAMS, adapter=adapter, use_tqdm=False)[0]
+        assert out.error is None, out.error
+        return list(out.outputs[0].token_ids)
+
+    folder = Path(adapters[0])
+    monkeypatch.chdir(folder.parent)
+    expected = tokens(folder.name)
+    llm.register_adapter("bot", folder.name)
+    monkeypatch.chdir(tmp_path)
+    assert tokens(adapters[1]) != expected  # the only slot and host entry go to another adapter
+    assert tokens("bot") == expected
