@@ -326,3 +326,21 @@ def test_an_adapter_given_by_a_relative_path_reloads_after_the_working_directory
     monkeypatch.chdir(tmp_path)
     assert tokens(adapters[1]) != expected  # the only slot and host entry go to another adapter
     assert tokens("bot") == expected
+
+
+def test_a_lora_request_written_the_vllm_way_is_refused_saying_so(tiny_llama_dir, adapters):
+    """vLLM's LoRARequest is (lora_name, lora_int_id, lora_path); the same call here puts an int where the
+    content hash goes. It is refused before anything runs, naming the difference, not left to fail at load
+    time with a message about an int."""
+    from loraplex.engine.errors import InvalidRequestError
+    from loraplex.engine.lora_request import LoRARequest
+
+    llm = LLM(str(tiny_llama_dir), max_loras=2, num_kv_blocks=64)
+    vllm_style = LoRARequest("sql", 1, adapters[0])
+    with pytest.raises(InvalidRequestError, match=r"content_hash is 1\. It is not vLLM's LoRARequest"):
+        llm.generate(["Hello", "Hi"], PARAMS, adapter=[None, vllm_style], use_tqdm=False)
+    with pytest.raises(InvalidRequestError, match="path is None"):
+        llm.engine.add_request("r", "Hello", PARAMS, lora=LoRARequest("sql", "ab" * 32, None))
+    assert not llm.engine.requests  # nothing was queued
+    good = llm.resolve_adapter(adapters[0])
+    assert len(llm.generate(["Hello"], PARAMS, adapter=good, use_tqdm=False)[0].outputs[0].token_ids) == 6
