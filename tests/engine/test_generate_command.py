@@ -93,3 +93,17 @@ def test_every_engine_setting_reaches_the_engine():
 
     shared = {f.name for f in dataclasses.fields(EngineConfig)} & set(Settings.model_fields) - {"model"}
     assert shared == set(ENGINE_SETTINGS)
+
+
+def test_an_adapter_that_is_no_path_is_refused_before_the_model_loads(tmp_path, monkeypatch):
+    """A name given without --tenant may be meant as an uploaded adapter's: the refusal says --tenant names
+    those, and comes before the model is loaded (the model here does not even exist). An empty --adapter is
+    a usage error, not 'the adapter path is empty (None means the base model)'."""
+    monkeypatch.chdir(tmp_path)
+    missing_model = ["generate", "--model", str(tmp_path / "no-model"), "hi"]
+    result = CliRunner().invoke(main, [*missing_model, "--adapter", "support-bot"])
+    assert result.exit_code == 1, result.output
+    assert "'support-bot' does not exist" in result.output and "--tenant TENANT" in result.output, result.output
+    for empty in ("", " "):
+        result = CliRunner().invoke(main, [*missing_model, "--adapter", empty])
+        assert result.exit_code == 2 and "leave it out to use the base model" in result.output, result.output

@@ -344,3 +344,16 @@ def test_a_lora_request_written_the_vllm_way_is_refused_saying_so(tiny_llama_dir
     assert not llm.engine.requests  # nothing was queued
     good = llm.resolve_adapter(adapters[0])
     assert len(llm.generate(["Hello"], PARAMS, adapter=good, use_tqdm=False)[0].outputs[0].token_ids) == 6
+
+
+def test_a_mistyped_adapter_name_lists_the_registered_names(tiny_llama_dir, adapters):
+    llm = LLM(str(tiny_llama_dir), max_loras=1, num_kv_blocks=64)
+    with pytest.raises(AdapterLoadError, match=r"does not exist$"):  # nothing registered: nothing to list
+        llm.generate(["Hello"], PARAMS, adapter="support-bot", use_tqdm=False)
+    llm.register_adapter("support-bot", adapters[0])
+    llm.register_adapter("sales-bot", adapters[1])
+    with pytest.raises(AdapterLoadError, match=r"does not exist, and it is not a registered adapter name either "
+                                               r"\(registered: 'sales-bot', 'support-bot'\)"):
+        llm.generate(["Hello"], PARAMS, adapter="suport-bot", use_tqdm=False)
+    with pytest.raises(AdapterLoadError, match=r"/nowhere/bot does not exist$"):  # a path is no name
+        llm.generate(["Hello"], PARAMS, adapter="/nowhere/bot", use_tqdm=False)
