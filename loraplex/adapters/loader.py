@@ -98,6 +98,9 @@ def _load(path: Path, spec: BaseModelSpec, limits: AdapterLimits) -> CanonicalAd
         if entry is not None:
             return entry
         return _load_pair(path.with_name(CONFIG_NAME), path, spec, limits)
+    if path.is_file() and path.stat().st_size == 0:
+        raise AdapterValidationError(f"{path.name} is empty (0 bytes)", ErrorCode.ARCHIVE_CORRUPT
+                                     if path.name.lower().endswith(_ARCHIVE_SUFFIXES) else ErrorCode.UNSUPPORTED_FORMAT)
     if archive_kind(path) is None:
         if path.name.lower().endswith(_ARCHIVE_SUFFIXES):
             raise AdapterValidationError(
@@ -195,6 +198,9 @@ def _load_dir(root: Path, spec: BaseModelSpec, limits: AdapterLimits) -> Canonic
                     configs.append(entry)
     # PEFT writes the two files at the top; archives often wrap them in one folder named after the adapter.
     configs = [c for c in configs if len(c.relative_to(root).parts) <= 2]
+    if not members:
+        raise AdapterValidationError(f"the adapter is empty: no {CONFIG_NAME} or {WEIGHTS_NAME} in it",
+                                     ErrorCode.MISSING_CONFIG)
     if not configs:
         raise AdapterValidationError(f"no {CONFIG_NAME} at the top of the adapter or in one sub-folder",
                                      ErrorCode.MISSING_CONFIG)
@@ -214,6 +220,8 @@ def _load_pair(config_path: Path, weights_path: Path, spec: BaseModelSpec, limit
     if size > limits.max_config_bytes:
         raise AdapterValidationError(f"{CONFIG_NAME} is {size} bytes, over the limit of {limits.max_config_bytes}",
                                      ErrorCode.CONFIG_INVALID)
+    if size == 0:
+        raise AdapterValidationError(f"{CONFIG_NAME} is empty (0 bytes)", ErrorCode.CONFIG_INVALID)
     try:
         config = json.loads(config_path.read_bytes().decode("utf-8"))
     except UnicodeDecodeError as exc:

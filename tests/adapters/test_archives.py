@@ -314,3 +314,21 @@ def test_duplicate_member(llama_adapter_dir, llama_spec, tmp_path):
             zf.write(llama_adapter_dir / name, name)
         zf.writestr("adapter_config.json", b"{}")
     refused(archive, llama_spec, ErrorCode.ARCHIVE_UNSAFE_PATH, "twice")
+
+
+def test_empty_files_and_archives_are_named_as_empty(llama_adapter_dir, llama_spec, tmp_path):
+    """A zero-byte upload or file (a failed download, a copy that never ran) is said to be empty, not
+    described by the parse error it makes."""
+    for name, code in (("a.zip", ErrorCode.ARCHIVE_CORRUPT), ("a.tar.gz", ErrorCode.ARCHIVE_CORRUPT),
+                       ("adapter", ErrorCode.UNSUPPORTED_FORMAT)):
+        (tmp_path / name).write_bytes(b"")
+        refused(tmp_path / name, llama_spec, code, f"{name} is empty (0 bytes)")
+    with zipfile.ZipFile(tmp_path / "none.zip", "w"):
+        pass
+    refused(tmp_path / "none.zip", llama_spec, ErrorCode.MISSING_CONFIG, "the adapter is empty")
+    for name, code in (("adapter_config.json", ErrorCode.CONFIG_INVALID),
+                       ("adapter_model.safetensors", ErrorCode.SAFETENSORS_CORRUPT)):
+        folder = tmp_path / f"empty-{name}"
+        shutil.copytree(llama_adapter_dir, folder)
+        (folder / name).write_bytes(b"")
+        refused(folder, llama_spec, code, f"{name}", "is empty (0 bytes)")
