@@ -38,7 +38,7 @@ class AdapterSource:
         if not str(adapter).strip():  # Path("") is the working directory, which is not what anyone meant
             raise AdapterValidationError("the adapter path is empty (None means the base model)",
                                          ErrorCode.NOT_FOUND)
-        path = Path(adapter)
+        path = Path(adapter).expanduser()  # "~/adapters/x" means the home folder's, as in a shell (and vLLM)
         # The request keeps the absolute path: the cache reloads an evicted adapter from it later, maybe after
         # the working directory has changed.
         absolute = str(path.absolute())

@@ -357,3 +357,15 @@ def test_a_mistyped_adapter_name_lists_the_registered_names(tiny_llama_dir, adap
         llm.generate(["Hello"], PARAMS, adapter="suport-bot", use_tqdm=False)
     with pytest.raises(AdapterLoadError, match=r"/nowhere/bot does not exist$"):  # a path is no name
         llm.generate(["Hello"], PARAMS, adapter="/nowhere/bot", use_tqdm=False)
+
+
+def test_an_adapter_path_under_the_home_folder_may_start_with_a_tilde(tiny_llama_dir, adapters, monkeypatch):
+    from pathlib import Path
+
+    folder = Path(adapters[0])
+    monkeypatch.setenv("HOME", str(folder.parent))
+    llm = LLM(str(tiny_llama_dir), max_loras=1, num_kv_blocks=64)
+    by_tilde, by_path = (llm.generate([{"prompt_token_ids": LONG_PROMPT[:12]}], PARAMS, adapter=a, use_tqdm=False)[0]
+                         for a in (f"~/{folder.name}", folder))
+    assert by_tilde.error is None and by_tilde.outputs[0].token_ids == by_path.outputs[0].token_ids
+    assert llm.resolve_adapter(f"~/{folder.name}").path == str(folder)
