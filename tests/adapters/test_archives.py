@@ -175,6 +175,7 @@ def _zip_member(path: Path, name: str, data: bytes = b"x", mode: int | None = No
     ("/tmp/evil.txt", None, ErrorCode.ARCHIVE_UNSAFE_PATH, "absolute"),
     ("C:/evil.txt", None, ErrorCode.ARCHIVE_UNSAFE_PATH, "absolute"),
     ("link", stat.S_IFLNK | 0o777, ErrorCode.ARCHIVE_LINK, "symbolic link"),
+    ("link2", stat.S_IFLNK | 0o777, ErrorCode.ARCHIVE_LINK, "Archive the files the links point to"),
     ("fifo", stat.S_IFIFO | 0o644, ErrorCode.ARCHIVE_SPECIAL_FILE, "not a regular file"),
 ])
 def test_unsafe_zip_members(tmp_path, name, mode, code, word):
@@ -199,6 +200,9 @@ def _tar_info(name: str, kind: bytes, **fields) -> tarfile.TarInfo:
 @pytest.mark.parametrize(("info", "code", "word"), [
     (_tar_info("evil", tarfile.SYMTYPE, linkname="/etc/passwd"), ErrorCode.ARCHIVE_LINK, "/etc/passwd"),
     (_tar_info("hard", tarfile.LNKTYPE, linkname="adapter_config.json"), ErrorCode.ARCHIVE_LINK, "link"),
+    # a Hugging Face cache snapshot archived as it is: links to its blobs
+    (_tar_info("./adapter_model.safetensors", tarfile.SYMTYPE, linkname="../../blobs/1e7a"), ErrorCode.ARCHIVE_LINK,
+     "tar -h or --dereference"),
     (_tar_info("dev", tarfile.CHRTYPE, devmajor=1, devminor=3), ErrorCode.ARCHIVE_SPECIAL_FILE, "device"),
     (_tar_info("disk", tarfile.BLKTYPE, devmajor=8, devminor=0), ErrorCode.ARCHIVE_SPECIAL_FILE, "device"),
     (_tar_info("pipe", tarfile.FIFOTYPE), ErrorCode.ARCHIVE_SPECIAL_FILE, "FIFO"),
