@@ -168,12 +168,22 @@ def _small_config(candidates: list[Path], limits: AdapterLimits) -> bytes | None
     return found[0].read_bytes()
 
 
-def _refuse_pickle(path: Path) -> None:
-    if path.name.lower().endswith(PICKLE_SUFFIXES):
+def _refuse_pickle(path: Path, beside_adapter: bool = False) -> None:
+    """`beside_adapter`: the file sits in an adapter folder or archive, where it may be another file than the
+    weights (the training_args.bin the Hugging Face Trainer saves beside every adapter, an optimizer.pt)."""
+    if not path.name.lower().endswith(PICKLE_SUFFIXES):
+        return
+    why = f"{path.name} is a pickle file ({path.suffix}); pickles can run code when loaded and are never opened"
+    if beside_adapter and (not path.name.lower().startswith("adapter_model.")
+                           or path.with_name(WEIGHTS_NAME).is_file()):
         raise AdapterValidationError(
-            f"{path.name} is a pickle file ({path.suffix}); pickles can run code when loaded and are never "
-            f"opened. Save the adapter with safetensors (save_pretrained(..., safe_serialization=True))",
+            f"{why}, and an adapter with one is refused. The adapter needs only {CONFIG_NAME} and {WEIGHTS_NAME}: "
+            f"leave {path.name} out (older PEFT versions save adapter_model.bin beside the safetensors file, the "
+            f"Hugging Face Trainer saves training_args.bin, and checkpoints hold optimizer pickles)",
             ErrorCode.PICKLE_FILE)
+    raise AdapterValidationError(
+        f"{why}. Save the adapter with safetensors (save_pretrained(..., safe_serialization=True))",
+        ErrorCode.PICKLE_FILE)
 
 
 def _load_dir(root: Path, spec: BaseModelSpec, limits: AdapterLimits) -> CanonicalAdapter:
@@ -193,7 +203,7 @@ def _load_dir(root: Path, spec: BaseModelSpec, limits: AdapterLimits) -> Canonic
                 # so links to files are followed, as in the Hugging Face cache; a FIFO or device is not a file.
                 if not entry.is_file():
                     raise AdapterValidationError(f"{rel} is not a regular file", ErrorCode.ARCHIVE_SPECIAL_FILE)
-                _refuse_pickle(entry)
+                _refuse_pickle(entry, beside_adapter=True)
                 if name == CONFIG_NAME:
                     configs.append(entry)
     # PEFT writes the two files at the top; archives often wrap them in one folder named after the adapter.

@@ -336,3 +336,22 @@ def test_empty_files_and_archives_are_named_as_empty(llama_adapter_dir, llama_sp
         shutil.copytree(llama_adapter_dir, folder)
         (folder / name).write_bytes(b"")
         refused(folder, llama_spec, code, f"{name}", "is empty (0 bytes)")
+
+
+def test_a_pickle_beside_a_safetensors_adapter_is_to_be_left_out(llama_adapter_dir, llama_spec, tmp_path):
+    """`trainer.save_model(folder)` writes training_args.bin beside the adapter, and older PEFT versions wrote
+    adapter_model.bin beside adapter_model.safetensors: the refusal says to leave the pickle out, not to save the
+    adapter with safetensors, which it already is. A folder whose only weights are a pickle is told that."""
+    for name in ("training_args.bin", "adapter_model.bin", "optimizer.pt"):
+        folder = tmp_path / name
+        shutil.copytree(llama_adapter_dir, folder)
+        (folder / name).write_bytes(b"\x80\x04.")
+        error = refused(folder, llama_spec, ErrorCode.PICKLE_FILE, f"leave {name} out")
+        assert "Save the adapter with safetensors" not in str(error)
+        refused(_zip(tmp_path / f"{name}.zip", folder, extra={name: b"\x80\x04."}), llama_spec, ErrorCode.PICKLE_FILE,
+                f"leave {name} out")
+    only_pickle = tmp_path / "old"
+    only_pickle.mkdir()
+    shutil.copy(llama_adapter_dir / "adapter_config.json", only_pickle)
+    (only_pickle / "adapter_model.bin").write_bytes(b"\x80\x04.")
+    refused(only_pickle, llama_spec, ErrorCode.PICKLE_FILE, "Save the adapter with safetensors")
