@@ -207,18 +207,34 @@ def _load_dir(root: Path, spec: BaseModelSpec, limits: AdapterLimits) -> Canonic
                 if name == CONFIG_NAME:
                     configs.append(entry)
     # PEFT writes the two files at the top; archives often wrap them in one folder named after the adapter.
+    deeper = sorted(str(c.relative_to(root)) for c in configs if len(c.relative_to(root).parts) > 2)
     configs = [c for c in configs if len(c.relative_to(root).parts) <= 2]
     if not members:
         raise AdapterValidationError(f"the adapter is empty: no {CONFIG_NAME} or {WEIGHTS_NAME} in it",
                                      ErrorCode.MISSING_CONFIG)
     if not configs:
-        raise AdapterValidationError(f"no {CONFIG_NAME} at the top of the adapter or in one sub-folder",
-                                     ErrorCode.MISSING_CONFIG)
+        raise AdapterValidationError(f"no {CONFIG_NAME} at the top of the adapter or in one sub-folder"
+                                     f"{_what_is_there(root, deeper)}", ErrorCode.MISSING_CONFIG)
     if len(configs) > 1:
         where = ", ".join(sorted(str(c.relative_to(root)) for c in configs))
         raise AdapterValidationError(f"more than one {CONFIG_NAME} ({where}); upload one adapter at a time",
                                      ErrorCode.AMBIGUOUS_ADAPTER)
     return _load_pair(configs[0], configs[0].with_name(WEIGHTS_NAME), spec, limits)
+
+
+def _what_is_there(root: Path, deeper: list[str]) -> str:
+    """For a folder with no adapter where one is looked for: the adapters found deeper down, or that it holds
+    a whole model (its config.json and weights), which is no adapter."""
+    if deeper:
+        shown = ", ".join(deeper[:3]) + (f" and {len(deeper) - 3} more" if len(deeper) > 3 else "")
+        return (f"; found {shown}, deeper than that: give the folder that holds it, or archive the adapter's own "
+                f"folder")
+    for folder in (root, *(d for d in root.iterdir() if d.is_dir())):
+        if (folder / "config.json").is_file() and any(folder.glob("*.safetensors")):
+            where = "" if folder == root else f" ({folder.name})"
+            return (f"; it holds a whole model{where} (config.json and its weights), not a LoRA adapter, which PEFT "
+                    f"saves as {CONFIG_NAME} and {WEIGHTS_NAME}")
+    return ""
 
 
 def _load_pair(config_path: Path, weights_path: Path, spec: BaseModelSpec, limits: AdapterLimits) -> CanonicalAdapter:

@@ -355,3 +355,12 @@ def test_a_pickle_beside_a_safetensors_adapter_is_to_be_left_out(llama_adapter_d
     shutil.copy(llama_adapter_dir / "adapter_config.json", only_pickle)
     (only_pickle / "adapter_model.bin").write_bytes(b"\x80\x04.")
     refused(only_pickle, llama_spec, ErrorCode.PICKLE_FILE, "Save the adapter with safetensors")
+
+
+def test_an_adapter_too_deep_or_a_whole_model_is_named(llama_adapter_dir, llama_spec, tiny_llama_dir, tmp_path):
+    """`zip -r adapter.zip outputs/checkpoint-500` puts the adapter two folders down, deeper than is looked in:
+    the refusal names where it is. A model folder given as the adapter (a merged model, or the base model by
+    mistake) is said to be a whole model."""
+    deep = _zip(tmp_path / "deep.zip", llama_adapter_dir, prefix="outputs/checkpoint-500/")
+    refused(deep, llama_spec, ErrorCode.MISSING_CONFIG, "found outputs/checkpoint-500/adapter_config.json")
+    refused(tiny_llama_dir, llama_spec, ErrorCode.MISSING_CONFIG, "it holds a whole model", "not a LoRA adapter")
