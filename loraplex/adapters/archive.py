@@ -19,6 +19,9 @@ from .errors import AdapterValidationError, ErrorCode
 from .limits import AdapterLimits
 
 _CHUNK = 1024 * 1024
+# A Hugging Face cache snapshot is a folder of links to its blobs: archived as it is, it holds only the links.
+_LINK_HINT = ("; archives may not hold links. Archive the files the links point to (tar -h or --dereference; "
+              "zip without --symlinks)")
 # An adapter is two files, perhaps in a folder or two: deeper paths or longer names are no adapter's, and a
 # path of thousands of folders costs the file system (and a recursive cleanup) dearly.
 MAX_DEPTH = 16
@@ -223,7 +226,7 @@ def _extract_zip(archive: Path, dest: Path, budget: _Budget) -> None:
             # type 0), which means a plain file or folder.
             mode = info.external_attr >> 16
             if stat.S_ISLNK(mode):
-                raise AdapterValidationError(f"archive member {_shown(info.filename)} is a symbolic link",
+                raise AdapterValidationError(f"archive member {_shown(info.filename)} is a symbolic link{_LINK_HINT}",
                                              ErrorCode.ARCHIVE_LINK)
             if stat.S_IFMT(mode) and not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
                 raise AdapterValidationError(f"archive member {_shown(info.filename)} is not a regular file",
@@ -297,8 +300,8 @@ def _extract_tar_member(tf: tarfile.TarFile, member: tarfile.TarInfo, dest: Path
     name = member.name
     budget.add_member(name)
     if member.issym() or member.islnk():
-        raise AdapterValidationError(f"archive member {_shown(name)} is a link to {_shown(member.linkname)}",
-                                     ErrorCode.ARCHIVE_LINK)
+        raise AdapterValidationError(f"archive member {_shown(name)} is a link to {_shown(member.linkname)}"
+                                     f"{_LINK_HINT}", ErrorCode.ARCHIVE_LINK)
     if member.ischr() or member.isblk() or member.isfifo() or member.issparse() or not (
             member.isreg() or member.isdir()):
         raise AdapterValidationError(f"archive member {_shown(name)} is not a regular file (device, FIFO or special)",

@@ -52,6 +52,8 @@ def to_canonical(tensors: dict[str, torch.Tensor], settings: LoraSettings, spec:
                 f"{_WEIGHTS}: unknown tensor {key!r}; expected "
                 f"'{_PREFIX}{spec.layer_prefix}.<layer>.<self_attn|mlp>.<module>.lora_A|lora_B.weight'",
                 ErrorCode.UNKNOWN_TENSOR)
+        if target == (TOP_LEVEL, "lm_head") and settings.tied_lm_head:
+            continue  # PEFT's copy of the pair tied to the embedding's, which the head's LoRA is made from below
         if target not in settings.targets:
             raise AdapterValidationError(
                 f"{_WEIGHTS}: tensor {key!r} is for {where(*target)}, which adapter_config.json does "
@@ -70,6 +72,11 @@ def to_canonical(tensors: dict[str, torch.Tensor], settings: LoraSettings, spec:
     weights: dict[tuple[int, str], LoraWeights] = {}
     for layer, module in sorted(settings.targets):
         pair = found.get((layer, module), {})
+        if (layer, module) == (TOP_LEVEL, "lm_head") and settings.tied_lm_head:
+            # the embedding's pair, transposed: A [r, hidden] is its B^T, B [vocab, r] its A^T (PEFT's tied adapter)
+            embedding = found[(TOP_LEVEL, _EMBEDDING)]
+            pair = {ab: (f"{key} (transposed: the LM head's LoRA is tied to the embedding's)", tensor.t())
+                    for ab, (key, tensor) in (("A", embedding["B"]), ("B", embedding["A"]))}
         for ab in "AB":
             if ab not in pair:
                 raise AdapterValidationError(

@@ -98,6 +98,9 @@ def _load(path: Path, spec: BaseModelSpec, limits: AdapterLimits) -> CanonicalAd
         if entry is not None:
             return entry
         return _load_pair(path.with_name(CONFIG_NAME), path, spec, limits)
+    if path.is_file() and path.stat().st_size == 0:
+        raise AdapterValidationError(f"{path.name} is empty (0 bytes)", ErrorCode.ARCHIVE_CORRUPT
+                                     if path.name.lower().endswith(_ARCHIVE_SUFFIXES) else ErrorCode.UNSUPPORTED_FORMAT)
     if archive_kind(path) is None:
         if path.name.lower().endswith(_ARCHIVE_SUFFIXES):
             raise AdapterValidationError(
@@ -165,12 +168,22 @@ def _small_config(candidates: list[Path], limits: AdapterLimits) -> bytes | None
     return found[0].read_bytes()
 
 
-def _refuse_pickle(path: Path) -> None:
-    if path.name.lower().endswith(PICKLE_SUFFIXES):
+def _refuse_pickle(path: Path, beside_adapter: bool = False) -> None:
+    """`beside_adapter`: the file sits in an adapter folder or archive, where it may be another file than the
+    weights (the training_args.bin the Hugging Face Trainer saves beside every adapter, an optimizer.pt)."""
+    if not path.name.lower().endswith(PICKLE_SUFFIXES):
+        return
+    why = f"{path.name} is a pickle file ({path.suffix}); pickles can run code when loaded and are never opened"
+    if beside_adapter and (not path.name.lower().startswith("adapter_model.")
+                           or path.with_name(WEIGHTS_NAME).is_file()):
         raise AdapterValidationError(
-            f"{path.name} is a pickle file ({path.suffix}); pickles can run code when loaded and are never "
-            f"opened. Save the adapter with safetensors (save_pretrained(..., safe_serialization=True))",
+            f"{why}, and an adapter with one is refused. The adapter needs only {CONFIG_NAME} and {WEIGHTS_NAME}: "
+            f"leave {path.name} out (older PEFT versions save adapter_model.bin beside the safetensors file, the "
+            f"Hugging Face Trainer saves training_args.bin, and checkpoints hold optimizer pickles)",
             ErrorCode.PICKLE_FILE)
+    raise AdapterValidationError(
+        f"{why}. Save the adapter with safetensors (save_pretrained(..., safe_serialization=True))",
+        ErrorCode.PICKLE_FILE)
 
 
 def _load_dir(root: Path, spec: BaseModelSpec, limits: AdapterLimits) -> CanonicalAdapter:
@@ -190,19 +203,38 @@ def _load_dir(root: Path, spec: BaseModelSpec, limits: AdapterLimits) -> Canonic
                 # so links to files are followed, as in the Hugging Face cache; a FIFO or device is not a file.
                 if not entry.is_file():
                     raise AdapterValidationError(f"{rel} is not a regular file", ErrorCode.ARCHIVE_SPECIAL_FILE)
-                _refuse_pickle(entry)
+                _refuse_pickle(entry, beside_adapter=True)
                 if name == CONFIG_NAME:
                     configs.append(entry)
     # PEFT writes the two files at the top; archives often wrap them in one folder named after the adapter.
+    deeper = sorted(str(c.relative_to(root)) for c in configs if len(c.relative_to(root).parts) > 2)
     configs = [c for c in configs if len(c.relative_to(root).parts) <= 2]
-    if not configs:
-        raise AdapterValidationError(f"no {CONFIG_NAME} at the top of the adapter or in one sub-folder",
+    if not members:
+        raise AdapterValidationError(f"the adapter is empty: no {CONFIG_NAME} or {WEIGHTS_NAME} in it",
                                      ErrorCode.MISSING_CONFIG)
+    if not configs:
+        raise AdapterValidationError(f"no {CONFIG_NAME} at the top of the adapter or in one sub-folder"
+                                     f"{_what_is_there(root, deeper)}", ErrorCode.MISSING_CONFIG)
     if len(configs) > 1:
         where = ", ".join(sorted(str(c.relative_to(root)) for c in configs))
         raise AdapterValidationError(f"more than one {CONFIG_NAME} ({where}); upload one adapter at a time",
                                      ErrorCode.AMBIGUOUS_ADAPTER)
     return _load_pair(configs[0], configs[0].with_name(WEIGHTS_NAME), spec, limits)
+
+
+def _what_is_there(root: Path, deeper: list[str]) -> str:
+    """For a folder with no adapter where one is looked for: the adapters found deeper down, or that it holds
+    a whole model (its config.json and weights), which is no adapter."""
+    if deeper:
+        shown = ", ".join(deeper[:3]) + (f" and {len(deeper) - 3} more" if len(deeper) > 3 else "")
+        return (f"; found {shown}, deeper than that: give the folder that holds it, or archive the adapter's own "
+                f"folder")
+    for folder in (root, *(d for d in root.iterdir() if d.is_dir())):
+        if (folder / "config.json").is_file() and any(folder.glob("*.safetensors")):
+            where = "" if folder == root else f" ({folder.name})"
+            return (f"; it holds a whole model{where} (config.json and its weights), not a LoRA adapter, which PEFT "
+                    f"saves as {CONFIG_NAME} and {WEIGHTS_NAME}")
+    return ""
 
 
 def _load_pair(config_path: Path, weights_path: Path, spec: BaseModelSpec, limits: AdapterLimits) -> CanonicalAdapter:
@@ -214,6 +246,8 @@ def _load_pair(config_path: Path, weights_path: Path, spec: BaseModelSpec, limit
     if size > limits.max_config_bytes:
         raise AdapterValidationError(f"{CONFIG_NAME} is {size} bytes, over the limit of {limits.max_config_bytes}",
                                      ErrorCode.CONFIG_INVALID)
+    if size == 0:
+        raise AdapterValidationError(f"{CONFIG_NAME} is empty (0 bytes)", ErrorCode.CONFIG_INVALID)
     try:
         config = json.loads(config_path.read_bytes().decode("utf-8"))
     except UnicodeDecodeError as exc:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from .errors import AdapterValidationError, ErrorCode
 from .limits import AdapterLimits
 from .spec import TOP_LEVEL, BaseModelSpec
-from .targets import resolve_targets
+from .targets import resolve_targets, ties_lm_head
 
 # PiSSA, OLoRA, CorDA and LoRA-GA subtract their initial A/B from the base weights; LoftQ replaces them with a
 # quantized copy. Such adapters are only correct on that modified base, until converted to plain LoRA.
@@ -55,6 +55,8 @@ class LoraSettings:
     base_model_name_or_path: str | None
     # names of per-module tensors saved by a training-only variant, not part of the weights served
     training_only_tensors: tuple[str, ...] = ()
+    # ensure_weight_tying on a tied model: the LM head's LoRA is the embedding's, transposed (targets.ties_lm_head)
+    tied_lm_head: bool = False
 
     def rank_for(self, module_path: str) -> int:
         return self.rank_pattern.get(_pattern_key(self.rank_pattern, module_path), self.r)
@@ -97,11 +99,17 @@ def parse_lora_config(config: object, spec: BaseModelSpec, limits: AdapterLimits
     alpha_pattern = _pattern(config.get("alpha_pattern"), "alpha_pattern", _alpha)
     use_rslora = _flag(config, "use_rslora")
     base = config.get("base_model_name_or_path")
+    _flag(config, "ensure_weight_tying")
+    targets = resolve_targets(config, spec)
+    tied = ties_lm_head(config, spec)
+    if tied:
+        targets = targets | {(TOP_LEVEL, "embed_tokens"), (TOP_LEVEL, "lm_head")}
     settings = LoraSettings(
         r=r, lora_alpha=alpha, use_rslora=use_rslora, rank_pattern=rank_pattern, alpha_pattern=alpha_pattern,
-        targets=resolve_targets(config, spec), base_model_name_or_path=base if isinstance(base, str) else None,
+        targets=targets, base_model_name_or_path=base if isinstance(base, str) else None,
         training_only_tensors=tuple(name for key, name in TRAINING_ONLY_VARIANTS.items()
                                     if config.get(key) is not None),
+        tied_lm_head=tied,
     )
     _check_rank_limit(settings, spec, limits)
     return settings

@@ -33,6 +33,8 @@ def _read_header(f: BinaryIO, file_size: int, name: str, limits: AdapterLimits) 
     if file_size > limits.max_member_bytes:
         raise AdapterValidationError(f"{name} is {file_size} bytes, over the limit of {limits.max_member_bytes}",
                                      ErrorCode.ARCHIVE_MEMBER_TOO_LARGE)
+    if file_size == 0:
+        raise _corrupt(name, "the file is empty (0 bytes)")
     prefix = f.read(8)
     if len(prefix) < 8:
         raise _corrupt(name, "file is shorter than the 8-byte header length")
@@ -88,6 +90,9 @@ def _check_entry(name: str, key: str, info, data_len: int) -> None:
         raise _corrupt(name, f"tensor {key!r} has data offsets {offsets!r}; expected [begin, end] byte offsets")
     if offsets[0] > offsets[1]:
         raise _corrupt(name, f"tensor {key!r} has data offsets {offsets!r} that end before they begin")
+    if 0 <= offsets[0] <= offsets[1] and offsets[1] > data_len:
+        raise _corrupt(name, f"tensor {key!r} has data offsets {offsets!r} outside the data ({data_len} bytes): the "
+                             f"file is cut short (an interrupted download or copy?) or its header is damaged")
     if not 0 <= offsets[0] <= offsets[1] <= data_len:
         raise _corrupt(name, f"tensor {key!r} has data offsets {offsets!r} outside the data ({data_len} bytes)")
     expected = math.prod(shape) * _KNOWN_DTYPE_SIZES[dtype]

@@ -195,3 +195,21 @@ def _unknown(name: str | list[str], spec: BaseModelSpec, hint: str = "") -> Adap
     return AdapterValidationError(
         f"adapter_config.json: {what} a projection of {spec.architecture}; known modules: "
         f"{', '.join((*spec.peft_modules, *TOP_MODULES))}{hint}", ErrorCode.UNKNOWN_TARGET_MODULE)
+
+
+def ties_lm_head(config: dict, spec: BaseModelSpec) -> bool:
+    """PEFT's ensure_weight_tying on a model whose LM head shares the input embedding's weight: where the
+    target modules name the embedding or the head, PEFT puts LoRA on the embedding and ties the head's LoRA to
+    it (the head's A is the embedding's B transposed, its B the embedding's A transposed), so the two stay one
+    matrix. The saved config lists the embedding; a head's LoRA tensors in the file are copies of the tied pair."""
+    if config.get("ensure_weight_tying") is not True or not spec.tie_word_embeddings or spec.vocab_size <= 0:
+        return False
+    target = config.get("target_modules")
+    if isinstance(target, str):
+        if target.lower() == _ALL_LINEAR:
+            return False
+        try:
+            return any(re.fullmatch(target, m) for m in TOP_MODULES)
+        except _REGEX_ERRORS:
+            return False
+    return isinstance(target, list) and any(isinstance(t, str) and t.split(".")[-1] in TOP_MODULES for t in target)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import click
 
 from loraplex.engine.fetch import fetch
@@ -51,6 +53,12 @@ def generate(prompt, model_name, chat, system, adapter, tenant, max_rank, max_mo
         raise click.UsageError("--system applies only with --chat (the chat template places it)")
     if tenant is not None and adapter is None:
         raise click.UsageError("--tenant names whose uploaded adapter --adapter is; give --adapter too")
+    if adapter is not None and not adapter.strip():
+        raise click.UsageError("--adapter is empty; leave it out to use the base model")
+    if adapter is not None and tenant is None and not os.path.exists(os.path.expanduser(adapter)):
+        # said before the model loads; a name that is no path may be meant as an uploaded adapter's
+        raise click.ClickException(f"adapter {adapter!r} does not exist: --adapter takes a PEFT folder or archive, or "
+                                   "with --tenant TENANT the name of an adapter uploaded to the server")
     from pydantic import ValidationError
 
     from loraplex.config import Settings

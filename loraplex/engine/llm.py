@@ -10,7 +10,7 @@ from typing import Any
 from loraplex.engine.config import EngineConfig
 from loraplex.engine.errors import InvalidRequestError
 from loraplex.engine.llm_engine import LLMEngine
-from loraplex.engine.lora_request import LoRARequest
+from loraplex.engine.lora_request import LoRARequest, check_lora_request
 from loraplex.engine.outputs import RequestOutput
 from loraplex.engine.sampling_params import SamplingParams
 
@@ -42,6 +42,7 @@ class LLM:
         """A LoRARequest as is; a registered name (`register_adapter`) or a path is resolved by the engine's
         adapter cache."""
         if adapter is None or isinstance(adapter, LoRARequest):
+            check_lora_request(adapter)
             return adapter
         if not isinstance(adapter, (str, os.PathLike)):
             raise InvalidRequestError(

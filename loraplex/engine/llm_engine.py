@@ -21,7 +21,7 @@ from loraplex.engine.block_manager import BlockManager
 from loraplex.engine.config import EngineConfig, EngineLimits
 from loraplex.engine.cpu_tuning import keep_freed_memory
 from loraplex.engine.errors import AdapterLoadError, AdapterMissingError, InvalidRequestError, ModelLoadError
-from loraplex.engine.lora_request import LoRARequest
+from loraplex.engine.lora_request import LoRARequest, check_lora_request
 from loraplex.engine.model_loader import iter_weights, load_model_config, resolve_model_dir
 from loraplex.engine.model_runner import ModelRunner, kv_block_bytes
 from loraplex.engine.models.arch import ModelArch
@@ -293,6 +293,7 @@ class LLMEngine:
         params = fit_max_tokens(self.scheduler, len(ids), params)
         if lora is not None and self.adapter_slots is None:
             raise InvalidRequestError("this engine was started without adapter support", param="adapter")
+        check_lora_request(lora)
         seqs = [Sequence(request_id, ids, params, index=i, lora=lora, tenant=tenant) for i in range(params.n)]
         seqs[0].pending_forks = seqs[1:]
         self.requests[request_id] = RequestState(

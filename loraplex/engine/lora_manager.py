@@ -270,7 +270,7 @@ class LoraManager:
         registering a name again points it at the new adapter."""
         if not isinstance(name, str) or not name.strip():
             raise AdapterLoadError(f"an adapter name must be a non-empty string, got {name!r}")
-        if "/" in name or "\\" in name or name.startswith((".", "~")):
+        if not _could_be_a_name(name):
             # a name that reads as a path would make one string mean a folder in one call and other weights
             # in the next
             raise AdapterLoadError(f"adapter name {name!r} looks like a path: a name may not contain '/' or '\\' "
@@ -302,7 +302,7 @@ class LoraManager:
         try:
             lora, canonical = self.source.resolve(adapter)
         except ValueError as exc:
-            raise AdapterLoadError(f"adapter {str(adapter)!r} refused: {exc}") from exc
+            raise AdapterLoadError(f"adapter {str(adapter)!r} refused: {exc}{self._names_hint(adapter, exc)}") from exc
         if canonical is not None and not self.is_resident(lora.key):
             from loraplex.engine.lora_source import module_weights
 
@@ -311,6 +311,19 @@ class LoraManager:
             except ValueError as exc:
                 raise AdapterLoadError(f"adapter {str(adapter)!r} refused: {exc}") from exc
         return lora
+
+    def _names_hint(self, adapter, exc: Exception) -> str:
+        """For a string that is neither a path nor a registered name: the names that are registered, since a
+        mistyped name reads as a path that does not exist."""
+        if not (isinstance(adapter, str) and isinstance(exc, AdapterValidationError)
+                and exc.code == ErrorCode.NOT_FOUND and adapter.strip() and _could_be_a_name(adapter)):
+            return ""
+        with self._lock:
+            names = sorted(self._names)
+        if not names:
+            return ""
+        shown = ", ".join(repr(n) for n in names[:10]) + (f" and {len(names) - 10} more" if len(names) > 10 else "")
+        return f", and it is not a registered adapter name either (registered: {shown})"
 
     # ---- loading (background) -------------------------------------------------------------------------
 
@@ -674,3 +687,8 @@ class LoraManager:
                 self._loading.pop(key).cancel()
             self._queued.clear()
             self._urgent.clear()
+
+
+def _could_be_a_name(adapter: str) -> bool:
+    """A registered name may not read as a path: no '/' or '\\', not starting with '.' or '~'."""
+    return not ("/" in adapter or "\\" in adapter or adapter.startswith((".", "~")))

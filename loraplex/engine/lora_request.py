@@ -19,3 +19,20 @@ class LoRARequest:
     @property
     def key(self) -> str:
         return self.content_hash
+
+
+def check_lora_request(lora: object) -> None:
+    """Refuse a LoRARequest whose fields are not strings, saying why: vLLM's LoRARequest is (lora_name,
+    lora_int_id, lora_path), and `LoRARequest("sql", 1, path)` written for it would otherwise fail only when
+    the adapter loads, with a message about an int."""
+    from loraplex.engine.errors import InvalidRequestError
+
+    if not isinstance(lora, LoRARequest):
+        return
+    for field in ("name", "content_hash", "path"):
+        value = getattr(lora, field)
+        if not isinstance(value, str) or (field == "content_hash" and not value):
+            raise InvalidRequestError(
+                f"LoRARequest(name, content_hash, path) takes strings; its {field} is {value!r}. It is not vLLM's "
+                "LoRARequest(lora_name, lora_int_id, lora_path): pass the adapter's path as adapter=, or the "
+                "LoRARequest that register_adapter or resolve_adapter returns", param="adapter")

@@ -38,19 +38,22 @@ class AdapterSource:
         if not str(adapter).strip():  # Path("") is the working directory, which is not what anyone meant
             raise AdapterValidationError("the adapter path is empty (None means the base model)",
                                          ErrorCode.NOT_FOUND)
-        path = Path(adapter)
+        path = Path(adapter).expanduser()  # "~/adapters/x" means the home folder's, as in a shell (and vLLM)
+        # The request keeps the absolute path: the cache reloads an evicted adapter from it later, maybe after
+        # the working directory has changed.
+        absolute = str(path.absolute())
         stamp = _fingerprint(path)
-        known = self._resolved.get(str(path))
+        known = self._resolved.get(absolute)
         if known is not None and stamp is not None and known[0] == stamp:
             return known[1], None
         canonical = load_adapter(path, self.spec, self.limits)
-        where = str(path)
+        where = absolute
         if self.store is not None:
             where = self.store.put(canonical)
         name = path.name[: -len(".tar.gz")] if path.name.endswith(".tar.gz") else path.stem or path.name
         lora = LoRARequest(name=name, content_hash=canonical.content_hash, path=where)
         if stamp is not None:
-            self._resolved[str(path)] = (stamp, lora)
+            self._resolved[absolute] = (stamp, lora)
         return lora, canonical
 
     def load(self, lora: LoRARequest) -> dict:

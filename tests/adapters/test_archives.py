@@ -175,6 +175,7 @@ def _zip_member(path: Path, name: str, data: bytes = b"x", mode: int | None = No
     ("/tmp/evil.txt", None, ErrorCode.ARCHIVE_UNSAFE_PATH, "absolute"),
     ("C:/evil.txt", None, ErrorCode.ARCHIVE_UNSAFE_PATH, "absolute"),
     ("link", stat.S_IFLNK | 0o777, ErrorCode.ARCHIVE_LINK, "symbolic link"),
+    ("link2", stat.S_IFLNK | 0o777, ErrorCode.ARCHIVE_LINK, "Archive the files the links point to"),
     ("fifo", stat.S_IFIFO | 0o644, ErrorCode.ARCHIVE_SPECIAL_FILE, "not a regular file"),
 ])
 def test_unsafe_zip_members(tmp_path, name, mode, code, word):
@@ -199,6 +200,9 @@ def _tar_info(name: str, kind: bytes, **fields) -> tarfile.TarInfo:
 @pytest.mark.parametrize(("info", "code", "word"), [
     (_tar_info("evil", tarfile.SYMTYPE, linkname="/etc/passwd"), ErrorCode.ARCHIVE_LINK, "/etc/passwd"),
     (_tar_info("hard", tarfile.LNKTYPE, linkname="adapter_config.json"), ErrorCode.ARCHIVE_LINK, "link"),
+    # a Hugging Face cache snapshot archived as it is: links to its blobs
+    (_tar_info("./adapter_model.safetensors", tarfile.SYMTYPE, linkname="../../blobs/1e7a"), ErrorCode.ARCHIVE_LINK,
+     "tar -h or --dereference"),
     (_tar_info("dev", tarfile.CHRTYPE, devmajor=1, devminor=3), ErrorCode.ARCHIVE_SPECIAL_FILE, "device"),
     (_tar_info("disk", tarfile.BLKTYPE, devmajor=8, devminor=0), ErrorCode.ARCHIVE_SPECIAL_FILE, "device"),
     (_tar_info("pipe", tarfile.FIFOTYPE), ErrorCode.ARCHIVE_SPECIAL_FILE, "FIFO"),
@@ -314,3 +318,49 @@ def test_duplicate_member(llama_adapter_dir, llama_spec, tmp_path):
             zf.write(llama_adapter_dir / name, name)
         zf.writestr("adapter_config.json", b"{}")
     refused(archive, llama_spec, ErrorCode.ARCHIVE_UNSAFE_PATH, "twice")
+
+
+def test_empty_files_and_archives_are_named_as_empty(llama_adapter_dir, llama_spec, tmp_path):
+    """A zero-byte upload or file (a failed download, a copy that never ran) is said to be empty, not
+    described by the parse error it makes."""
+    for name, code in (("a.zip", ErrorCode.ARCHIVE_CORRUPT), ("a.tar.gz", ErrorCode.ARCHIVE_CORRUPT),
+                       ("adapter", ErrorCode.UNSUPPORTED_FORMAT)):
+        (tmp_path / name).write_bytes(b"")
+        refused(tmp_path / name, llama_spec, code, f"{name} is empty (0 bytes)")
+    with zipfile.ZipFile(tmp_path / "none.zip", "w"):
+        pass
+    refused(tmp_path / "none.zip", llama_spec, ErrorCode.MISSING_CONFIG, "the adapter is empty")
+    for name, code in (("adapter_config.json", ErrorCode.CONFIG_INVALID),
+                       ("adapter_model.safetensors", ErrorCode.SAFETENSORS_CORRUPT)):
+        folder = tmp_path / f"empty-{name}"
+        shutil.copytree(llama_adapter_dir, folder)
+        (folder / name).write_bytes(b"")
+        refused(folder, llama_spec, code, f"{name}", "is empty (0 bytes)")
+
+
+def test_a_pickle_beside_a_safetensors_adapter_is_to_be_left_out(llama_adapter_dir, llama_spec, tmp_path):
+    """`trainer.save_model(folder)` writes training_args.bin beside the adapter, and older PEFT versions wrote
+    adapter_model.bin beside adapter_model.safetensors: the refusal says to leave the pickle out, not to save the
+    adapter with safetensors, which it already is. A folder whose only weights are a pickle is told that."""
+    for name in ("training_args.bin", "adapter_model.bin", "optimizer.pt"):
+        folder = tmp_path / name
+        shutil.copytree(llama_adapter_dir, folder)
+        (folder / name).write_bytes(b"\x80\x04.")
+        error = refused(folder, llama_spec, ErrorCode.PICKLE_FILE, f"leave {name} out")
+        assert "Save the adapter with safetensors" not in str(error)
+        refused(_zip(tmp_path / f"{name}.zip", folder, extra={name: b"\x80\x04."}), llama_spec, ErrorCode.PICKLE_FILE,
+                f"leave {name} out")
+    only_pickle = tmp_path / "old"
+    only_pickle.mkdir()
+    shutil.copy(llama_adapter_dir / "adapter_config.json", only_pickle)
+    (only_pickle / "adapter_model.bin").write_bytes(b"\x80\x04.")
+    refused(only_pickle, llama_spec, ErrorCode.PICKLE_FILE, "Save the adapter with safetensors")
+
+
+def test_an_adapter_too_deep_or_a_whole_model_is_named(llama_adapter_dir, llama_spec, tiny_llama_dir, tmp_path):
+    """`zip -r adapter.zip outputs/checkpoint-500` puts the adapter two folders down, deeper than is looked in:
+    the refusal names where it is. A model folder given as the adapter (a merged model, or the base model by
+    mistake) is said to be a whole model."""
+    deep = _zip(tmp_path / "deep.zip", llama_adapter_dir, prefix="outputs/checkpoint-500/")
+    refused(deep, llama_spec, ErrorCode.MISSING_CONFIG, "found outputs/checkpoint-500/adapter_config.json")
+    refused(tiny_llama_dir, llama_spec, ErrorCode.MISSING_CONFIG, "it holds a whole model", "not a LoRA adapter")

@@ -148,3 +148,30 @@ def test_a_base_model_without_vocab_size_refuses_them(head_copy):
                                       "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 128,
                                       "num_hidden_layers": 2})
     refused(head_copy.path, spec, ErrorCode.EMBEDDING_LORA_UNSUPPORTED, "vocab_size")
+
+
+@pytest.mark.parametrize(("base_fixture", "target_modules"), [
+    pytest.param("tiny_tied_dir", ["lm_head", "q_proj"], id="tied-head"),
+    pytest.param("tiny_tied_dir", ["embed_tokens", "lm_head", "v_proj"], id="tied-both"),
+    pytest.param("tiny_tied_dir", ["embed_tokens", "q_proj"], id="tied-embed"),
+    pytest.param("tiny_tied_dir", r".*\.q_proj|lm_head", id="tied-pattern"),
+    pytest.param("tiny_llama_dir", ["embed_tokens", "lm_head", "q_proj"], id="untied"),  # nothing to tie
+])
+def test_ensure_weight_tying_ties_the_head_to_the_embedding_as_peft_does(base_fixture, target_modules, request,
+                                                                          tmp_path):
+    """With PEFT's ensure_weight_tying on a tied model (SmolLM2), LoRA on the embedding or the head becomes LoRA
+    on the embedding with the head's LoRA tied to it: the saved config lists only the embedding, and the file
+    holds the head's pair (a copy) and both base weights. Served, the head gets the embedding's update."""
+    base_dir = request.getfixturevalue(base_fixture)
+    adapter_dir = make_peft_adapter(base_dir, tmp_path / "lora", r=4, target_modules=target_modules, seed=4,
+                                    ensure_weight_tying=True)
+    spec = BaseModelSpec.from_model_dir(base_dir)
+    adapter = load_adapter(adapter_dir, spec)
+    expected = peft_deltas(base_dir, adapter_dir)
+    assert {(TOP_LEVEL, "embed_tokens"), (TOP_LEVEL, "lm_head")} <= set(expected) == set(adapter.weights)
+    for key, delta in expected.items():
+        assert delta.abs().max() > 1e-3
+        torch.testing.assert_close(adapter.weights[key].delta(), delta, rtol=1e-5, atol=1e-6)
+    if spec.tie_word_embeddings:
+        head, embedding = adapter.weights[(TOP_LEVEL, "lm_head")], adapter.weights[(TOP_LEVEL, "embed_tokens")]
+        torch.testing.assert_close(head.delta(), embedding.delta().t())

@@ -163,7 +163,7 @@ def test_a_kasa_adapter_made_by_peft_is_refused_by_name(tiny_llama_dir, llama_sp
     (b"[]", ["not a list"]),
     (b"8", ["not a number"]),
     (b'{"r": "\xff"}', ["not UTF-8", "0xff"]),
-    (b"", ["not valid JSON"]),
+    (b"", ["is empty (0 bytes)"]),
     (b'{"r": ' + b"9" * 5000 + b"}", ["not valid JSON"]),
 ])
 def test_config_that_is_no_json_object(adapter_copy, llama_spec, raw, words):

@@ -165,8 +165,12 @@ def test_corrupt_headers(adapter_copy, llama_spec, header, data, words):
 
 
 def test_truncated_file(adapter_copy, llama_spec):
+    data = adapter_copy.weights_path.read_bytes()
     adapter_copy.weights_path.write_bytes(b"\x01\x02")
     refused(adapter_copy.path, llama_spec, ErrorCode.SAFETENSORS_CORRUPT, "shorter")
+    # cut in the tensor data, as an interrupted download leaves it
+    adapter_copy.weights_path.write_bytes(data[: len(data) - 100])
+    refused(adapter_copy.path, llama_spec, ErrorCode.SAFETENSORS_CORRUPT, "the file is cut short")
 
 
 def test_unaligned_tensor_data_is_read_correctly(adapter_copy, llama_spec, q_keys):

@@ -93,3 +93,27 @@ def test_every_engine_setting_reaches_the_engine():
 
     shared = {f.name for f in dataclasses.fields(EngineConfig)} & set(Settings.model_fields) - {"model"}
     assert shared == set(ENGINE_SETTINGS)
+
+
+def test_an_adapter_that_is_no_path_is_refused_before_the_model_loads(tmp_path, monkeypatch):
+    """A name given without --tenant may be meant as an uploaded adapter's: the refusal says --tenant names
+    those, and comes before the model is loaded (the model here does not even exist). An empty --adapter is
+    a usage error, not 'the adapter path is empty (None means the base model)'."""
+    monkeypatch.chdir(tmp_path)
+    missing_model = ["generate", "--model", str(tmp_path / "no-model"), "hi"]
+    result = CliRunner().invoke(main, [*missing_model, "--adapter", "support-bot"])
+    assert result.exit_code == 1, result.output
+    assert "'support-bot' does not exist" in result.output and "--tenant TENANT" in result.output, result.output
+    for empty in ("", " "):
+        result = CliRunner().invoke(main, [*missing_model, "--adapter", empty])
+        assert result.exit_code == 2 and "leave it out to use the base model" in result.output, result.output
+
+
+def test_an_adapter_under_the_home_folder_may_be_given_with_a_quoted_tilde(tiny_llama_dir, tmp_path, monkeypatch):
+    from loraplex.testing import make_peft_adapter
+
+    make_peft_adapter(tiny_llama_dir, tmp_path / "bot", r=4, target_modules=("q_proj",), seed=1)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    args = ["generate", "--model", str(tiny_llama_dir), "--max-tokens", "3", "hi", "--adapter"]
+    by_tilde, by_path = (CliRunner().invoke(main, [*args, a]) for a in ("~/bot", str(tmp_path / "bot")))
+    assert by_tilde.exit_code == 0 and by_tilde.output == by_path.output, by_tilde.output

@@ -304,3 +304,68 @@ def test_cli_generate_takes_the_rank_limit_from_its_option_or_the_setting(tiny_l
     monkeypatch.setenv("LORAPLEX_MAX_LORA_RANK", "many")
     bad = CliRunner().invoke(main, args)
     assert bad.exit_code != 0 and "LORAPLEX_MAX_LORA_RANK" in bad.output and "Traceback" not in bad.output, bad.output
+
+
+def test_an_adapter_given_by_a_relative_path_reloads_after_the_working_directory_changes(
+        tiny_llama_dir, adapters, tmp_path, monkeypatch):
+    """A relative path is read where it was given: once evicted, the adapter is loaded again from that same
+    folder, whatever the working directory is by then."""
+    from pathlib import Path
+
+    llm = LLM(str(tiny_llama_dir), max_loras=1, max_cpu_loras=1, num_kv_blocks=128)
+
+    def tokens(adapter):
+        out = llm.generate([{"prompt_token_ids": LONG_PROMPT[:12]}], PARAMS, adapter=adapter, use_tqdm=False)[0]
+        assert out.error is None, out.error
+        return list(out.outputs[0].token_ids)
+
+    folder = Path(adapters[0])
+    monkeypatch.chdir(folder.parent)
+    expected = tokens(folder.name)
+    llm.register_adapter("bot", folder.name)
+    monkeypatch.chdir(tmp_path)
+    assert tokens(adapters[1]) != expected  # the only slot and host entry go to another adapter
+    assert tokens("bot") == expected
+
+
+def test_a_lora_request_written_the_vllm_way_is_refused_saying_so(tiny_llama_dir, adapters):
+    """vLLM's LoRARequest is (lora_name, lora_int_id, lora_path); the same call here puts an int where the
+    content hash goes. It is refused before anything runs, naming the difference, not left to fail at load
+    time with a message about an int."""
+    from loraplex.engine.errors import InvalidRequestError
+    from loraplex.engine.lora_request import LoRARequest
+
+    llm = LLM(str(tiny_llama_dir), max_loras=2, num_kv_blocks=64)
+    vllm_style = LoRARequest("sql", 1, adapters[0])
+    with pytest.raises(InvalidRequestError, match=r"content_hash is 1\. It is not vLLM's LoRARequest"):
+        llm.generate(["Hello", "Hi"], PARAMS, adapter=[None, vllm_style], use_tqdm=False)
+    with pytest.raises(InvalidRequestError, match="path is None"):
+        llm.engine.add_request("r", "Hello", PARAMS, lora=LoRARequest("sql", "ab" * 32, None))
+    assert not llm.engine.requests  # nothing was queued
+    good = llm.resolve_adapter(adapters[0])
+    assert len(llm.generate(["Hello"], PARAMS, adapter=good, use_tqdm=False)[0].outputs[0].token_ids) == 6
+
+
+def test_a_mistyped_adapter_name_lists_the_registered_names(tiny_llama_dir, adapters):
+    llm = LLM(str(tiny_llama_dir), max_loras=1, num_kv_blocks=64)
+    with pytest.raises(AdapterLoadError, match=r"does not exist$"):  # nothing registered: nothing to list
+        llm.generate(["Hello"], PARAMS, adapter="support-bot", use_tqdm=False)
+    llm.register_adapter("support-bot", adapters[0])
+    llm.register_adapter("sales-bot", adapters[1])
+    with pytest.raises(AdapterLoadError, match=r"does not exist, and it is not a registered adapter name either "
+                                               r"\(registered: 'sales-bot', 'support-bot'\)"):
+        llm.generate(["Hello"], PARAMS, adapter="suport-bot", use_tqdm=False)
+    with pytest.raises(AdapterLoadError, match=r"/nowhere/bot does not exist$"):  # a path is no name
+        llm.generate(["Hello"], PARAMS, adapter="/nowhere/bot", use_tqdm=False)
+
+
+def test_an_adapter_path_under_the_home_folder_may_start_with_a_tilde(tiny_llama_dir, adapters, monkeypatch):
+    from pathlib import Path
+
+    folder = Path(adapters[0])
+    monkeypatch.setenv("HOME", str(folder.parent))
+    llm = LLM(str(tiny_llama_dir), max_loras=1, num_kv_blocks=64)
+    by_tilde, by_path = (llm.generate([{"prompt_token_ids": LONG_PROMPT[:12]}], PARAMS, adapter=a, use_tqdm=False)[0]
+                         for a in (f"~/{folder.name}", folder))
+    assert by_tilde.error is None and by_tilde.outputs[0].token_ids == by_path.outputs[0].token_ids
+    assert llm.resolve_adapter(f"~/{folder.name}").path == str(folder)

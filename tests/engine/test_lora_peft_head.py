@@ -77,3 +77,18 @@ def test_slots_for_the_head_and_embedding_only_once_an_adapter_needs_them(tiny_l
     # the one slot now goes back to the projection-only adapter: its tokens are PEFT's, no head delta left over
     assert _generate(llm, [(PROMPTS[0], plain)]) == peft_greedy(tiny_llama_dir, plain, [PROMPTS[0]], MAX_TOKENS)
     assert with_head == peft_greedy(tiny_llama_dir, head, [PROMPTS[0]], MAX_TOKENS)
+
+
+def test_an_adapter_with_ensure_weight_tying_on_a_tied_model_matches_peft(tiny_tied_dir, tmp_path):
+    """PEFT's ensure_weight_tying: the head's LoRA is the embedding's, transposed; served so, beside a base
+    request and an adapter without the option."""
+    tied = make_peft_adapter(tiny_tied_dir, tmp_path / "tied", r=8, target_modules=("lm_head", "q_proj", "v_proj"),
+                             seed=31, ensure_weight_tying=True)
+    plain = make_peft_adapter(tiny_tied_dir, tmp_path / "plain", r=4, target_modules=("lm_head",), seed=32)
+    requests = [(PROMPTS[0], tied), (PROMPTS[1], None), (PROMPTS[2], plain), (PROMPTS[1], tied)]
+    got = _generate(LLM(str(tiny_tied_dir), max_loras=2, num_kv_blocks=128), requests)
+    for adapter in (tied, None, plain):
+        idx = [i for i, (_, a) in enumerate(requests) if a == adapter]
+        assert [got[i] for i in idx] == peft_greedy(tiny_tied_dir, adapter, [requests[i][0] for i in idx],
+                                                    MAX_TOKENS), f"adapter {adapter}"
+    assert got[3] != got[1]
