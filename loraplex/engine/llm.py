@@ -82,7 +82,8 @@ class LLM:
         adapters = list(adapter) if isinstance(adapter, (list, tuple)) else [adapter] * len(prompts)
         for what, given in (("sampling_params", params_list), ("adapter", adapters)):
             if len(given) != len(prompts):
-                raise InvalidRequestError(f"the {what} list has {len(given)} entries for {len(prompts)} prompts: "
+                raise InvalidRequestError(f"the {what} list has {len(given)} {'entry' if len(given) == 1 else 'entries'} for "
+                                          f"{len(prompts)} {'prompt' if len(prompts) == 1 else 'prompts'}: "
                                           "give one per prompt (or a single one for all)", param=what)
         loras = [self.resolve_adapter(a) for a in adapters]
         order = []

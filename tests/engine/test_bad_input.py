@@ -131,5 +131,5 @@ def test_lists_of_the_wrong_length_say_which_and_how_long(llm):
     with pytest.raises(InvalidRequestError, match="the adapter list has 2 entries for 3 prompts") as info:
         llm.generate(["a", "b", "c"], adapter=[None, None], use_tqdm=False)
     assert info.value.param == "adapter"
-    with pytest.raises(InvalidRequestError, match="the sampling_params list has 1 entries for 2 prompts"):
+    with pytest.raises(InvalidRequestError, match="the sampling_params list has 1 entry for 2 prompts"):
         llm.generate(["a", "b"], [SamplingParams(max_tokens=2)], use_tqdm=False)
