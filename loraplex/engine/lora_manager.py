@@ -501,6 +501,15 @@ class LoraManager:
         self.request_load(lora)
         return False
 
+    def unwanted(self, key: str) -> None:
+        """No waiting request needs the adapter any more (the last one was aborted or failed before it ran):
+        it gives up its place among the loads kept for waiting requests at once, rather than hold it for
+        PENDING_TTL_S while other requests' adapters wait for a place to load. A load under way goes on (it
+        may serve a later request) behind the loads requests wait for."""
+        with self._lock:
+            self._pending.pop(key, None)
+            self._urgent.pop(key, None)
+
     def is_resident(self, key: str) -> bool:
         return key in self._slot_of
 
@@ -531,6 +540,18 @@ class LoraManager:
             self._refs[key] = self._refs.get(key, 0) + 1
             self._pending.pop(key, None)
             return slot
+
+    def slot_to_free(self) -> str | None:
+        """Where a request waits for a slot that every running request's adapter holds: the adapter whose slot
+        it should get, the one the fewest running requests use (of those not pinned, where there are any;
+        `_victim` evicts it once they finish). The scheduler admits no more requests for that adapter while
+        one waits for a slot, or a steady stream of them would keep the slot held for ever. None when a slot
+        can be had now."""
+        with self._lock:
+            if self._free_slot() is not None or self._victim() is not None:
+                return None
+            held = [k for k in self._slot_of if k not in self._pinned] or list(self._slot_of)
+            return min(held, key=lambda k: self._refs.get(k, 0), default=None)  # the least recently used of equals
 
     def release(self, key: str) -> None:
         with self._lock:
@@ -616,13 +637,17 @@ class LoraManager:
                 return slot
         return None
 
-    def _evict_one(self) -> int | None:
+    def _victim(self) -> str | None:
         # The least recently used idle adapter that is not pinned. Pins never take every slot: where each
         # slot holds a pinned adapter, the least recently used idle one gives its slot up (it stays pinned in
         # host memory and comes back on its next request), or every other adapter would wait forever.
         victim = next((k for k in self._slot_of if not self._refs.get(k) and k not in self._pinned), None)
         if victim is None and all(k in self._pinned for k in self._slot_of):
             victim = next((k for k in self._slot_of if not self._refs.get(k)), None)
+        return victim
+
+    def _evict_one(self) -> int | None:
+        victim = self._victim()
         if victim is None:
             return None
         slot = self._slot_of.pop(victim)

@@ -126,9 +126,7 @@ class Scheduler:
             if seq.status is SequenceStatus.RUNNING:
                 self._leave_running(seq)
             elif seq.status is SequenceStatus.WAITING:
-                queue = self.waiting.get(seq.tenant)
-                if queue is not None and seq in queue:
-                    queue.remove(seq)
+                self._leave_waiting(seq)
             seq.status = SequenceStatus.FINISHED
             seq.finish_reason = seq.finish_reason or "abort"
             for child in seq.pending_forks:
@@ -142,10 +140,20 @@ class Scheduler:
         if seq.status is SequenceStatus.RUNNING:
             self._leave_running(seq)
         elif seq.status is SequenceStatus.WAITING:
-            queue = self.waiting.get(seq.tenant)
-            if queue is not None and seq in queue:
-                queue.remove(seq)
+            self._leave_waiting(seq)
         seq.status = SequenceStatus.FINISHED
+
+    def _leave_waiting(self, seq: Sequence) -> None:
+        queue = self.waiting.get(seq.tenant)
+        if queue is None or seq not in queue:
+            return
+        queue.remove(seq)
+        key = seq.adapter_key
+        unwanted = getattr(self.adapter_slots, "unwanted", None)
+        if key is not None and unwanted is not None and not any(
+                q.adapter_key == key for tq in self.waiting.values() for q in tq):
+            # the adapter's load was kept a place for this request: give it to others' now
+            unwanted(key)
 
     def _leave_running(self, seq: Sequence) -> None:
         self.running.remove(seq)
@@ -229,9 +237,11 @@ class Scheduler:
         self, budget: int, scheduled: dict[int, int], seq_by_id: dict[int, Sequence], batch: ScheduledBatch
     ) -> int:
         blocked: set[int] = set()  # seq_ids skipped this step (adapter not ready or no free slot)
+        # adapters whose slot a request ahead in the order waits for: nothing behind it is admitted for them
+        held_back: set[str] = set()
         running = Counter(q.tenant for q in self.running)  # sequences running per tenant, kept as we admit
         while budget > 0:
-            seq = self._next_candidate(blocked, batch, running)
+            seq = self._next_candidate(blocked, batch, running, held_back)
             if seq is None:
                 break
             if len(self.running) + 1 + len(seq.pending_forks) > self.max_num_seqs:
@@ -245,6 +255,12 @@ class Scheduler:
             if seq.lora is not None:
                 if self.adapter_slots.try_acquire(seq.lora) is None:
                     blocked.add(seq.seq_id)  # every slot is held by running requests' adapters
+                    # Let one of them drain, or requests behind this one that keep its adapter busy (another
+                    # tenant's burst, say) would take every slot ahead of it for as long as they keep coming.
+                    slot_to_free = getattr(self.adapter_slots, "slot_to_free", None)
+                    key = slot_to_free() if slot_to_free is not None else None
+                    if key is not None:
+                        held_back.add(key)
                     continue
                 seq.holds_adapter_slot = True
             self.waiting[seq.tenant].remove(seq)
@@ -261,8 +277,10 @@ class Scheduler:
             budget -= n
         return budget
 
-    def _next_candidate(self, blocked: set[int], batch: ScheduledBatch, running: Counter) -> Sequence | None:
-        """The first admissible waiting sequence of the least-served tenant that has one."""
+    def _next_candidate(self, blocked: set[int], batch: ScheduledBatch, running: Counter,
+                        held_back: set[str] = frozenset()) -> Sequence | None:
+        """The first admissible waiting sequence of the least-served tenant that has one; none for an adapter
+        in `held_back`."""
         # least service first; at equal service, the tenant with fewer sequences running
         for tenant in self.fairness.order((t for t, q in self.waiting.items() if q), tiebreak=running.__getitem__):
             for seq in list(self.waiting[tenant]):
@@ -270,6 +288,9 @@ class Scheduler:
                     continue
                 if seq.lora is None or seq.holds_adapter_slot:
                     return seq
+                if seq.adapter_key in held_back:
+                    blocked.add(seq.seq_id)
+                    continue
                 if self.adapter_slots is None:
                     raise RuntimeError("a request names an adapter but the engine has no adapter cache")
                 try:

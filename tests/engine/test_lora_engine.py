@@ -160,6 +160,45 @@ def test_requests_for_other_adapters_run_when_pins_hold_every_slot(tiny_llama_di
     assert set(slots.stats()["lora_pinned"]) == {p.key for p in pinned}  # still pinned; one in host memory now
 
 
+def test_a_request_aborted_while_its_adapter_loads_leaves_no_hold_on_the_next_load(tiny_llama_dir, adapters):
+    """With one slot, one adapter at a time is loaded for waiting requests: a request aborted while its adapter
+    loads must give that place up at once, not keep the next request's adapter from loading for seconds."""
+    engine = LLM(str(tiny_llama_dir), max_loras=1, num_kv_blocks=128).engine
+    slots = engine.adapter_slots
+    first, second = slots.resolve(adapters[0]), slots.resolve(adapters[1])
+    for lora in (first, second):
+        assert slots.remove(lora.key)  # in the adapter's folder only: a request loads it
+    engine.add_request("gone", [5, 6, 7], PARAMS, lora=first)
+    engine.step()  # its adapter's load starts
+    engine.abort_request("gone")
+    engine.add_request("next", [5, 6, 7], PARAMS, lora=second)
+    engine.step()
+    assert second.key in slots._loading or second.key in slots._host, "the next adapter's load did not start"
+    finals = []
+    while engine.has_unfinished_requests():
+        finals += [out for out in engine.step() if out.finished]
+    assert [f.request_id for f in finals] == ["next"] and len(finals[0].outputs[0].token_ids) == PARAMS.max_tokens
+
+
+def test_a_tenant_waiting_for_a_slot_is_not_starved_by_another_s_stream_on_the_resident_adapter(
+        tiny_llama_dir, adapters):
+    """One slot, held by a busy tenant's adapter whose requests end at different steps (so some always run): a
+    second tenant's request for another adapter gets the slot once those running finish, not after the burst."""
+    engine = LLM(str(tiny_llama_dir), max_loras=1, num_kv_blocks=256, max_num_seqs=3).engine
+    busy, other = engine.adapter_slots.resolve(adapters[0]), engine.adapter_slots.resolve(adapters[1])
+    for i in range(24):
+        params = SamplingParams(temperature=0.0, max_tokens=3 + (5 * i) % 7, ignore_eos=True)
+        engine.add_request(f"busy{i}", [5, 6, 7, 8 + i], params, lora=busy, tenant="busy")
+    for _ in range(3):
+        engine.step()
+    engine.add_request("small", [5, 6, 9], PARAMS, lora=other, tenant="small")
+    finished = []
+    while engine.has_unfinished_requests():
+        finished += [out.request_id for out in engine.step() if out.finished]
+    assert finished.index("small") <= 6, finished  # the three running then, at most, and a few more
+    assert engine.adapter_slots.refcount(busy.key) == engine.adapter_slots.refcount(other.key) == 0
+
+
 async def test_an_engine_without_adapter_support_has_no_pins(tiny_llama_dir):
     from loraplex.engine.async_engine import AsyncEngine
 
