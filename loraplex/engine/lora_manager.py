@@ -411,7 +411,10 @@ class LoraManager:
                 f"adapter {lora.name!r} could not be loaded: {exc}")
             error.__cause__ = exc
             with self._lock:
-                self._errors[lora.key] = error
+                if lora.key in self._pending:
+                    # for the waiting request (`ready` raises it); a prefetch's failure is its caller's alone,
+                    # and a request that comes later tries the load again rather than fail on an old error
+                    self._errors[lora.key] = error
                 self._loading.pop(lora.key, None)
             raise error from exc
         with self._lock:

@@ -221,6 +221,20 @@ def test_load_runs_in_the_background_and_errors_reach_the_scheduler():
         m.ready(missing)
 
 
+def test_a_failed_prefetch_is_its_caller_s_error_and_a_later_request_loads_again():
+    """A prefetch that fails (a store that did not answer then) tells its caller; the next request for the
+    adapter tries the load again rather than fail on the prefetch's old error."""
+    store = FakeStore()
+    m = _manager(store)
+    lora = LoRARequest(name="x", content_hash="x", path="x")
+    with pytest.raises(AdapterLoadError, match="no adapter x"):
+        m.prefetch(lora).result(5)
+    store.add("x", 4)
+    assert m.ready(lora) is False  # a new load, not the prefetch's error
+    m.request_load(lora).result(5)
+    assert m.ready(lora) and store.calls == ["x", "x"]
+
+
 def test_prefetch_fills_a_free_slot_and_reload_after_host_eviction():
     store = FakeStore()
     m = _manager(store, max_loras=1, max_cpu_loras=1)
