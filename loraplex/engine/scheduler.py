@@ -284,7 +284,7 @@ class Scheduler:
         # least service first; at equal service, the tenant with fewer sequences running
         for tenant in self.fairness.order((t for t, q in self.waiting.items() if q), tiebreak=running.__getitem__):
             for seq in list(self.waiting[tenant]):
-                if seq.seq_id in blocked:
+                if seq.seq_id in blocked or seq.status is not SequenceStatus.WAITING:
                     continue
                 if seq.lora is None or seq.holds_adapter_slot:
                     return seq
@@ -295,9 +295,12 @@ class Scheduler:
                     raise RuntimeError("a request names an adapter but the engine has no adapter cache")
                 try:
                     ready = self.adapter_slots.ready(seq.lora)
-                except Exception as exc:  # the adapter failed to load: this request fails, others go on
-                    self.finish(seq, "error")
-                    batch.failed.append((seq, exc))
+                except Exception as exc:  # the adapter failed to load: its requests fail, others go on
+                    # Every request waiting for it fails with this load's error: each one loading it again
+                    # in turn would fail the same way and keep other adapters' loads waiting meanwhile.
+                    for other in [q for tq in self.waiting.values() for q in tq if q.adapter_key == seq.adapter_key]:
+                        self.finish(other, "error")
+                        batch.failed.append((other, exc))
                     continue
                 if not ready:
                     blocked.add(seq.seq_id)

@@ -113,6 +113,30 @@ def test_an_adapter_whose_file_is_gone_ends_its_request_as_missing_and_a_damaged
     assert len(finals["base"].outputs[0].token_ids) == PARAMS.max_tokens
 
 
+def test_requests_waiting_for_an_adapter_that_fails_to_load_fail_on_one_load(tiny_llama_dir, adapters, tmp_path):
+    """Each loading it again in turn would fail the same way, one load after another, while another adapter's
+    request waits for its own load behind them."""
+    from loraplex.engine.lora_request import LoRARequest
+
+    engine = LLM(str(tiny_llama_dir), max_loras=1, num_kv_blocks=128).engine
+    slots = engine.adapter_slots
+    loads = []
+    load = slots.load_fn
+    slots.load_fn = lambda lora: (loads.append(lora.name), load(lora))[1]
+    gone = LoRARequest(name="gone", content_hash="ab" * 32, path=str(tmp_path / "gone"))
+    for i in range(6):
+        engine.add_request(f"gone{i}", [5, 6, 7 + i], PARAMS, lora=gone)
+    other = slots.resolve(adapters[1])
+    assert slots.remove(other.key)
+    engine.add_request("other", [5, 6, 7], PARAMS, lora=other)
+    finals = {}
+    while engine.has_unfinished_requests():
+        finals.update((out.request_id, out) for out in engine.step() if out.finished)
+    assert loads == ["gone", other.name]
+    assert all(finals[f"gone{i}"].error_kind == "adapter_missing" for i in range(6))
+    assert finals["other"].error is None and len(finals["other"].outputs[0].token_ids) == PARAMS.max_tokens
+
+
 async def test_async_engine_prefetch_remove_and_stats(tiny_llama_dir, adapters):
     from loraplex.engine.async_engine import AsyncEngine
 
