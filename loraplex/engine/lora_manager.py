@@ -459,6 +459,10 @@ class LoraManager:
         result: Future = Future()
 
         def _activate(done: Future) -> None:
+            if done.cancelled():  # never started: the cache closed first
+                result.set_exception(AdapterLoadError(f"adapter {lora.name!r} was not loaded: the adapter cache "
+                                                      "closed first"))
+                return
             if done.exception() is not None:
                 self.unpin(lora.key)
                 result.set_exception(done.exception())

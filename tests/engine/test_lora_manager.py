@@ -185,8 +185,11 @@ def test_loads_queued_at_close_are_cancelled():
     store.gate.clear()
     m.request_load(a)
     queued = m.request_load(b)
+    prefetched = m.prefetch(store.add("c", 4))
     m.close()
     assert queued.cancelled()
+    with pytest.raises(AdapterLoadError, match="'c' was not loaded: the adapter cache closed"):
+        prefetched.result(5)  # told, not left waiting
     store.gate.set()
 
 
