@@ -452,7 +452,12 @@ class LoraManager:
         keeps it from eviction, False lets it be evicted again, None leaves that as it was."""
         with self._lock:
             if pin:
-                self._pinned.add(lora.key)
+                try:
+                    self._pin(lora.key, lora.name)
+                except AdapterLoadError as exc:
+                    refused: Future = Future()
+                    refused.set_exception(exc)
+                    return refused
             elif pin is False:
                 self._pinned.discard(lora.key)
         fut = self.request_load(lora, urgent=False)
@@ -578,7 +583,16 @@ class LoraManager:
 
     def pin(self, key: str) -> None:
         with self._lock:
-            self._pinned.add(key)
+            self._pin(key, key[:12])
+
+    def _pin(self, key: str, name: str) -> None:
+        # Pinned adapters stay in host memory, which holds max_cpu_loras: past that, each load would drop
+        # a pinned one while it still counted as pinned.
+        if key not in self._pinned and len(self._pinned) >= self.max_cpu_loras:
+            raise AdapterLoadError(f"cannot pin adapter {name!r}: {len(self._pinned)} adapters are pinned already, "
+                                   f"as many as the host cache holds (max_cpu_loras={self.max_cpu_loras}); unpin "
+                                   "one or raise max_cpu_loras")
+        self._pinned.add(key)
 
     def unpin(self, key: str) -> None:
         with self._lock:

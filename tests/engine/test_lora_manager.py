@@ -161,6 +161,25 @@ def test_pins_never_take_every_slot():
     assert m.is_resident("a") and m.is_resident("b") and not m.is_resident("d")
 
 
+def test_no_more_pins_than_the_host_cache_holds():
+    """Pinned adapters stay in host memory: a pin beyond max_cpu_loras is refused, saying why, rather than taken
+    while loads drop pinned adapters from the host cache."""
+    store = FakeStore()
+    m = _manager(store, max_loras=1, max_cpu_loras=2)
+    a, b, c = (store.add(n, 4) for n in "abc")
+    m.prefetch(a, pin=True).result(5)
+    m.prefetch(b, pin=True).result(5)
+    m.prefetch(a, pin=True).result(5)  # pinned already: nothing more to hold
+    with pytest.raises(AdapterLoadError, match=r"cannot pin adapter 'c': 2 adapters are pinned .*max_cpu_loras=2"):
+        m.prefetch(c, pin=True).result(5)
+    with pytest.raises(AdapterLoadError, match="max_cpu_loras=2"):
+        m.pin("c")
+    assert m.stats()["lora_pinned"] == ["a", "b"] and set(m.stats()["lora_host_cached"]) == {"a", "b"}
+    m.unpin("b")
+    m.prefetch(c, pin=True).result(5)
+    assert m.stats()["lora_pinned"] == ["a", "c"]
+
+
 def test_a_waiting_request_s_load_goes_before_queued_prefetches():
     store = FakeStore()
     m = _manager(store, max_loras=2, max_cpu_loras=8)
