@@ -490,7 +490,8 @@ class LoraManager:
 
     # ---- scheduler interface (step thread) ----------------------------------------------------------
 
-    def ready(self, lora: LoRARequest) -> bool:
+    def ready(self, lora: LoRARequest, *, load: bool = True) -> bool:
+        """See the module's docstring. load=False: never start a load nor take a place for one."""
         now = time.monotonic()
         with self._lock:
             key = lora.key
@@ -503,6 +504,8 @@ class LoraManager:
                 self._pending.pop(key, None)
                 raise error
             if key not in self._pending:
+                if not load:
+                    return False
                 # Loading for every waiting request at once would push adapters loaded for earlier ones
                 # out of the host LRU before they ever run: keep at most a slot-cache's worth in flight.
                 for k in [k for k, t in self._pending.items() if now - t > PENDING_TTL_S]:
@@ -512,6 +515,11 @@ class LoraManager:
                 self._pending[key] = now
         self.request_load(lora)
         return False
+
+    def waits_for_place(self, key: str) -> bool:
+        """Not loaded, nor loading: `ready` found every place for waiting requests' loads taken."""
+        with self._lock:
+            return not (key in self._pending or key in self._loading or key in self._host or key in self._slot_of)
 
     def unwanted(self, key: str) -> None:
         """No waiting request needs the adapter any more (the last one was aborted or failed before it ran):

@@ -44,6 +44,17 @@ class ScheduledBatch:
         return sum(self.num_new_tokens)
 
 
+@dataclass
+class _Admission:
+    """One step's admission pass."""
+
+    running: Counter  # sequences running per tenant, kept as it admits
+    blocked: set[int] = field(default_factory=set)  # seq_ids skipped (adapter not ready or no free slot)
+    # adapters whose slot a request ahead in the order waits for: nothing behind it is admitted for them
+    held_back: set[str] = field(default_factory=set)
+    no_load_place: set[str] = field(default_factory=set)  # tenants whose adapter found no place to load
+
+
 class Scheduler:
     def __init__(
         self,
@@ -236,12 +247,10 @@ class Scheduler:
     def _admit(
         self, budget: int, scheduled: dict[int, int], seq_by_id: dict[int, Sequence], batch: ScheduledBatch
     ) -> int:
-        blocked: set[int] = set()  # seq_ids skipped this step (adapter not ready or no free slot)
-        # adapters whose slot a request ahead in the order waits for: nothing behind it is admitted for them
-        held_back: set[str] = set()
-        running = Counter(q.tenant for q in self.running)  # sequences running per tenant, kept as we admit
+        admission = _Admission(Counter(q.tenant for q in self.running))
+        blocked, held_back = admission.blocked, admission.held_back
         while budget > 0:
-            seq = self._next_candidate(blocked, batch, running, held_back)
+            seq = self._next_candidate(admission, batch)
             if seq is None:
                 break
             if len(self.running) + 1 + len(seq.pending_forks) > self.max_num_seqs:
@@ -271,30 +280,35 @@ class Scheduler:
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = time.time()
             self.running.append(seq)
-            running[seq.tenant] += 1
+            admission.running[seq.tenant] += 1
             scheduled[seq.seq_id] = n
             seq_by_id[seq.seq_id] = seq
             budget -= n
         return budget
 
-    def _next_candidate(self, blocked: set[int], batch: ScheduledBatch, running: Counter,
-                        held_back: set[str] = frozenset()) -> Sequence | None:
-        """The first admissible waiting sequence of the least-served tenant that has one; none for an adapter
-        in `held_back`."""
+    def _next_candidate(self, admission: _Admission, batch: ScheduledBatch) -> Sequence | None:
+        """The first admissible waiting sequence of the least-served tenant that has one."""
+        blocked = admission.blocked
+        slots = self.adapter_slots
+        waits_for_place = getattr(slots, "waits_for_place", None)
         # least service first; at equal service, the tenant with fewer sequences running
-        for tenant in self.fairness.order((t for t, q in self.waiting.items() if q), tiebreak=running.__getitem__):
+        order = self.fairness.order((t for t, q in self.waiting.items() if q), tiebreak=admission.running.__getitem__)
+        for tenant in order:
             for seq in list(self.waiting[tenant]):
                 if seq.seq_id in blocked or seq.status is not SequenceStatus.WAITING:
                     continue
                 if seq.lora is None or seq.holds_adapter_slot:
                     return seq
-                if seq.adapter_key in held_back:
+                if seq.adapter_key in admission.held_back:
                     blocked.add(seq.seq_id)
                     continue
-                if self.adapter_slots is None:
+                if slots is None:
                     raise RuntimeError("a request names an adapter but the engine has no adapter cache")
+                # Once another tenant's request found no place to load its adapter, a place that frees in this
+                # step is not taken here: it is that tenant's at the next step, which asks first.
+                load = not (admission.no_load_place - {tenant})
                 try:
-                    ready = self.adapter_slots.ready(seq.lora)
+                    ready = slots.ready(seq.lora) if load else slots.ready(seq.lora, load=False)
                 except Exception as exc:  # the adapter failed to load: its requests fail, others go on
                     # Every request waiting for it fails with this load's error: each one loading it again
                     # in turn would fail the same way and keep other adapters' loads waiting meanwhile.
@@ -304,6 +318,8 @@ class Scheduler:
                     continue
                 if not ready:
                     blocked.add(seq.seq_id)
+                    if load and waits_for_place is not None and waits_for_place(seq.adapter_key):
+                        admission.no_load_place.add(tenant)
                     continue
                 return seq
         return None

@@ -113,6 +113,28 @@ def test_an_adapter_whose_file_is_gone_ends_its_request_as_missing_and_a_damaged
     assert len(finals["base"].outputs[0].token_ids) == PARAMS.max_tokens
 
 
+def test_a_tenant_whose_adapter_must_load_is_not_starved_by_another_s_stream_of_adapter_loads(
+        tiny_llama_dir, adapters):
+    """One slot, so one adapter load at a time for waiting requests: a busy tenant's requests cycle through three
+    adapters, each loaded in turn; a second tenant's adapter gets its load (and its turn) early, not after them."""
+    engine = LLM(str(tiny_llama_dir), max_loras=1, max_cpu_loras=1, num_kv_blocks=256, max_num_seqs=4).engine
+    slots = engine.adapter_slots
+    loras = [slots.resolve(a) for a in adapters]
+    for lora in loras:
+        assert slots.remove(lora.key)  # in their folders only: every one must be loaded
+    for i in range(48):
+        params = SamplingParams(temperature=0.0, max_tokens=3 + (3 * i) % 7, ignore_eos=True)
+        engine.add_request(f"busy{i}", [5, 6, 7, 8 + i], params, lora=loras[i % 3], tenant="busy")
+    for _ in range(3):
+        engine.step()
+    engine.add_request("small", [5, 6, 9], PARAMS, lora=loras[3], tenant="small")
+    finished = []
+    while engine.has_unfinished_requests():
+        finished += [out.request_id for out in engine.step() if out.finished]
+    # about two of the busy tenant's adapter turns first; a first-come order of adapter loads put it last
+    assert finished.index("small") <= 24, finished
+
+
 def test_requests_waiting_for_an_adapter_that_fails_to_load_fail_on_one_load(tiny_llama_dir, adapters, tmp_path):
     """Each loading it again in turn would fail the same way, one load after another, while another adapter's
     request waits for its own load behind them."""
