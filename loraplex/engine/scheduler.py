@@ -73,6 +73,7 @@ class Scheduler:
         self.adapter_slots = adapter_slots
         self.fairness = fairness or VirtualTokenCounter()
         self.waiting: OrderedDict[str, deque[Sequence]] = OrderedDict()  # tenant -> FIFO
+        self._waiting_per_adapter: Counter[str] = Counter()  # adapter key -> sequences waiting for it
         self.running: list[Sequence] = []  # admission order: the newest is last
         self.num_preemptions = 0
 
@@ -131,6 +132,8 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         self.fairness.on_arrival(seq.tenant, self._backlogged_tenants())
         self.waiting.setdefault(seq.tenant, deque()).append(seq)
+        if seq.adapter_key is not None:
+            self._waiting_per_adapter[seq.adapter_key] += 1
 
     def abort(self, seqs: list[Sequence]) -> None:
         for seq in seqs:
@@ -154,15 +157,22 @@ class Scheduler:
             self._leave_waiting(seq)
         seq.status = SequenceStatus.FINISHED
 
+    def _take_from_waiting(self, seq: Sequence) -> None:
+        self.waiting[seq.tenant].remove(seq)
+        key = seq.adapter_key
+        if key is not None:
+            self._waiting_per_adapter[key] -= 1
+            if not self._waiting_per_adapter[key]:
+                del self._waiting_per_adapter[key]
+
     def _leave_waiting(self, seq: Sequence) -> None:
         queue = self.waiting.get(seq.tenant)
         if queue is None or seq not in queue:
             return
-        queue.remove(seq)
+        self._take_from_waiting(seq)
         key = seq.adapter_key
         unwanted = getattr(self.adapter_slots, "unwanted", None)
-        if key is not None and unwanted is not None and not any(
-                q.adapter_key == key for tq in self.waiting.values() for q in tq):
+        if key is not None and unwanted is not None and key not in self._waiting_per_adapter:
             # the adapter's load was kept a place for this request: give it to others' now
             unwanted(key)
 
@@ -272,7 +282,7 @@ class Scheduler:
                         held_back.add(key)
                     continue
                 seq.holds_adapter_slot = True
-            self.waiting[seq.tenant].remove(seq)
+            self._take_from_waiting(seq)
             self.bm.admit(seq, hits, salt)
             ok = self.bm.append_slots(seq, n)
             assert ok, "admission check and allocation disagree"
@@ -348,6 +358,8 @@ class Scheduler:
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.setdefault(seq.tenant, deque()).appendleft(seq)
+        if seq.adapter_key is not None:
+            self._waiting_per_adapter[seq.adapter_key] += 1
         batch.preempted.append(seq)
 
     def postprocess(self, batch: ScheduledBatch, sampled: dict[int, int]) -> list[Sequence]:
