@@ -259,6 +259,7 @@ class Scheduler:
     ) -> int:
         admission = _Admission(Counter(q.tenant for q in self.running))
         blocked, held_back = admission.blocked, admission.held_back
+        slot_waiters: list[Sequence] = []  # candidates that found every adapter slot held
         while budget > 0:
             seq = self._next_candidate(admission, batch)
             if seq is None:
@@ -274,14 +275,20 @@ class Scheduler:
             if seq.lora is not None:
                 if self.adapter_slots.try_acquire(seq.lora) is None:
                     blocked.add(seq.seq_id)  # every slot is held by running requests' adapters
-                    # Let one of them drain, or requests behind this one that keep its adapter busy (another
-                    # tenant's burst, say) would take every slot ahead of it for as long as they keep coming.
+                    slot_waiters.append(seq)
+                    # Requests behind it for the adapters in the slots go ahead (they batch well), up to a
+                    # batch's worth; then one of those adapters drains for it, or a steady stream of them
+                    # (another tenant's burst, say) would keep every slot from it for as long as they came.
                     slot_to_free = getattr(self.adapter_slots, "slot_to_free", None)
-                    key = slot_to_free() if slot_to_free is not None else None
-                    if key is not None:
-                        held_back.add(key)
+                    if seq.num_overtaken >= self.max_num_seqs and slot_to_free is not None:
+                        key = slot_to_free()
+                        if key is not None:
+                            held_back.add(key)
                     continue
                 seq.holds_adapter_slot = True
+                seq.num_overtaken = 0
+                for waiter in slot_waiters:
+                    waiter.num_overtaken += 1
             self._take_from_waiting(seq)
             self.bm.admit(seq, hits, salt)
             ok = self.bm.append_slots(seq, n)
