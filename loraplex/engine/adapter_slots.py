@@ -5,6 +5,11 @@ at admission, released when it finishes, is aborted or preempted), so an adapter
 and a step never references more adapters than there are slots. A request whose adapter is not ready
 triggers its load and waits without holding up others. The runner asks for each adapter's slot and for
 the step's LoRA state that the LoRA-aware projections call.
+
+Where the cache has them (`LoraManager` does), the scheduler also calls, for fairness between waiting requests:
+`slot_to_free()` (the adapter to drain when a request waits for a slot every running request holds),
+`waits_for_place(key)` with `ready(lora, load=False)` (a load place freed mid-step stays for the tenant that
+asked first), and `unwanted(key)` (no waiting request needs the adapter's load any more).
 """
 
 from __future__ import annotations

@@ -424,7 +424,10 @@ class LoraManager:
                 f"adapter {lora.name!r} could not be loaded: {exc}")
             error.__cause__ = exc
             with self._lock:
-                self._errors[lora.key] = error
+                if lora.key in self._pending:
+                    # for the waiting request (`ready` raises it); a prefetch's failure is its caller's alone,
+                    # and a request that comes later tries the load again rather than fail on an old error
+                    self._errors[lora.key] = error
                 self._loading.pop(lora.key, None)
             raise error from exc
         with self._lock:
@@ -462,13 +465,22 @@ class LoraManager:
         keeps it from eviction, False lets it be evicted again, None leaves that as it was."""
         with self._lock:
             if pin:
-                self._pinned.add(lora.key)
+                try:
+                    self._pin(lora.key, lora.name)
+                except AdapterLoadError as exc:
+                    refused: Future = Future()
+                    refused.set_exception(exc)
+                    return refused
             elif pin is False:
                 self._pinned.discard(lora.key)
         fut = self.request_load(lora, urgent=False)
         result: Future = Future()
 
         def _activate(done: Future) -> None:
+            if done.cancelled():  # never started: the cache closed first
+                result.set_exception(AdapterLoadError(f"adapter {lora.name!r} was not loaded: the adapter cache "
+                                                      "closed first"))
+                return
             if done.exception() is not None:
                 self.unpin(lora.key)
                 result.set_exception(done.exception())
@@ -491,7 +503,8 @@ class LoraManager:
 
     # ---- scheduler interface (step thread) ----------------------------------------------------------
 
-    def ready(self, lora: LoRARequest) -> bool:
+    def ready(self, lora: LoRARequest, *, load: bool = True) -> bool:
+        """See the module's docstring. load=False: never start a load nor take a place for one."""
         now = time.monotonic()
         with self._lock:
             key = lora.key
@@ -504,6 +517,8 @@ class LoraManager:
                 self._pending.pop(key, None)
                 raise error
             if key not in self._pending:
+                if not load:
+                    return False
                 # Loading for every waiting request at once would push adapters loaded for earlier ones
                 # out of the host LRU before they ever run: keep at most a slot-cache's worth in flight.
                 for k in [k for k, t in self._pending.items() if now - t > PENDING_TTL_S]:
@@ -513,6 +528,20 @@ class LoraManager:
                 self._pending[key] = now
         self.request_load(lora)
         return False
+
+    def waits_for_place(self, key: str) -> bool:
+        """Not loaded, nor loading: `ready` found every place for waiting requests' loads taken."""
+        with self._lock:
+            return not (key in self._pending or key in self._loading or key in self._host or key in self._slot_of)
+
+    def unwanted(self, key: str) -> None:
+        """No waiting request needs the adapter any more (the last one was aborted or failed before it ran):
+        it gives up its place among the loads kept for waiting requests at once, rather than hold it for
+        PENDING_TTL_S while other requests' adapters wait for a place to load. A load under way goes on (it
+        may serve a later request) behind the loads requests wait for."""
+        with self._lock:
+            self._pending.pop(key, None)
+            self._urgent.pop(key, None)
 
     def is_resident(self, key: str) -> bool:
         return key in self._slot_of
@@ -545,6 +574,18 @@ class LoraManager:
             self._pending.pop(key, None)
             return slot
 
+    def slot_to_free(self) -> str | None:
+        """Where a request waits for a slot that every running request's adapter holds: the adapter whose slot
+        it should get, the one the fewest running requests use (of those not pinned, where there are any;
+        `_victim` evicts it once they finish). The scheduler admits no more requests for that adapter while
+        one waits for a slot, or a steady stream of them would keep the slot held for ever. None when a slot
+        can be had now."""
+        with self._lock:
+            if self._free_slot() is not None or self._victim() is not None:
+                return None
+            held = [k for k in self._slot_of if k not in self._pinned] or list(self._slot_of)
+            return min(held, key=lambda k: self._refs.get(k, 0), default=None)  # the least recently used of equals
+
     def release(self, key: str) -> None:
         with self._lock:
             n = self._refs.get(key, 0)
@@ -563,7 +604,16 @@ class LoraManager:
 
     def pin(self, key: str) -> None:
         with self._lock:
-            self._pinned.add(key)
+            self._pin(key, key[:12])
+
+    def _pin(self, key: str, name: str) -> None:
+        # Pinned adapters stay in host memory, which holds max_cpu_loras: past that, each load would drop
+        # a pinned one while it still counted as pinned.
+        if key not in self._pinned and len(self._pinned) >= self.max_cpu_loras:
+            raise AdapterLoadError(f"cannot pin adapter {name!r}: {len(self._pinned)} adapters are pinned already, "
+                                   f"as many as the host cache holds (max_cpu_loras={self.max_cpu_loras}); unpin "
+                                   "one or raise max_cpu_loras")
+        self._pinned.add(key)
 
     def unpin(self, key: str) -> None:
         with self._lock:
@@ -629,13 +679,17 @@ class LoraManager:
                 return slot
         return None
 
-    def _evict_one(self) -> int | None:
+    def _victim(self) -> str | None:
         # The least recently used idle adapter that is not pinned. Pins never take every slot: where each
         # slot holds a pinned adapter, the least recently used idle one gives its slot up (it stays pinned in
         # host memory and comes back on its next request), or every other adapter would wait forever.
         victim = next((k for k in self._slot_of if not self._refs.get(k) and k not in self._pinned), None)
         if victim is None and all(k in self._pinned for k in self._slot_of):
             victim = next((k for k in self._slot_of if not self._refs.get(k)), None)
+        return victim
+
+    def _evict_one(self) -> int | None:
+        victim = self._victim()
         if victim is None:
             return None
         slot = self._slot_of.pop(victim)

@@ -44,6 +44,17 @@ class ScheduledBatch:
         return sum(self.num_new_tokens)
 
 
+@dataclass
+class _Admission:
+    """One step's admission pass."""
+
+    running: Counter  # sequences running per tenant, kept as it admits
+    blocked: set[int] = field(default_factory=set)  # seq_ids skipped (adapter not ready or no free slot)
+    # adapters whose slot a request ahead in the order waits for: nothing behind it is admitted for them
+    held_back: set[str] = field(default_factory=set)
+    no_load_place: set[str] = field(default_factory=set)  # tenants whose adapter found no place to load
+
+
 class Scheduler:
     def __init__(
         self,
@@ -62,6 +73,7 @@ class Scheduler:
         self.adapter_slots = adapter_slots
         self.fairness = fairness or VirtualTokenCounter()
         self.waiting: OrderedDict[str, deque[Sequence]] = OrderedDict()  # tenant -> FIFO
+        self._waiting_per_adapter: Counter[str] = Counter()  # adapter key -> sequences waiting for it
         self.running: list[Sequence] = []  # admission order: the newest is last
         self.num_preemptions = 0
 
@@ -120,15 +132,15 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         self.fairness.on_arrival(seq.tenant, self._backlogged_tenants())
         self.waiting.setdefault(seq.tenant, deque()).append(seq)
+        if seq.adapter_key is not None:
+            self._waiting_per_adapter[seq.adapter_key] += 1
 
     def abort(self, seqs: list[Sequence]) -> None:
         for seq in seqs:
             if seq.status is SequenceStatus.RUNNING:
                 self._leave_running(seq)
             elif seq.status is SequenceStatus.WAITING:
-                queue = self.waiting.get(seq.tenant)
-                if queue is not None and seq in queue:
-                    queue.remove(seq)
+                self._leave_waiting(seq)
             seq.status = SequenceStatus.FINISHED
             seq.finish_reason = seq.finish_reason or "abort"
             for child in seq.pending_forks:
@@ -142,10 +154,27 @@ class Scheduler:
         if seq.status is SequenceStatus.RUNNING:
             self._leave_running(seq)
         elif seq.status is SequenceStatus.WAITING:
-            queue = self.waiting.get(seq.tenant)
-            if queue is not None and seq in queue:
-                queue.remove(seq)
+            self._leave_waiting(seq)
         seq.status = SequenceStatus.FINISHED
+
+    def _take_from_waiting(self, seq: Sequence) -> None:
+        self.waiting[seq.tenant].remove(seq)
+        key = seq.adapter_key
+        if key is not None:
+            self._waiting_per_adapter[key] -= 1
+            if not self._waiting_per_adapter[key]:
+                del self._waiting_per_adapter[key]
+
+    def _leave_waiting(self, seq: Sequence) -> None:
+        queue = self.waiting.get(seq.tenant)
+        if queue is None or seq not in queue:
+            return
+        self._take_from_waiting(seq)
+        key = seq.adapter_key
+        unwanted = getattr(self.adapter_slots, "unwanted", None)
+        if key is not None and unwanted is not None and key not in self._waiting_per_adapter:
+            # the adapter's load was kept a place for this request: give it to others' now
+            unwanted(key)
 
     def _leave_running(self, seq: Sequence) -> None:
         self.running.remove(seq)
@@ -228,10 +257,11 @@ class Scheduler:
     def _admit(
         self, budget: int, scheduled: dict[int, int], seq_by_id: dict[int, Sequence], batch: ScheduledBatch
     ) -> int:
-        blocked: set[int] = set()  # seq_ids skipped this step (adapter not ready or no free slot)
-        running = Counter(q.tenant for q in self.running)  # sequences running per tenant, kept as we admit
+        admission = _Admission(Counter(q.tenant for q in self.running))
+        blocked, held_back = admission.blocked, admission.held_back
+        slot_waiters: list[Sequence] = []  # candidates that found every adapter slot held
         while budget > 0:
-            seq = self._next_candidate(blocked, batch, running)
+            seq = self._next_candidate(admission, batch)
             if seq is None:
                 break
             if len(self.running) + 1 + len(seq.pending_forks) > self.max_num_seqs:
@@ -245,9 +275,21 @@ class Scheduler:
             if seq.lora is not None:
                 if self.adapter_slots.try_acquire(seq.lora) is None:
                     blocked.add(seq.seq_id)  # every slot is held by running requests' adapters
+                    slot_waiters.append(seq)
+                    # Requests behind it for the adapters in the slots go ahead (they batch well), up to a
+                    # batch's worth; then one of those adapters drains for it, or a steady stream of them
+                    # (another tenant's burst, say) would keep every slot from it for as long as they came.
+                    slot_to_free = getattr(self.adapter_slots, "slot_to_free", None)
+                    if seq.num_overtaken >= self.max_num_seqs and slot_to_free is not None:
+                        key = slot_to_free()
+                        if key is not None:
+                            held_back.add(key)
                     continue
                 seq.holds_adapter_slot = True
-            self.waiting[seq.tenant].remove(seq)
+                seq.num_overtaken = 0
+                for waiter in slot_waiters:
+                    waiter.num_overtaken += 1
+            self._take_from_waiting(seq)
             self.bm.admit(seq, hits, salt)
             ok = self.bm.append_slots(seq, n)
             assert ok, "admission check and allocation disagree"
@@ -255,31 +297,46 @@ class Scheduler:
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = time.time()
             self.running.append(seq)
-            running[seq.tenant] += 1
+            admission.running[seq.tenant] += 1
             scheduled[seq.seq_id] = n
             seq_by_id[seq.seq_id] = seq
             budget -= n
         return budget
 
-    def _next_candidate(self, blocked: set[int], batch: ScheduledBatch, running: Counter) -> Sequence | None:
+    def _next_candidate(self, admission: _Admission, batch: ScheduledBatch) -> Sequence | None:
         """The first admissible waiting sequence of the least-served tenant that has one."""
+        blocked = admission.blocked
+        slots = self.adapter_slots
+        waits_for_place = getattr(slots, "waits_for_place", None)
         # least service first; at equal service, the tenant with fewer sequences running
-        for tenant in self.fairness.order((t for t, q in self.waiting.items() if q), tiebreak=running.__getitem__):
+        order = self.fairness.order((t for t, q in self.waiting.items() if q), tiebreak=admission.running.__getitem__)
+        for tenant in order:
             for seq in list(self.waiting[tenant]):
-                if seq.seq_id in blocked:
+                if seq.seq_id in blocked or seq.status is not SequenceStatus.WAITING:
                     continue
                 if seq.lora is None or seq.holds_adapter_slot:
                     return seq
-                if self.adapter_slots is None:
+                if seq.adapter_key in admission.held_back:
+                    blocked.add(seq.seq_id)
+                    continue
+                if slots is None:
                     raise RuntimeError("a request names an adapter but the engine has no adapter cache")
+                # Once another tenant's request found no place to load its adapter, a place that frees in this
+                # step is not taken here: it is that tenant's at the next step, which asks first.
+                load = not (admission.no_load_place - {tenant})
                 try:
-                    ready = self.adapter_slots.ready(seq.lora)
-                except Exception as exc:  # the adapter failed to load: this request fails, others go on
-                    self.finish(seq, "error")
-                    batch.failed.append((seq, exc))
+                    ready = slots.ready(seq.lora) if load else slots.ready(seq.lora, load=False)
+                except Exception as exc:  # the adapter failed to load: its requests fail, others go on
+                    # Every request waiting for it fails with this load's error: each one loading it again
+                    # in turn would fail the same way and keep other adapters' loads waiting meanwhile.
+                    for other in [q for tq in self.waiting.values() for q in tq if q.adapter_key == seq.adapter_key]:
+                        self.finish(other, "error")
+                        batch.failed.append((other, exc))
                     continue
                 if not ready:
                     blocked.add(seq.seq_id)
+                    if load and waits_for_place is not None and waits_for_place(seq.adapter_key):
+                        admission.no_load_place.add(tenant)
                     continue
                 return seq
         return None
@@ -308,6 +365,8 @@ class Scheduler:
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.setdefault(seq.tenant, deque()).appendleft(seq)
+        if seq.adapter_key is not None:
+            self._waiting_per_adapter[seq.adapter_key] += 1
         batch.preempted.append(seq)
 
     def postprocess(self, batch: ScheduledBatch, sampled: dict[int, int]) -> list[Sequence]:

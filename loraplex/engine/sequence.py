@@ -63,6 +63,8 @@ class Sequence:
         self.pending_forks: list[Sequence] = []  # n > 1: siblings that take over the prompt's blocks
         self.num_preemptions = 0
         self.holds_adapter_slot = False  # referenced a device slot of its adapter while running
+        # requests for adapters admitted ahead of it while it waited for a slot (the scheduler bounds it)
+        self.num_overtaken = 0
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
 

@@ -113,6 +113,52 @@ def test_an_adapter_whose_file_is_gone_ends_its_request_as_missing_and_a_damaged
     assert len(finals["base"].outputs[0].token_ids) == PARAMS.max_tokens
 
 
+def test_a_tenant_whose_adapter_must_load_is_not_starved_by_another_s_stream_of_adapter_loads(
+        tiny_llama_dir, adapters):
+    """One slot, so one adapter load at a time for waiting requests: a busy tenant's requests cycle through three
+    adapters, each loaded in turn; a second tenant's adapter gets its load (and its turn) early, not after them."""
+    engine = LLM(str(tiny_llama_dir), max_loras=1, max_cpu_loras=1, num_kv_blocks=256, max_num_seqs=4).engine
+    slots = engine.adapter_slots
+    loras = [slots.resolve(a) for a in adapters]
+    for lora in loras:
+        assert slots.remove(lora.key)  # in their folders only: every one must be loaded
+    for i in range(60):
+        params = SamplingParams(temperature=0.0, max_tokens=3 + (3 * i) % 7, ignore_eos=True)
+        engine.add_request(f"busy{i}", [5, 6, 7, 8 + i], params, lora=loras[i % 3], tenant="busy")
+    for _ in range(3):
+        engine.step()
+    engine.add_request("small", [5, 6, 9], PARAMS, lora=loras[3], tenant="small")
+    finished = []
+    while engine.has_unfinished_requests():
+        finished += [out.request_id for out in engine.step() if out.finished]
+    # a few of the busy tenant's adapter turns first; a first-come order of adapter loads put it last
+    assert finished.index("small") <= 40, finished
+
+
+def test_requests_waiting_for_an_adapter_that_fails_to_load_fail_on_one_load(tiny_llama_dir, adapters, tmp_path):
+    """Each loading it again in turn would fail the same way, one load after another, while another adapter's
+    request waits for its own load behind them."""
+    from loraplex.engine.lora_request import LoRARequest
+
+    engine = LLM(str(tiny_llama_dir), max_loras=1, num_kv_blocks=128).engine
+    slots = engine.adapter_slots
+    loads = []
+    load = slots.load_fn
+    slots.load_fn = lambda lora: (loads.append(lora.name), load(lora))[1]
+    gone = LoRARequest(name="gone", content_hash="ab" * 32, path=str(tmp_path / "gone"))
+    for i in range(6):
+        engine.add_request(f"gone{i}", [5, 6, 7 + i], PARAMS, lora=gone)
+    other = slots.resolve(adapters[1])
+    assert slots.remove(other.key)
+    engine.add_request("other", [5, 6, 7], PARAMS, lora=other)
+    finals = {}
+    while engine.has_unfinished_requests():
+        finals.update((out.request_id, out) for out in engine.step() if out.finished)
+    assert loads == ["gone", other.name]
+    assert all(finals[f"gone{i}"].error_kind == "adapter_missing" for i in range(6))
+    assert finals["other"].error is None and len(finals["other"].outputs[0].token_ids) == PARAMS.max_tokens
+
+
 async def test_async_engine_prefetch_remove_and_stats(tiny_llama_dir, adapters):
     from loraplex.engine.async_engine import AsyncEngine
 
@@ -158,6 +204,48 @@ def test_requests_for_other_adapters_run_when_pins_hold_every_slot(tiny_llama_di
             break
     assert finals and finals[0].error is None and len(finals[0].outputs[0].token_ids) == PARAMS.max_tokens
     assert set(slots.stats()["lora_pinned"]) == {p.key for p in pinned}  # still pinned; one in host memory now
+
+
+def test_a_request_aborted_while_its_adapter_loads_leaves_no_hold_on_the_next_load(tiny_llama_dir, adapters):
+    """With one slot, one adapter at a time is loaded for waiting requests: a request aborted while its adapter
+    loads must give that place up at once, not keep the next request's adapter from loading for seconds."""
+    engine = LLM(str(tiny_llama_dir), max_loras=1, num_kv_blocks=128).engine
+    slots = engine.adapter_slots
+    first, second = slots.resolve(adapters[0]), slots.resolve(adapters[1])
+    for lora in (first, second):
+        assert slots.remove(lora.key)  # in the adapter's folder only: a request loads it
+    engine.add_request("gone", [5, 6, 7], PARAMS, lora=first)
+    engine.step()  # its adapter's load starts
+    engine.abort_request("gone")
+    engine.add_request("next", [5, 6, 7], PARAMS, lora=second)
+    engine.step()
+    assert second.key in slots._loading or second.key in slots._host, "the next adapter's load did not start"
+    finals = []
+    while engine.has_unfinished_requests():
+        finals += [out for out in engine.step() if out.finished]
+    assert [f.request_id for f in finals] == ["next"] and len(finals[0].outputs[0].token_ids) == PARAMS.max_tokens
+
+
+def test_a_tenant_waiting_for_a_slot_is_not_starved_by_another_s_stream_on_the_resident_adapter(
+        tiny_llama_dir, adapters):
+    """One slot, held by a busy tenant's adapter whose requests end at different steps (so some always run): a
+    second tenant's request for another adapter gets the slot after a batch's worth more of them, not after the
+    burst."""
+    engine = LLM(str(tiny_llama_dir), max_loras=1, num_kv_blocks=256, max_num_seqs=3).engine
+    busy, other = engine.adapter_slots.resolve(adapters[0]), engine.adapter_slots.resolve(adapters[1])
+    for i in range(24):
+        params = SamplingParams(temperature=0.0, max_tokens=3 + (5 * i) % 7, ignore_eos=True)
+        engine.add_request(f"busy{i}", [5, 6, 7, 8 + i], params, lora=busy, tenant="busy")
+    for _ in range(3):
+        engine.step()
+    engine.add_request("small", [5, 6, 9], PARAMS, lora=other, tenant="small")
+    finished = []
+    while engine.has_unfinished_requests():
+        finished += [out.request_id for out in engine.step() if out.finished]
+    # the three running then and a batch's worth admitted while it waited, at most; a first-come order of slots
+    # put it after all 24
+    assert finished.index("small") <= 8, finished
+    assert engine.adapter_slots.refcount(busy.key) == engine.adapter_slots.refcount(other.key) == 0
 
 
 async def test_an_engine_without_adapter_support_has_no_pins(tiny_llama_dir):

@@ -161,6 +161,25 @@ def test_pins_never_take_every_slot():
     assert m.is_resident("a") and m.is_resident("b") and not m.is_resident("d")
 
 
+def test_no_more_pins_than_the_host_cache_holds():
+    """Pinned adapters stay in host memory: a pin beyond max_cpu_loras is refused, saying why, rather than taken
+    while loads drop pinned adapters from the host cache."""
+    store = FakeStore()
+    m = _manager(store, max_loras=1, max_cpu_loras=2)
+    a, b, c = (store.add(n, 4) for n in "abc")
+    m.prefetch(a, pin=True).result(5)
+    m.prefetch(b, pin=True).result(5)
+    m.prefetch(a, pin=True).result(5)  # pinned already: nothing more to hold
+    with pytest.raises(AdapterLoadError, match=r"cannot pin adapter 'c': 2 adapters are pinned .*max_cpu_loras=2"):
+        m.prefetch(c, pin=True).result(5)
+    with pytest.raises(AdapterLoadError, match="max_cpu_loras=2"):
+        m.pin("c")
+    assert m.stats()["lora_pinned"] == ["a", "b"] and set(m.stats()["lora_host_cached"]) == {"a", "b"}
+    m.unpin("b")
+    m.prefetch(c, pin=True).result(5)
+    assert m.stats()["lora_pinned"] == ["a", "c"]
+
+
 def test_a_waiting_request_s_load_goes_before_queued_prefetches():
     store = FakeStore()
     m = _manager(store, max_loras=2, max_cpu_loras=8)
@@ -185,8 +204,11 @@ def test_loads_queued_at_close_are_cancelled():
     store.gate.clear()
     m.request_load(a)
     queued = m.request_load(b)
+    prefetched = m.prefetch(store.add("c", 4))
     m.close()
     assert queued.cancelled()
+    with pytest.raises(AdapterLoadError, match="'c' was not loaded: the adapter cache closed"):
+        prefetched.result(5)  # told, not left waiting
     store.gate.set()
 
 
@@ -219,6 +241,20 @@ def test_load_runs_in_the_background_and_errors_reach_the_scheduler():
         m.request_load(missing).result(5)
     with pytest.raises(AdapterLoadError, match="no adapter zz"):
         m.ready(missing)
+
+
+def test_a_failed_prefetch_is_its_caller_s_error_and_a_later_request_loads_again():
+    """A prefetch that fails (a store that did not answer then) tells its caller; the next request for the
+    adapter tries the load again rather than fail on the prefetch's old error."""
+    store = FakeStore()
+    m = _manager(store)
+    lora = LoRARequest(name="x", content_hash="x", path="x")
+    with pytest.raises(AdapterLoadError, match="no adapter x"):
+        m.prefetch(lora).result(5)
+    store.add("x", 4)
+    assert m.ready(lora) is False  # a new load, not the prefetch's error
+    m.request_load(lora).result(5)
+    assert m.ready(lora) and store.calls == ["x", "x"]
 
 
 def test_prefetch_fills_a_free_slot_and_reload_after_host_eviction():

@@ -144,6 +144,7 @@ def draw_case(seed: int) -> Case:
     second = [(p, rng.choice([None, *range(len(adapters))]), n)
               for p, _, n in rng.sample(requests, rng.randint(1, 4))]
     pinned = rng.sample(range(len(adapters)), rng.randint(1, len(adapters))) if rng.random() < 0.3 else []
+    pinned = pinned[:engine["max_cpu_loras"]]  # no more than the host cache holds (more are refused)
     return Case(seed, arch, model, adapters, engine, rng.random() < 0.7, pinned, [requests, second])
 
 
