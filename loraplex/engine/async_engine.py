@@ -164,11 +164,13 @@ class AsyncEngine:
         return set(stats().get("lora_pinned", ())) if callable(stats) else None
 
     async def remove_adapter(self, content_hash: str) -> None:
+        """Drop the adapter from the cache: at once when no request uses it, otherwise when the last running
+        request that uses it stops. Returns at once either way: a delete does not wait for those requests
+        (a long stream would hold the DELETE that removed its adapter for as long as it runs)."""
         slots = self.engine.adapter_slots
         if slots is None or not hasattr(slots, "remove"):
             return
-        while not slots.remove(content_hash):
-            await asyncio.sleep(0.05)  # still used by a running request
+        slots.remove(content_hash)
 
     def stats(self) -> EngineStats:
         eng = self.engine

@@ -187,6 +187,27 @@ async def test_async_engine_prefetch_remove_and_stats(tiny_llama_dir, adapters):
         await engine.shutdown()
 
 
+async def test_async_engine_remove_does_not_wait_for_the_requests_using_the_adapter(tiny_llama_dir, adapters):
+    """remove_adapter polled until no running request used the adapter, so the DELETE that removed it waited
+    for the longest of them; the cache drops it when the last one releases it."""
+    from loraplex.engine.async_engine import AsyncEngine
+
+    engine = AsyncEngine(EngineConfig(model=str(tiny_llama_dir), max_loras=2, num_kv_blocks=128))
+    await engine.start()
+    try:
+        cache = engine.engine.adapter_slots
+        lora = cache.resolve(adapters[3])
+        await engine.prefetch_adapter(lora)
+        assert cache.try_acquire(lora) is not None  # as a running request holds it
+        await engine.remove_adapter(lora.key)
+        assert lora.key in engine.stats().lora_resident  # in use: still there
+        cache.release(lora.key)  # that request stops
+        stats = engine.stats()
+        assert lora.key not in stats.lora_resident and lora.key not in stats.lora_host_cached
+    finally:
+        await engine.shutdown()
+
+
 def test_requests_for_other_adapters_run_when_pins_hold_every_slot(tiny_llama_dir, adapters):
     engine = LLM(str(tiny_llama_dir), max_loras=2, num_kv_blocks=128).engine
     slots = engine.adapter_slots
