@@ -233,6 +233,7 @@ class LoraManager:
         self._refs: dict[str, int] = {}
         self._pinned: set[str] = set()
         self._remove_when_idle: set[str] = set()  # removed while requests used it
+        self._removed_loading: set[str] = set()  # removed while its load ran: what the load reads is not kept
         # loaded (or loading) for a waiting request that has not run yet -> when it last asked; lapses
         # PENDING_TTL_S after the last ask, so an aborted request cannot hold a place for ever
         self._pending: dict[str, float] = {}
@@ -331,6 +332,7 @@ class LoraManager:
         """Start loading into host memory unless it is there or on its way. Never blocks on the load.
         `urgent`: a request waits for it, so it goes before queued prefetches (False: a prefetch)."""
         with self._lock:
+            self._removed_loading.discard(lora.key)  # asked for again: a load under way is kept after all
             fut = self._loading.get(lora.key)
             if fut is not None:
                 if urgent and lora.key in self._queued:
@@ -429,8 +431,17 @@ class LoraManager:
                     # and a request that comes later tries the load again rather than fail on an old error
                     self._errors[lora.key] = error
                 self._loading.pop(lora.key, None)
+                self._removed_loading.discard(lora.key)
             raise error from exc
         with self._lock:
+            if lora.key in self._removed_loading:
+                # removed (a delete) while it loaded, and asked for by no request since: not kept, nor given
+                # a slot by the prefetch that started the load
+                self._removed_loading.discard(lora.key)
+                self._loading.pop(lora.key, None)
+                if self._recycler is not None:
+                    self._recycler.give(host)
+                return
             self._host[lora.key] = host
             self._host.move_to_end(lora.key)
             self._loading.pop(lora.key, None)
@@ -628,6 +639,8 @@ class LoraManager:
                 self._remove_when_idle.add(key)
                 return False
             self._drop(key)
+            if key in self._loading:
+                self._removed_loading.add(key)
             return True
 
     def _drop(self, key: str) -> None:

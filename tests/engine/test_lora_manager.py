@@ -197,6 +197,32 @@ def test_a_waiting_request_s_load_goes_before_queued_prefetches():
     assert store.calls == ["a", "d", "b", "c"]
 
 
+def test_an_adapter_removed_while_it_loads_is_not_kept_unless_a_request_asks_for_it_again():
+    """A delete during the adapter's load left the load's copy in host memory and, from a prefetch, in a free
+    slot: the deleted adapter came back."""
+    store = FakeStore()
+    m = _manager(store)
+    a, b = store.add("a", 4), store.add("b", 4)
+    store.gate.clear()  # the loader blocks on a's read
+    prefetched = m.prefetch(a)
+    while "a" in m._queued:
+        pass
+    assert m.remove(a.key)  # no request uses it
+    store.gate.set()
+    assert prefetched.result(5) is None
+    assert not m.is_resident(a.key) and a.key not in m._host and not m.loading
+    # a request that comes after the delete (accepted before it) still gets the load it waits for
+    store.gate.clear()
+    m.prefetch(b)
+    while "b" in m._queued:
+        pass
+    assert m.remove(b.key)
+    assert not m.ready(b)
+    store.gate.set()
+    m.request_load(b).result(5)
+    assert m.ready(b) and b.key in m._host
+
+
 def test_loads_queued_at_close_are_cancelled():
     store = FakeStore()
     m = _manager(store)
