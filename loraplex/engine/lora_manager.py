@@ -434,17 +434,16 @@ class LoraManager:
                 self._removed_loading.discard(lora.key)
             raise error from exc
         with self._lock:
+            self._loading.pop(lora.key, None)
             if lora.key in self._removed_loading:
                 # removed (a delete) while it loaded, and asked for by no request since: not kept, nor given
                 # a slot by the prefetch that started the load
                 self._removed_loading.discard(lora.key)
-                self._loading.pop(lora.key, None)
                 if self._recycler is not None:
                     self._recycler.give(host)
                 return
             self._host[lora.key] = host
             self._host.move_to_end(lora.key)
-            self._loading.pop(lora.key, None)
             self.loads_total += 1
             self._trim_host()
 
@@ -588,9 +587,9 @@ class LoraManager:
     def slot_to_free(self) -> str | None:
         """Where a request waits for a slot that every running request's adapter holds: the adapter whose slot
         it should get, the one the fewest running requests use (of those not pinned, where there are any;
-        `_victim` evicts it once they finish). The scheduler admits no more requests for that adapter while
-        one waits for a slot, or a steady stream of them would keep the slot held for ever. None when a slot
-        can be had now."""
+        `_victim` evicts it once they finish). Once a batch's worth of requests for the adapters in the slots
+        went ahead of the waiting one, the scheduler admits no more for this adapter, or a steady stream of
+        them would keep the slot held for ever. None when a slot can be had now."""
         with self._lock:
             if self._free_slot() is not None or self._victim() is not None:
                 return None
