@@ -22,11 +22,9 @@ Scheduler interface (all on the step thread):
 from __future__ import annotations
 
 import os
-import sys
 import threading
 import time
-import weakref
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
@@ -37,6 +35,7 @@ import torch
 
 from loraplex.adapters import TOP_LEVEL, AdapterValidationError, ErrorCode
 from loraplex.engine.errors import AdapterLoadError, AdapterMissingError
+from loraplex.engine.host_memory import ArenaRecycler, HostArena, aligned, tensor_bytes
 from loraplex.engine.lora_layers import LoraProjection, LoraStep, model_projections
 from loraplex.engine.lora_request import LoRARequest
 from loraplex.kernels.lora import LoraBatch, LoraSlotWeights, fuse_slices
@@ -57,6 +56,7 @@ class HostAdapter:
     # and the rank of each slice (0 where the adapter does not target it)
     fused: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor, list[int]]]
     nbytes: int
+    arena: HostArena | None = None  # the one allocation `fused` is carved from, where there is one
 
 
 def _fits(t: torch.Tensor, dtype: torch.dtype) -> bool:
@@ -70,17 +70,18 @@ def _fits(t: torch.Tensor, dtype: torch.dtype) -> bool:
 
 def to_host_adapter(
     lora: LoRARequest, weights: ModuleWeights, projections: Sequence[LoraProjection], max_rank: int, pin: bool,
-    dtype: torch.dtype = torch.float32, alloc=None,
+    dtype: torch.dtype = torch.float32, arenas: ArenaRecycler | None = None,
 ) -> HostAdapter:
     """Regroup per-module weights into the model's (possibly fused) projections, each in the slot layout:
     the one copy of the adapter made here, off the step loop. On the CPU a slot then refers to these
-    tensors (`LoraSlotWeights(views=True)`) and loading into a slot copies nothing."""
+    tensors (`LoraSlotWeights(views=True)`) and loading into a slot copies nothing. With `arenas` the
+    tensors are carved from one arena of the right size (`host_memory`), recycled or new."""
     by_name = {(p.layer_idx, name) for p in projections for name in p.module_names}
     unknown = sorted(k for k in weights if k not in by_name)
     if unknown:
         raise ValueError(f"adapter {lora.name!r} targets modules the model does not have: {unknown[:4]}")
-    fused: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor, list[int]]] = {}
-    rank = nbytes = 0
+    rank = 0
+    chosen: list[tuple[LoraProjection, list[tuple[torch.Tensor, torch.Tensor] | None]]] = []
     for p in projections:
         per_slice: list[tuple[torch.Tensor, torch.Tensor] | None] = []
         for name, out in zip(p.module_names, p.output_sizes, strict=True):
@@ -107,78 +108,26 @@ def to_host_adapter(
                     raise ValueError(f"adapter {lora.name!r} layer {p.layer_idx} {name} has weights beyond the "
                                      f"range of {dtype} (the adapter slots' lora_dtype); serve it with lora_dtype "
                                      "float32")
+        chosen.append((p, per_slice))
+    if not chosen:
+        raise ValueError(f"adapter {lora.name!r} has no weights for any projection of the model")
+    arena = alloc = None
+    if arenas is not None and not pin:
+        ranks_of = [[0 if s is None else s[0].shape[0] for s in per_slice] for _, per_slice in chosen]
+        need = sum(aligned(tensor_bytes((sum(r), p.in_features), dtype))
+                   + aligned(tensor_bytes((max(r), sum(p.output_sizes)), dtype))
+                   for (p, _), r in zip(chosen, ranks_of, strict=True))
+        arena = arenas.take(need)
+        alloc = arena.take
+    fused: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor, list[int]]] = {}
+    nbytes = 0
+    for p, per_slice in chosen:
         fa, fb = fuse_slices(per_slice, p.in_features, p.output_sizes, dtype=dtype, alloc=alloc)
         if pin:
             fa, fb = fa.pin_memory(), fb.pin_memory()
         fused[p.key] = (fa, fb, [0 if s is None else s[0].shape[0] for s in per_slice])
         nbytes += (fa.numel() + fb.numel()) * fa.element_size()
-    if not fused:
-        raise ValueError(f"adapter {lora.name!r} has no weights for any projection of the model")
-    return HostAdapter(lora.key, lora.name, rank, fused, nbytes)
-
-
-class TensorRecycler:
-    """Host copies of adapters that left the cache, kept for the next loads to write into.
-
-    An adapter is a few hundred tensors of tens of KB to a few MB, of shapes set by its ranks. Freed, they
-    go back to malloc, and with adapters of mixed ranks coming and going, later loads mostly get fresh
-    pages: 6.5k page faults per load, most of the time of building a host copy beside a running step
-    (the 100-adapter benchmark with reloads, Zen 5). Instead the tensors of a dropped adapter wait here,
-    up to `max_bytes` (the oldest go first), and a load takes one of the exact shape it needs. A tensor is
-    only handed out when nothing else holds it: a slot still reading an adapter that left the host LRU
-    keeps its tensors out of reach (their Python reference counts say so)."""
-
-    # references to a waiting tensor that nobody else holds: its shape's list, the loop variable in `take`
-    # and getrefcount's own argument (the arrival order keeps weak references)
-    _OWN_REFS = 3
-
-    def __init__(self, max_bytes: int = 512 * 2**20):
-        self.max_bytes = max_bytes
-        self._by_shape: dict[tuple, list[torch.Tensor]] = {}
-        self._arrivals: deque[tuple[tuple, weakref.ref]] = deque()  # oldest first
-        self._bytes = 0
-        self._lock = threading.Lock()
-        self.reused = self.fresh = 0
-
-    @staticmethod
-    def _key(shape, dtype) -> tuple:
-        return (tuple(shape), dtype)
-
-    def give(self, host: HostAdapter) -> None:
-        with self._lock:
-            for a, b, _ in host.fused.values():
-                for t in (a, b):
-                    if t.device.type != "cpu" or t.is_pinned():
-                        continue
-                    key = self._key(t.shape, t.dtype)
-                    self._by_shape.setdefault(key, []).append(t)
-                    self._arrivals.append((key, weakref.ref(t)))
-                    self._bytes += t.nbytes
-            while self._bytes > self.max_bytes and self._arrivals:
-                key, ref = self._arrivals.popleft()
-                old = ref()
-                if old is None:  # taken since, and freed
-                    continue
-                waiting = self._by_shape.get(key, [])
-                for i in range(len(waiting)):
-                    if waiting[i] is old:  # still waiting (not taken): let it go
-                        del waiting[i]
-                        self._bytes -= old.nbytes
-                        break
-                del old
-
-    def take(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        with self._lock:
-            waiting = self._by_shape.get(self._key(shape, dtype), ())
-            for i in range(len(waiting)):
-                t = waiting[i]
-                if sys.getrefcount(t) <= self._OWN_REFS:
-                    del waiting[i]
-                    self._bytes -= t.nbytes
-                    self.reused += 1
-                    return t
-            self.fresh += 1
-        return torch.empty(shape, dtype=dtype)
+    return HostAdapter(lora.key, lora.name, rank, fused, nbytes, arena)
 
 
 class LoraManager:
@@ -238,8 +187,8 @@ class LoraManager:
         # PENDING_TTL_S after the last ask, so an aborted request cannot hold a place for ever
         self._pending: dict[str, float] = {}
         self.loads_total = self.evictions_total = self.hits_total = self.misses_total = 0
-        # the CPU's host copies are what slots read: recycle them (a GPU copies into its slots instead)
-        self._recycler = TensorRecycler() if self.device.type == "cpu" else None
+        # the CPU's host copies are what slots read: one arena each, recycled (a GPU copies into its slots)
+        self._recycler = ArenaRecycler() if self.device.type == "cpu" else None
         self.source = None  # an AdapterSource when built for an engine: resolves user paths
         self._names: dict[str, LoRARequest] = {}  # register(): names that stand for an adapter version
 
@@ -417,7 +366,7 @@ class LoraManager:
             weights = self.load_fn(lora)
             host = to_host_adapter(
                 lora, weights, self.projections, self.max_rank, pin=self.device.type == "cuda", dtype=self.dtype,
-                alloc=self._recycler.take if self._recycler else None,
+                arenas=self._recycler,
             )
         except Exception as exc:
             missing = isinstance(exc, FileNotFoundError) or (
@@ -440,7 +389,7 @@ class LoraManager:
                 # a slot by the prefetch that started the load
                 self._removed_loading.discard(lora.key)
                 if self._recycler is not None:
-                    self._recycler.give(host)
+                    self._recycler.give(host.arena)
                 return
             self._host[lora.key] = host
             self._host.move_to_end(lora.key)
@@ -455,13 +404,13 @@ class LoraManager:
             victim = next((k for k in self._host if k not in spare), next(iter(self._host)))
             dropped = self._host.pop(victim)
             if self._recycler is not None:
-                self._recycler.give(dropped)
+                self._recycler.give(dropped.arena)
 
     def put_host(self, lora: LoRARequest, weights: ModuleWeights) -> None:
         """Hand over weights already read (a path just validated), sparing a second read."""
         host = to_host_adapter(
             lora, weights, self.projections, self.max_rank, pin=self.device.type == "cuda", dtype=self.dtype,
-            alloc=self._recycler.take if self._recycler else None,
+            arenas=self._recycler,
         )
         with self._lock:
             if lora.key not in self._host:
@@ -647,7 +596,7 @@ class LoraManager:
         self._pending.pop(key, None)
         dropped = self._host.pop(key, None)
         if dropped is not None and self._recycler is not None:
-            self._recycler.give(dropped)
+            self._recycler.give(dropped.arena)
         slot = self._slot_of.pop(key, None)
         if slot is not None:
             self._clear(slot)
