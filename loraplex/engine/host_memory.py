@@ -59,7 +59,7 @@ def aligned(nbytes: int) -> int:
 
 
 def tensor_bytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
-    return math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    return math.prod(shape) * dtype.itemsize
 
 
 class HostArena:

@@ -81,7 +81,8 @@ def to_host_adapter(
     if unknown:
         raise ValueError(f"adapter {lora.name!r} targets modules the model does not have: {unknown[:4]}")
     rank = 0
-    chosen: list[tuple[LoraProjection, list[tuple[torch.Tensor, torch.Tensor] | None]]] = []
+    # per targeted projection: its slices' (A, B) or None, and their ranks
+    chosen: list[tuple[LoraProjection, list[tuple[torch.Tensor, torch.Tensor] | None], list[int]]] = []
     for p in projections:
         per_slice: list[tuple[torch.Tensor, torch.Tensor] | None] = []
         for name, out in zip(p.module_names, p.output_sizes, strict=True):
@@ -108,24 +109,22 @@ def to_host_adapter(
                     raise ValueError(f"adapter {lora.name!r} layer {p.layer_idx} {name} has weights beyond the "
                                      f"range of {dtype} (the adapter slots' lora_dtype); serve it with lora_dtype "
                                      "float32")
-        chosen.append((p, per_slice))
+        chosen.append((p, per_slice, [0 if s is None else s[0].shape[0] for s in per_slice]))
     if not chosen:
         raise ValueError(f"adapter {lora.name!r} has no weights for any projection of the model")
     arena = alloc = None
     if arenas is not None and not pin:
-        ranks_of = [[0 if s is None else s[0].shape[0] for s in per_slice] for _, per_slice in chosen]
         need = sum(aligned(tensor_bytes((sum(r), p.in_features), dtype))
-                   + aligned(tensor_bytes((max(r), sum(p.output_sizes)), dtype))
-                   for (p, _), r in zip(chosen, ranks_of, strict=True))
+                   + aligned(tensor_bytes((max(r), sum(p.output_sizes)), dtype)) for p, _, r in chosen)
         arena = arenas.take(need)
         alloc = arena.take
     fused: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor, list[int]]] = {}
     nbytes = 0
-    for p, per_slice in chosen:
+    for p, per_slice, ranks in chosen:
         fa, fb = fuse_slices(per_slice, p.in_features, p.output_sizes, dtype=dtype, alloc=alloc)
         if pin:
             fa, fb = fa.pin_memory(), fb.pin_memory()
-        fused[p.key] = (fa, fb, [0 if s is None else s[0].shape[0] for s in per_slice])
+        fused[p.key] = (fa, fb, ranks)
         nbytes += (fa.numel() + fb.numel()) * fa.element_size()
     return HostAdapter(lora.key, lora.name, rank, fused, nbytes, arena)
 
